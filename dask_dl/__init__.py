@@ -1,0 +1,93 @@
+"""dask_dl: Dask-native interactive deep learning on big image collections.
+
+Importing dask_dl is cheap: the public names below are loaded on first use, so ``import dask_dl`` does not
+import torch, onnx or onnxruntime.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from dask_dl import config as _config  # noqa: F401  (registers the dask.config defaults)
+from dask_dl.errors import (
+    CatalogError,
+    ClusterError,
+    ConfigurationError,
+    DaskDLError,
+    DatasetError,
+    ExportError,
+    MissingDependencyError,
+    StoreError,
+    StoreNotFoundError,
+    TrainingError,
+)
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
+_LAZY = {
+    "NIH_LABELS": "dask_dl.data.schema",
+    "make_catalog": "dask_dl.data.schema",
+    "validate_catalog": "dask_dl.data.schema",
+    "write_catalog": "dask_dl.data.schema",
+    "read_catalog": "dask_dl.data.catalog",
+    "read_nih": "dask_dl.data.catalog",
+    "read_folders": "dask_dl.data.catalog",
+    "read_dicom": "dask_dl.data.catalog",
+    "split_by_patient": "dask_dl.data.catalog",
+    "synthesize": "dask_dl.data.synthetic",
+    "ingest": "dask_dl.data.ingest",
+    "open_dataset": "dask_dl.data.dataset",
+    "fit": "dask_dl.train.run",
+    "TrainingRun": "dask_dl.train.run",
+    "build_model": "dask_dl.models",
+    "list_models": "dask_dl.models",
+    "export_onnx": "dask_dl.export",
+    "predict": "dask_dl.export",
+    "scores_table": "dask_dl.export",
+    "auroc": "dask_dl.metrics",
+    "get_client": "dask_dl.cluster",
+}
+
+__all__ = [
+    "CatalogError",
+    "ClusterError",
+    "ConfigurationError",
+    "DaskDLError",
+    "DatasetError",
+    "ExportError",
+    "MissingDependencyError",
+    "StoreError",
+    "StoreNotFoundError",
+    "TrainingError",
+    "__version__",
+    *sorted(_LAZY),
+]
+
+
+def __getattr__(name: str) -> Any:
+    try:
+        module = _LAZY[name]
+    except KeyError:
+        raise AttributeError(f"module 'dask_dl' has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:  # pragma: no cover
+    from dask_dl.cluster import get_client
+    from dask_dl.data.catalog import read_catalog, read_dicom, read_folders, read_nih, split_by_patient
+    from dask_dl.data.dataset import open_dataset
+    from dask_dl.data.ingest import ingest
+    from dask_dl.data.schema import NIH_LABELS, make_catalog, validate_catalog, write_catalog
+    from dask_dl.data.synthetic import synthesize
+    from dask_dl.export import export_onnx, predict, scores_table
+    from dask_dl.metrics import auroc
+    from dask_dl.models import build_model, list_models
+    from dask_dl.train.run import TrainingRun, fit

@@ -1,0 +1,56 @@
+"""Errors raised by dask_dl.
+
+Each error derives from :class:`DaskDLError` and from the builtin a caller would catch anyway, so both
+``except dask_dl.DaskDLError`` and ``except ValueError`` work. Messages say what is wrong, show the value and
+show the fix.
+"""
+
+from __future__ import annotations
+
+
+class DaskDLError(Exception):
+    """Base class of every error dask_dl raises on purpose."""
+
+
+class CatalogError(DaskDLError, ValueError):
+    """A collection's table is malformed: missing columns, unknown labels, duplicated ids, split conflicts."""
+
+
+class StoreError(DaskDLError, ValueError):
+    """A Zarr store does not fit the request: another shape, not a dask_dl store, or exists already."""
+
+
+class StoreNotFoundError(DaskDLError, FileNotFoundError):
+    """A store, collection root or file that was asked for does not exist."""
+
+
+class DatasetError(DaskDLError, ValueError):
+    """A dataset cannot be used as asked: a split is missing, labels are absent, a shard is too small."""
+
+
+class ClusterError(DaskDLError, RuntimeError):
+    """The cluster cannot do what was asked, e.g. fewer workers than trainers."""
+
+
+class TrainingError(DaskDLError, RuntimeError):
+    """Training failed: a non-finite loss, a trainer that died without a replacement, a bad checkpoint."""
+
+
+class ConfigurationError(DaskDLError, ValueError):
+    """An option has a value dask_dl does not know: unknown model, compressor or backend."""
+
+
+class ExportError(DaskDLError, ValueError):
+    """An ONNX export or ONNX file is not usable: parity failed, metadata missing, not an ONNX file."""
+
+
+class MissingDependencyError(DaskDLError, ImportError):
+    """An optional dependency is not installed; the message names the extra to install."""
+
+
+def missing_dependency(package: str, extra: str, purpose: str) -> MissingDependencyError:
+    """Return the error to raise when ``package`` (from extra ``extra``) is needed for ``purpose``."""
+    return MissingDependencyError(
+        f"{purpose} needs the '{package}' package, which is not installed; "
+        f"install it with: pip install 'dask-dl[{extra}]'"
+    )
