@@ -77,6 +77,59 @@ def info() -> None:
     click.echo(yaml.safe_dump({"dask-dl": dask.config.get("dask-dl")}, sort_keys=False).rstrip())
 
 
+# ---- catalog (data room: dask_dl.data.catalog) -------------------------------------------------------------
+
+
+@cli.command()
+@click.argument("source", type=click.Path(exists=True))
+@click.option(
+    "--out", "-o", type=click.Path(dir_okay=False), default=None,
+    help="Write the catalog to this Parquet file (labels and task kept in its metadata). Default: only print counts.",
+)  # fmt: skip
+@click.option(
+    "--layout", type=click.Choice(["parquet", "nih", "dicom", "folders"]), default=None,
+    help="Reader to use. Default: detected from SOURCE (Data_Entry table -> nih, DICOM files -> dicom, "
+    "class folders -> folders, .parquet -> parquet).",
+)  # fmt: skip
+@click.option("--site", default=None, help="Value of the site column. Default: NIH for nih, else the folder name.")
+@click.option("--seed", type=int, default=None, help="Key of the patient hash that splits patients (default: config).")
+@click.option(
+    "--val-fraction", type=float, default=None,
+    help="Share of patients for val; with the official NIH lists they come out of train_val (default from config).",
+)  # fmt: skip
+@click.option(
+    "--test-fraction", type=float, default=None,
+    help="Share of patients for test when the collection has no official split (default from config).",
+)  # fmt: skip
+@click.option(
+    "--labels-csv", type=click.Path(exists=True, dir_okay=False), default=None,
+    help="DICOM only: labels table keyed by SOP Instance UID, file name or path (first column), with "
+    "'Finding Labels' or one 0/1 column per label.",
+)  # fmt: skip
+def catalog(source, out, layout, site, seed, val_fraction, test_fraction, labels_csv) -> None:
+    """Read the collection at SOURCE into a catalog; print image counts per split and per label.
+
+    SOURCE is an NIH ChestX-ray14 folder (Data_Entry_2017*.csv[.gz], images/), a folder of DICOM files,
+    class folders (root/<class>/<image>) or a catalog .parquet file.
+    """
+    from dask_dl.data.catalog import read_catalog
+    from dask_dl.data.schema import labels_of, write_catalog
+
+    options = {"site": site, "seed": seed, "val_fraction": val_fraction, "test_fraction": test_fraction}
+    options["labels_csv"] = labels_csv
+    table = read_catalog(source, layout=layout, **{k: v for k, v in options.items() if v is not None})
+    splits = [s for s in ("train", "val", "test") if (table["split"] == s).any()]
+    counts = table.groupby("split")[labels_of(table)].sum().T.reindex(columns=splits)
+    click.echo(f"{len(table)} images, {table['patient_id'].nunique()} patients, {table['site'].nunique()} site(s)")
+    click.echo(f"{'split':24s}" + "".join(f"{s:>9s}" for s in splits))
+    click.echo(f"{'images':24s}" + "".join(f"{int((table['split'] == s).sum()):9d}" for s in splits))
+    for label, row in counts.iterrows():
+        click.echo(f"{label:24s}" + "".join(f"{int(v):9d}" for v in row))
+    if out is not None:
+        write_catalog(table, out)
+        click.echo(f"wrote {out}")
+
+
 # ---- end of commands --------------------------------------------------------------------------------------
 
 main = cli

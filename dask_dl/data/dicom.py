@@ -1,0 +1,324 @@
+"""DICOM files: pixels as 8-bit grayscale and headers as catalog metadata, through pydicom.
+
+pydicom is an optional dependency (the ``dicom`` extra); it is imported when a function here is first called,
+so that reading PNG collections never needs it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from dask_dl.errors import CatalogError, ConfigurationError, StoreNotFoundError, missing_dependency
+
+#: Header fields read for the catalog; reading only these skips the pixel data.
+HEADER_TAGS: tuple[str, ...] = (
+    "SOPInstanceUID",
+    "PatientID",
+    "PatientAge",
+    "PatientSex",
+    "ViewPosition",
+    "Rows",
+    "Columns",
+    "PixelSpacing",
+    "ImagerPixelSpacing",
+)
+
+
+def _pydicom(purpose: str) -> Any:
+    try:
+        import pydicom
+    except ImportError:  # pragma: no cover - pydicom is installed in the test environment
+        raise missing_dependency("pydicom", "dicom", purpose) from None
+    return pydicom
+
+
+def is_dicom_file(path: str) -> bool:
+    """Return True if ``path`` is a DICOM file: a ``.dcm``/``.dicom`` name or the ``DICM`` magic at byte 128."""
+    if path.lower().endswith((".dcm", ".dicom")):
+        return True
+    if os.path.splitext(path)[1]:
+        # Other extensions (.png, .csv, ...) are not DICOM; only extension-less files are sniffed.
+        return False
+    try:
+        with open(path, "rb") as f:
+            f.seek(128)
+            return f.read(4) == b"DICM"
+    except OSError:
+        return False
+
+
+def _output_range(ds: Any) -> tuple[float, float]:
+    """The value range pydicom's ``apply_voi_lut`` maps onto, mirroring its rules (PS3.3 C.11.2)."""
+    if ds.get("VOILUTSequence") and ds.VOILUTSequence[0].get("LUTDescriptor") is not None:
+        bits = int(ds.VOILUTSequence[0].LUTDescriptor[2])
+        return 0.0, float(2**bits - 1)
+    bits_stored = int(ds.BitsStored)
+    if ds.get("ModalityLUTSequence"):
+        lo, hi = 0.0, float(2 ** int(ds.ModalityLUTSequence[0].LUTDescriptor[2]) - 1)
+    elif int(ds.get("PixelRepresentation", 0)) == 0:
+        lo, hi = 0.0, float(2**bits_stored - 1)
+    else:
+        lo, hi = float(-(2 ** (bits_stored - 1))), float(2 ** (bits_stored - 1) - 1)
+    slope, intercept = ds.get("RescaleSlope"), ds.get("RescaleIntercept")
+    if slope is not None and intercept is not None:
+        lo, hi = lo * float(slope) + float(intercept), hi * float(slope) + float(intercept)
+    return min(lo, hi), max(lo, hi)
+
+
+def _to_uint8(values: np.ndarray, lo: float, hi: float) -> np.ndarray:
+    if hi <= lo:  # a constant image carries no contrast to keep
+        return np.zeros(values.shape, dtype=np.uint8)
+    scaled = (values.astype(np.float64) - lo) * (255.0 / (hi - lo))
+    return np.clip(np.rint(scaled), 0, 255).astype(np.uint8)
+
+
+def read_pixels(path: str) -> np.ndarray:
+    """Read a DICOM image as a 2-D ``uint8`` array, as a radiologist would see it.
+
+    The stored values go through the modality LUT (rescale slope/intercept), then the VOI LUT or window
+    (pydicom's ``apply_voi_lut``) mapped from its output range onto 0..255; a file without VOI LUT or window is
+    min-max scaled instead. ``MONOCHROME1`` images (where high values are dark) are inverted, so that bone is
+    always bright. 12- and 16-bit images end up 8-bit.
+
+    Parameters
+    ----------
+    path : str
+        A DICOM file.
+
+    Returns
+    -------
+    numpy.ndarray
+        ``uint8`` array of shape ``(Rows, Columns)``.
+
+    Raises
+    ------
+    CatalogError
+        If the file holds a colour or multi-frame image.
+    MissingDependencyError
+        If pydicom is not installed.
+
+    Examples
+    --------
+    >>> image = read_pixels("chest.dcm")  # doctest: +SKIP
+    >>> image.dtype, image.ndim  # doctest: +SKIP
+    (dtype('uint8'), 2)
+    """
+    pydicom = _pydicom("reading DICOM pixels")
+    from pydicom.pixels import apply_modality_lut, apply_voi_lut
+
+    ds = pydicom.dcmread(path)
+    photometric = str(ds.get("PhotometricInterpretation", "MONOCHROME2")).upper()
+    if photometric not in ("MONOCHROME1", "MONOCHROME2") or int(ds.get("NumberOfFrames", 1) or 1) != 1:
+        raise CatalogError(
+            f"{path!r} is not a single-frame grayscale DICOM (PhotometricInterpretation {photometric!r}, "
+            f"NumberOfFrames {ds.get('NumberOfFrames', 1)}); dask_dl reads single-frame MONOCHROME1/2 images: "
+            "remove the file from the collection or convert it"
+        )
+    values = apply_modality_lut(ds.pixel_array, ds)
+    has_voi = bool(ds.get("VOILUTSequence")) or (
+        ds.get("WindowCenter") is not None and ds.get("WindowWidth") is not None
+    )
+    if has_voi:
+        values = apply_voi_lut(values, ds)
+        lo, hi = _output_range(ds)
+    else:
+        lo, hi = float(np.min(values)), float(np.max(values))
+    image = _to_uint8(values, lo, hi)
+    if photometric == "MONOCHROME1":
+        image = 255 - image
+    return image
+
+
+def _age(value: Any) -> float:
+    """DICOM ages are ``nnnD/W/M/Y`` strings; return years (NaN when absent)."""
+    match = re.fullmatch(r"\s*(\d+)\s*([DWMY]?)\s*", str(value or ""))
+    if not match:
+        return float("nan")
+    per_year = {"D": 365.25, "W": 52.18, "M": 12.0, "Y": 1.0, "": 1.0}[match.group(2)]
+    return float(int(match.group(1)) / per_year)
+
+
+def read_header(path: str) -> dict[str, Any]:
+    """Read the catalog fields of one DICOM file without decoding its pixels.
+
+    Returns
+    -------
+    dict
+        ``sop_uid``, ``patient_id`` (``""`` when absent), ``age`` (years, NaN when absent), ``sex``, ``view``,
+        ``orig_width``, ``orig_height``, ``spacing_x``, ``spacing_y`` (mm, NaN when absent).
+    """
+    pydicom = _pydicom("reading DICOM headers")
+    ds = pydicom.dcmread(path, stop_before_pixels=True, specific_tags=list(HEADER_TAGS))
+    spacing = ds.get("PixelSpacing") or ds.get("ImagerPixelSpacing")
+    # PixelSpacing is (row spacing, column spacing): the first value is along y.
+    spacing_y, spacing_x = (float(spacing[0]), float(spacing[1])) if spacing else (np.nan, np.nan)
+    return {
+        "sop_uid": str(ds.get("SOPInstanceUID", "") or ""),
+        "patient_id": str(ds.get("PatientID", "") or "").strip(),
+        "age": _age(ds.get("PatientAge")),
+        "sex": str(ds.get("PatientSex", "") or ""),
+        "view": str(ds.get("ViewPosition", "") or ""),
+        "orig_width": int(ds.get("Columns", 0) or 0),
+        "orig_height": int(ds.get("Rows", 0) or 0),
+        "spacing_x": spacing_x,
+        "spacing_y": spacing_y,
+    }
+
+
+def _dicom_files(root: Path) -> list[Path]:
+    return sorted(
+        p
+        for p in root.rglob("*")
+        if p.is_file() and not any(s.startswith(".") for s in p.relative_to(root).parts) and is_dicom_file(str(p))
+    )
+
+
+def _labels_from_csv(path: Path, frame: pd.DataFrame, labels: Sequence[str] | None) -> tuple[pd.DataFrame, list[str]]:
+    """Label columns for ``frame`` from a CSV keyed (first column) by SOP UID, file name or path under root."""
+    from dask_dl.data.catalog import NO_FINDING, parse_findings
+    from dask_dl.data.schema import NIH_LABELS
+
+    if not path.is_file():
+        raise StoreNotFoundError(f"no labels table at {str(path)!r}")
+    table = pd.read_csv(path, dtype=str, keep_default_na=False)
+    key = table.columns[0]
+    table[key] = table[key].str.strip()
+    if table[key].duplicated().any():
+        raise CatalogError(
+            f"{str(path)!r}: {table.loc[table[key].duplicated(), key].iloc[0]!r} appears twice in its key column "
+            f"{key!r}; the first column names each image once (SOP Instance UID, file name or path under the root)"
+        )
+    position = pd.Series(np.arange(len(table)), index=table[key])
+    row = frame["sop_uid"].map(position)
+    for candidate in (frame["file_name"], frame["image_id"]):
+        row = row.fillna(candidate.map(position))
+    if row.isna().any():
+        missing = list(frame.loc[row.isna(), "file_name"][:5])
+        raise CatalogError(
+            f"{int(row.isna().sum())} DICOM file(s) have no row in {str(path)!r}, e.g. {missing}; its first column "
+            f"({key!r}) must name each image by SOP Instance UID, file name or path under the root: add the rows, "
+            "or move the unlabeled files out of the collection"
+        )
+    rows = table.iloc[row.astype(int).to_numpy()].reset_index(drop=True)
+    if "Finding Labels" in rows.columns:
+        findings = rows["Finding Labels"]
+        if labels is None:
+            seen = {f.strip() for text in findings for f in str(text).split("|")} - {NO_FINDING, ""}
+            labels = list(NIH_LABELS) if seen <= set(NIH_LABELS) else sorted(seen)
+        return parse_findings(findings, labels=labels, image_ids=frame["image_id"]), list(labels)
+    columns = [c for c in table.columns if c != key] if labels is None else list(labels)
+    absent = [c for c in columns if c not in rows.columns]
+    if absent or not columns:
+        raise CatalogError(
+            f"{str(path)!r} has no column 'Finding Labels' and lacks label column(s) {absent or columns}; "
+            f"it has {list(table.columns)}. Give 'Finding Labels' (pipe-separated) or one 0/1 column per label"
+        )
+    return rows[columns].reset_index(drop=True), list(columns)
+
+
+def read_dicom(
+    root: str | os.PathLike,
+    *,
+    labels_csv: str | os.PathLike | None = None,
+    labels: Sequence[str] | None = None,
+    site: str | None = None,
+    id_from: str = "uid",
+    seed: int | None = None,
+    val_fraction: float | None = None,
+    test_fraction: float | None = None,
+) -> pd.DataFrame:
+    """Read every DICOM file under ``root`` into a catalog, with metadata from the headers.
+
+    Parameters
+    ----------
+    root : str or path
+        Folder searched recursively for DICOM files (``.dcm``/``.dicom`` names, or extension-less files with
+        the ``DICM`` marker).
+    labels_csv : str or path, optional
+        Labels table. Its first column names each image by SOP Instance UID, file name or path under ``root``;
+        then either a ``Finding Labels`` column (pipe-separated, ``No Finding`` for none) or one 0/1 column per
+        label. Without it the catalog has no label columns (for prediction only).
+    labels : sequence of str, optional
+        The label columns, in order. Default: NIH's 14 labels when every finding is one of them, else the
+        findings found, sorted; for a table of 0/1 columns, all columns after the first.
+    site : str, optional
+        Value of the ``site`` column. Default: the name of ``root``.
+    id_from : {"uid", "path"}
+        ``image_id`` from the SOP Instance UID (default) or the path under ``root``, for collections where
+        copies of one instance share a UID.
+    seed, val_fraction, test_fraction
+        Passed to :func:`~dask_dl.data.catalog.split_by_patient`.
+
+    Returns
+    -------
+    pandas.DataFrame
+        A ``multilabel`` catalog with ``patient_id`` from PatientID (the image id when absent), ``age`` (years),
+        ``sex``, ``view``, ``orig_width``, ``orig_height``, ``spacing_x``, ``spacing_y`` from the headers.
+
+    Raises
+    ------
+    StoreNotFoundError
+        If ``root`` or ``labels_csv`` does not exist.
+    CatalogError
+        If ``root`` holds no DICOM files, two files share a SOP Instance UID, or images lack labels.
+    MissingDependencyError
+        If pydicom is not installed.
+
+    Examples
+    --------
+    >>> catalog = read_dicom("/data/dicom", labels_csv="/data/labels.csv")  # doctest: +SKIP
+    """
+    from dask_dl.data.catalog import split_by_patient
+
+    _pydicom("reading a DICOM collection")
+    root = Path(root).expanduser().absolute()
+    if not root.is_dir():
+        raise StoreNotFoundError(f"the DICOM collection {str(root)!r} is not a directory")
+    if id_from not in ("uid", "path"):
+        raise ConfigurationError(f"id_from={id_from!r} is not one of ['uid', 'path']")
+    if labels is not None and labels_csv is None:
+        raise ConfigurationError("labels= names columns of a labels table: pass labels_csv= too")
+    files = _dicom_files(root)
+    if not files:
+        raise CatalogError(f"no DICOM files (.dcm, .dicom or with the DICM marker) under {str(root)!r}")
+    frame = pd.DataFrame([read_header(str(p)) for p in files])
+    relative = pd.Series([p.relative_to(root).as_posix() for p in files])
+    frame["file_name"] = [p.name for p in files]
+    if id_from == "uid":
+        no_uid = frame["sop_uid"] == ""
+        if no_uid.any():
+            raise CatalogError(
+                f"{relative[no_uid].iloc[0]!r} has no SOP Instance UID; pass id_from='path' to name images by path"
+            )
+        dup = frame["sop_uid"].duplicated(keep=False)
+        if dup.any():
+            uid = frame.loc[dup, "sop_uid"].iloc[0]
+            raise CatalogError(
+                f"the files {list(relative[frame['sop_uid'] == uid])} share the SOP Instance UID {uid!r}; "
+                "image ids must be unique: remove the copies, or pass id_from='path' to name images by path"
+            )
+        frame["image_id"] = frame["sop_uid"]
+    else:
+        frame["image_id"] = relative
+    frame["path"] = [str(p) for p in files]
+    # Without a PatientID each image is its own patient: nothing better is known about it.
+    frame["patient_id"] = frame["patient_id"].where(frame["patient_id"] != "", frame["image_id"])
+    frame["site"] = str(site) if site is not None else root.name
+    frame["split"] = "train"
+    label_frame, label_names = (
+        _labels_from_csv(Path(labels_csv), frame, labels) if labels_csv is not None else (pd.DataFrame(), [])
+    )
+    meta = ["age", "sex", "view", "orig_width", "orig_height", "spacing_x", "spacing_y"]
+    catalog = pd.concat(
+        [frame[["image_id", "path", "patient_id", "site", "split"]], label_frame.set_axis(frame.index), frame[meta]],
+        axis=1,
+    )
+    catalog.attrs = {"labels": label_names, "task": "multilabel"}
+    return split_by_patient(catalog, seed=seed, val_fraction=val_fraction, test_fraction=test_fraction)
