@@ -1,0 +1,249 @@
+"""Decode one image file into a square uint8 grayscale array: the per-image step of ingest.
+
+The steps, and the choices made in each:
+
+1. **Read** the file's bytes (local path or fsspec URL). Absent file -> ``missing``; other I/O errors ->
+   ``unreadable``.
+2. **Decode.** DICOM files (``.dcm``/``.dicom`` or the ``DICM`` magic) go through
+   :func:`dask_dl.data.dicom.read_pixels` (modality/VOI LUT, MONOCHROME1 inverted, 8-bit). Other files are
+   identified by Pillow from their header; PNG pixels are then decoded with imagecodecs (about 20 % faster than
+   Pillow on NIH-sized PNGs), everything else with Pillow. A header Pillow does not know -> ``undecodable``; a
+   header that is fine but pixel data that ends early or is corrupt -> ``truncated``.
+3. **Size check** on the original image: a side shorter than ``min_size`` (``dask-dl.ingest.min-size``) ->
+   ``too_small``. It runs on the header alone, before the pixels are decoded.
+4. **Grayscale.** Gray stays gray; gray+alpha keeps the gray channel. RGB and RGBA become their ITU-R BT.601
+   luma ``L = 0.299 R + 0.587 G + 0.114 B``, computed with exactly the integer arithmetic of Pillow's
+   ``convert("L")`` so both decoders agree bit for bit. **Alpha is ignored**: NIH's RGBA files carry an opaque
+   alpha channel, and compositing over a background would invent intensities that are not in the radiograph.
+   More than 8 bits (16-bit PNG/TIFF, float) are stretched linearly from the image's own min..max to 0..255,
+   the usual display windowing when no VOI LUT is known (a constant image becomes all zero).
+5. **Square.** A non-square image is padded with zeros (black, the background of a radiograph) centred on its
+   shorter side, so anatomy keeps its aspect ratio instead of being stretched. NIH images are square already.
+6. **Resize** to ``size x size`` with Pillow's Lanczos filter and ``reducing_gap=2.0``: Pillow first box-reduces by
+   an integer factor while the image stays at least twice the target, then applies Lanczos with a support
+   scaled to the remaining factor. That is anti-aliased (a checkerboard at the Nyquist frequency becomes flat
+   gray) and measured on 1024 -> 224: 1.9 ms, against 4.4 ms for plain Lanczos, 1.1 ms for torch's
+   antialiased bilinear (which needs a float copy) and 24 ms for ``skimage.transform.resize(anti_aliasing=True)``;
+   decoding the PNG (7-8 ms) dominates either way.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import zlib
+from typing import Literal
+
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+from dask_dl import config
+from dask_dl.errors import DaskDLError
+
+#: Why an image can be rejected, in the order the checks run.
+RejectReason = Literal["missing", "unreadable", "undecodable", "truncated", "too_small", "unsupported"]
+REJECT_REASONS: tuple[str, ...] = ("missing", "unreadable", "undecodable", "truncated", "too_small", "unsupported")
+
+# Pillow raises for huge images; radiographs are large but never this large.
+Image.MAX_IMAGE_PIXELS = 50_000 * 50_000
+
+_DICOM_SUFFIXES = (".dcm", ".dicom")
+
+
+class ImageRejected(DaskDLError, ValueError):
+    """An image that cannot be ingested; ``reason`` is one of :data:`REJECT_REASONS`."""
+
+    def __init__(self, reason: str, path: str, detail: str) -> None:
+        self.reason = reason
+        self.path = path
+        self.detail = detail
+        super().__init__(f"{reason}: {path}: {detail}")
+
+
+def load_image(path: str | os.PathLike, *, size: int | None = None, min_size: int | None = None) -> np.ndarray:
+    """Read the image at ``path`` as a ``(size, size)`` uint8 grayscale array.
+
+    Parameters
+    ----------
+    path
+        A local path or an fsspec URL of a PNG, JPEG, TIFF, BMP or DICOM file.
+    size
+        Side of the square output; default ``dask-dl.ingest.size``.
+    min_size
+        Reject images with a side shorter than this; default ``dask-dl.ingest.min-size``.
+
+    Returns
+    -------
+    numpy.ndarray
+        ``(size, size)`` uint8, see the module documentation for the grayscale, padding and resize rules.
+
+    Raises
+    ------
+    ImageRejected
+        With ``reason`` one of ``missing``, ``unreadable``, ``undecodable``, ``truncated``, ``too_small``,
+        ``unsupported``.
+
+    Examples
+    --------
+    >>> import tempfile, numpy as np
+    >>> from PIL import Image
+    >>> fn = tempfile.mktemp(suffix=".png")
+    >>> Image.fromarray(np.full((128, 96), 200, np.uint8)).save(fn)
+    >>> load_image(fn, size=64, min_size=64).shape
+    (64, 64)
+    """
+    size = int(config.get("ingest.size", size))
+    min_size = int(config.get("ingest.min-size", min_size))
+    path = os.fspath(path)
+    data = _read_bytes(path)
+    decode = _decode_dicom if _is_dicom(path, data) else _decode_raster
+    pixels = decode(path, data, min_size)
+    return resize_square(to_gray(pixels), size=size)
+
+
+def _read_bytes(path: str) -> bytes:
+    try:
+        if "://" in path:
+            import fsspec
+
+            with fsspec.open(path, "rb") as f:
+                return f.read()
+        with open(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise ImageRejected("missing", path, "no such file") from None
+    except OSError as exc:
+        raise ImageRejected("unreadable", path, f"{type(exc).__name__}: {exc}") from None
+
+
+def _is_dicom(path: str, data: bytes) -> bool:
+    return path.lower().endswith(_DICOM_SUFFIXES) or data[128:132] == b"DICM"
+
+
+def _check_size(path: str, width: int, height: int, min_size: int) -> None:
+    if min(width, height) < min_size:
+        raise ImageRejected(
+            "too_small",
+            path,
+            f"{width}x{height} pixels has a side under min-size {min_size} "
+            "(lower it with dask.config.set({'dask-dl.ingest.min-size': ...}) to keep such images)",
+        )
+
+
+def _decode_raster(path: str, data: bytes, min_size: int) -> np.ndarray:
+    try:
+        image = Image.open(io.BytesIO(data))
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
+        raise ImageRejected("undecodable", path, f"not an image file Pillow can read ({exc})") from None
+    _check_size(path, image.width, image.height, min_size)
+    if image.format == "PNG":
+        import imagecodecs
+
+        try:
+            return imagecodecs.png_decode(data)
+        except Exception as exc:  # imagecodecs raises PngError/ValueError/RuntimeError for bad pixel data
+            raise ImageRejected("truncated", path, f"PNG pixel data is incomplete or corrupt ({exc})") from None
+    try:
+        image.load()
+    except (OSError, SyntaxError, ValueError, zlib.error) as exc:
+        reason = "truncated" if "truncated" in str(exc) else "undecodable"
+        raise ImageRejected(reason, path, f"{type(exc).__name__}: {exc}") from None
+    return _pillow_pixels(image)
+
+
+def _pillow_pixels(image: Image.Image) -> np.ndarray:
+    """Pixels of a loaded Pillow image as an array that :func:`to_gray` understands."""
+    if image.mode in ("L", "LA", "RGB", "RGBA", "I;16", "I;16B", "I;16L", "I", "F"):
+        return np.asarray(image)
+    if image.mode == "P":
+        return np.asarray(image.convert("RGBA" if "transparency" in image.info else "RGB"))
+    if image.mode in ("1", "La"):
+        return np.asarray(image.convert("L"))
+    return np.asarray(image.convert("RGB"))  # CMYK, YCbCr, LAB, HSV, ...
+
+
+def _decode_dicom(path: str, data: bytes, min_size: int) -> np.ndarray:
+    try:
+        from dask_dl.data.dicom import read_pixels
+    except ImportError as exc:
+        raise ImageRejected("unsupported", path, f"DICOM decoding is not available ({exc})") from None
+    try:
+        pixels = read_pixels(io.BytesIO(data) if "://" in path else path)
+    except ImportError as exc:  # pydicom missing: MissingDependencyError says what to install
+        raise ImageRejected("unsupported", path, str(exc)) from None
+    except Exception as exc:  # pydicom raises many kinds of errors for broken files
+        reason = "truncated" if "truncated" in str(exc).lower() or isinstance(exc, EOFError) else "undecodable"
+        raise ImageRejected(reason, path, f"{type(exc).__name__}: {exc}") from None
+    pixels = np.asarray(pixels)
+    if pixels.ndim != 2:
+        raise ImageRejected("unsupported", path, f"DICOM pixel array has shape {pixels.shape}; need one 2-D frame")
+    _check_size(path, pixels.shape[1], pixels.shape[0], min_size)
+    return pixels
+
+
+def to_gray(pixels: np.ndarray) -> np.ndarray:
+    """Convert decoded pixels ``(H, W)`` or ``(H, W, C)`` to ``(H, W)`` uint8 grayscale.
+
+    RGB(A) becomes BT.601 luma with Pillow's integer arithmetic (alpha ignored); gray+alpha keeps the gray;
+    more than 8 bits is stretched from the image's min..max to 0..255.
+
+    Examples
+    --------
+    >>> to_gray(np.array([[[255, 0, 0, 7], [0, 0, 255, 255]]], np.uint8))
+    array([[76, 29]], dtype=uint8)
+    """
+    pixels = np.asarray(pixels)
+    if pixels.ndim == 3:
+        channels = pixels.shape[2]
+        if channels in (1, 2):
+            pixels = pixels[:, :, 0]
+        elif channels in (3, 4):
+            pixels = _luma(pixels[:, :, :3])
+        else:
+            raise ValueError(f"cannot convert an image with {channels} channels to grayscale")
+    elif pixels.ndim != 2:
+        raise ValueError(f"an image must be (H, W) or (H, W, C); got shape {pixels.shape}")
+    if pixels.dtype == np.uint8:
+        return pixels
+    return _stretch(pixels)
+
+
+def _luma(rgb: np.ndarray) -> np.ndarray:
+    if rgb.dtype == np.uint8:
+        # Pillow's convert("L"): (R*19595 + G*38470 + B*7471 + 0x8000) >> 16, i.e. 601 luma rounded
+        r, g, b = (rgb[:, :, i].astype(np.uint32) for i in range(3))
+        return ((r * 19595 + g * 38470 + b * 7471 + 0x8000) >> 16).astype(np.uint8)
+    rgb = rgb.astype(np.float64)
+    return rgb[:, :, 0] * 0.299 + rgb[:, :, 1] * 0.587 + rgb[:, :, 2] * 0.114
+
+
+def _stretch(pixels: np.ndarray) -> np.ndarray:
+    values = pixels.astype(np.float64)
+    low, high = float(values.min()), float(values.max())
+    if not np.isfinite(low) or not np.isfinite(high) or high <= low:
+        return np.zeros(values.shape, np.uint8)
+    return np.rint((values - low) * (255.0 / (high - low))).astype(np.uint8)
+
+
+def resize_square(gray: np.ndarray, *, size: int) -> np.ndarray:
+    """Pad ``gray`` (uint8 ``(H, W)``) to a centred square with zeros and resize it to ``(size, size)``.
+
+    Anti-aliased: Pillow Lanczos with ``reducing_gap=2.0``.
+
+    Examples
+    --------
+    >>> out = resize_square(np.full((100, 60), 9, np.uint8), size=10)  # padded 20 px left and right
+    >>> out.shape, out[5, 0], out[5, 5], out[5, 9]
+    ((10, 10), np.uint8(0), np.uint8(9), np.uint8(0))
+    """
+    height, width = gray.shape
+    side = max(height, width)
+    if height != width:
+        square = np.zeros((side, side), np.uint8)
+        top, left = (side - height) // 2, (side - width) // 2
+        square[top : top + height, left : left + width] = gray
+        gray = square
+    if side == size:
+        return np.ascontiguousarray(gray)
+    image = Image.fromarray(np.ascontiguousarray(gray))
+    return np.asarray(image.resize((size, size), Image.Resampling.LANCZOS, reducing_gap=2.0))
