@@ -1,0 +1,168 @@
+"""Open a store written by :func:`dask_dl.ingest` as a lazy :class:`xarray.Dataset`, and summarise it.
+
+The dataset has ``image(sample, y, x)`` uint8 and ``label(sample, finding)`` uint8 as dask arrays chunked like the
+Zarr chunks along ``sample``, ``valid(sample)``, and the coordinates ``image_id``, ``patient_id``, ``split``,
+``site`` (in memory: they are small and selections need them), ``finding`` and ``sample``. ``sample`` keeps the
+physical row numbers of the store after rows are dropped, so a loader can go straight to the Zarr chunks.
+Splits come from the catalog, which never puts one patient in two splits.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import numpy as np
+import pandas as pd
+import xarray as xr
+import zarr
+
+from dask_dl.errors import DatasetError, StoreError, StoreNotFoundError
+
+__all__ = ["open_dataset", "summary"]
+
+_COORDS = ("image_id", "patient_id", "split", "site")
+
+
+def _store_attrs(url: str) -> dict:
+    try:
+        group = zarr.open_group(url, mode="r")
+    except FileNotFoundError:
+        if "://" not in url and os.path.exists(url):
+            raise StoreError(
+                f"{url!r} exists but is not a Zarr store; open a store written by dask_dl.ingest(catalog, store)"
+            ) from None
+        raise StoreNotFoundError(
+            f"no Zarr store at {url!r}; write one with dask_dl.ingest(catalog, {url!r}) or `dask-dl ingest SOURCE "
+            f"{url}`"
+        ) from None
+    except (ValueError, TypeError) as exc:
+        raise StoreError(f"{url!r} is not a Zarr 3 group ({exc}); open a store written by dask_dl.ingest") from None
+    attrs = dict(group.attrs)
+    meta = attrs.get("dask_dl")
+    if not isinstance(meta, dict) or "size" not in meta:
+        raise StoreError(
+            f"{url!r} is a Zarr group but not a dask_dl store (no 'dask_dl' attribute); write it with "
+            "dask_dl.ingest(catalog, store)"
+        )
+    if not meta.get("complete", False):
+        raise StoreError(
+            f"the store {url!r} is incomplete: an ingest into it did not finish. Run ingest again to resume it "
+            f"(same catalog and options): dask_dl.ingest(catalog, {url!r}) writes only the missing shards"
+        )
+    return attrs
+
+
+def _plain_str(values: np.ndarray) -> np.ndarray:
+    return np.asarray(values.tolist(), dtype=str)
+
+
+def _select(ds: xr.Dataset, name: str, wanted: str | Sequence[str] | None) -> np.ndarray:
+    values = ds[name].values
+    if wanted is None:
+        return np.ones(len(values), bool)
+    wanted = [wanted] if isinstance(wanted, str) else list(wanted)
+    present = sorted(set(values.tolist()))
+    unknown = [w for w in wanted if w not in present]
+    if unknown:
+        raise DatasetError(f"{name} {unknown[0]!r} is not in this dataset; the {name}s present are {present}")
+    return np.isin(values, wanted)
+
+
+def open_dataset(
+    store: str | os.PathLike,
+    *,
+    split: str | Sequence[str] | None = None,
+    site: str | Sequence[str] | None = None,
+    include_rejected: bool = False,
+) -> xr.Dataset:
+    """Open a dask_dl Zarr store lazily.
+
+    Parameters
+    ----------
+    store
+        Path or fsspec URL of a store written by :func:`dask_dl.ingest`.
+    split
+        Keep only this split (``"train"``, ``"val"``, ``"test"``) or these splits.
+    site
+        Keep only this site or these sites.
+    include_rejected
+        Keep the rows whose image was rejected at ingest (all-zero image, ``valid`` False).
+
+    Returns
+    -------
+    xarray.Dataset
+        ``ds.attrs["dask_dl"]`` holds the store's layout (size, chunk, shard, labels, task, n, complete) and
+        ``ds.encoding["source"]`` the store path or URL.
+
+    Raises
+    ------
+    StoreNotFoundError
+        Nothing at ``store``.
+    StoreError
+        Not a dask_dl store, or an ingest into it did not finish.
+    DatasetError
+        ``split`` or ``site`` names one that is not in the store; the message lists those present.
+
+    Examples
+    --------
+    >>> ds = dask_dl.open_dataset("cxr.zarr", split="train")  # doctest: +SKIP
+    >>> ds.image  # doctest: +SKIP
+    <xarray.DataArray 'image' (sample: 78468, y: 224, x: 224)> dask.array<...>
+    """
+    url = os.fspath(store)
+    attrs = _store_attrs(url)
+    meta = attrs["dask_dl"]
+    ds = xr.open_zarr(url, consolidated=False, chunks={})
+    ds = ds.set_coords([c for c in _COORDS if c in ds.data_vars])
+    # zarr 3 strings arrive as numpy's StringDType, which many numpy/pandas calls cannot cast: use plain str
+    ds = ds.assign_coords(
+        {name: ("sample", _plain_str(ds[name].values)) for name in _COORDS}
+        | {"finding": ("finding", _plain_str(ds["finding"].values))}
+    )
+    # label/valid are stored in few large chunks; split them like the images so a chunk of samples is one task
+    for name in ("label", "valid"):
+        ds[name] = ds[name].chunk({"sample": meta["chunk"]})
+    keep = _select(ds, "split", split) & _select(ds, "site", site)
+    if not include_rejected:
+        keep &= ds["valid"].values
+    if not keep.all():
+        ds = ds.isel(sample=np.flatnonzero(keep))
+    ds.attrs = {"dask_dl": meta}
+    ds.encoding["source"] = url
+    return ds
+
+
+def summary(store_or_dataset: str | os.PathLike | xr.Dataset) -> pd.DataFrame:
+    """Count images per split and label, and rejected rows.
+
+    Parameters
+    ----------
+    store_or_dataset
+        A store path/URL (all rows counted, rejected ones in ``rejected``) or a dataset from
+        :func:`open_dataset`.
+
+    Returns
+    -------
+    pandas.DataFrame
+        One row per split plus ``total``; columns ``images`` (valid images), one count per label (valid images
+        with that finding), ``rejected``.
+    """
+    if isinstance(store_or_dataset, xr.Dataset):
+        ds = store_or_dataset
+    else:
+        ds = open_dataset(store_or_dataset, include_rejected=True)
+    valid = ds["valid"].values.astype(bool)
+    labels = [str(f) for f in ds["finding"].values]
+    frame = pd.DataFrame(ds["label"].values[valid], columns=labels)
+    frame.insert(0, "split", ds["split"].values[valid].astype(str))
+    counts = frame.groupby("split").sum()
+    counts.insert(0, "images", frame.groupby("split").size())
+    rejected = pd.Series(ds["split"].values[~valid].astype(str)).value_counts()
+    order = [s for s in ("train", "val", "test") if s in set(counts.index) | set(rejected.index)]
+    order += sorted((set(counts.index) | set(rejected.index)) - set(order))
+    table = counts.reindex(order, fill_value=0)
+    table["rejected"] = rejected.reindex(order, fill_value=0).to_numpy()
+    table.loc["total"] = table.sum()
+    table.index.name = "split"
+    return table.astype(np.int64)
