@@ -1,0 +1,526 @@
+"""Per-rank batch iterator over the chunks of a dask_dl Zarr store.
+
+A Zarr chunk is compressed as a whole, so reading one image decodes all ``chunk`` images beside it: random access
+per image reads each chunk ``chunk`` times. :class:`ChunkLoader` therefore shuffles at two levels:
+
+1. each epoch, a seeded permutation of the chunks that hold the requested samples, the same on every rank; the
+   samples in that order are cut into one contiguous, equally long piece per rank, so each rank reads whole chunks
+   (only the two ends of a piece may share a chunk with the neighbouring rank) and every rank takes exactly the
+   same number of steps even when chunks hold different numbers of requested samples;
+2. within a window of ``window`` consecutive chunks, the samples of those chunks are mixed together.
+
+Each chunk is read at most once per epoch per rank, with one chunk-aligned slice of the ``image`` array: on a
+sharded array that reads the shard index and the inner chunk's bytes only, not the whole shard. A background thread
+keeps ``prefetch`` chunk reads in flight and builds finished batches (normalized, optionally augmented) while the
+trainer computes; ``wait_s`` says how long the trainer still waited.
+
+Validation and prediction (``shuffle=False, drop_last=False``): chunks in store order, no mixing, no dropping; the
+ranks together cover every sample exactly once, each rank a contiguous run of the sorted samples. Ranks then may
+take different numbers of batches (at most one apart), so a validation loop must not run collectives per batch:
+each rank returns its predictions with the sample numbers (``epoch(e, with_samples=True)``) to the driver through
+Dask, or gathers them once at the end with ``torch.distributed.all_gather_object``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+import zarr
+
+from dask_dl import config
+from dask_dl.errors import DatasetError, StoreError
+from dask_dl.models import normalize
+
+__all__ = ["Augmentation", "ChunkLoader"]
+
+# The tags keep the random streams of one (seed, epoch) apart: chunk order (shared by all ranks), the window mix
+# and the augmentation (per rank).
+_ORDER, _MIX, _AUGMENT = 0, 1, 2
+_THREAD_PREFIX = "dask-dl-loader"
+
+
+@dataclass(frozen=True)
+class Augmentation:
+    """Ranges of the random augmentation a :class:`ChunkLoader` applies with ``augment=True``.
+
+    Each image gets its own affine transform (rotation, scale, shift; pixels moved in from outside are black) and
+    brightness/contrast jitter, drawn uniformly from ``[-value, value]`` around the identity.
+
+    Horizontal flips are off by default: chest X-rays are not left-right symmetric (the heart, the aortic arch and
+    the gastric bubble sit on the left, and the film markers are lettered), so a flipped radiograph shows anatomy
+    that is a finding in itself (dextrocardia, situs inversus) rather than a plausible variant of the same image.
+
+    Parameters
+    ----------
+    rotation : float
+        Largest rotation in degrees.
+    scale : float
+        Largest relative zoom in or out (0.05 = 5 %).
+    shift : float
+        Largest shift as a fraction of the image side.
+    brightness : float
+        Largest brightness offset as a fraction of full scale.
+    contrast : float
+        Largest relative contrast change around the image mean.
+    hflip : bool
+        Flip half the images left-right (see above for why this is off).
+    """
+
+    rotation: float = 5.0
+    scale: float = 0.05
+    shift: float = 0.05
+    brightness: float = 0.1
+    contrast: float = 0.1
+    hflip: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def apply(self, images: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        """Return augmented copies of the uint8 ``images`` ``(B, S, S)``, drawing parameters from ``rng``."""
+        b = len(images)
+        # Augment in 0..1 so that grid_sample's zero padding is black, then back to uint8: the model sees the same
+        # pixel grid and the same normalize() as at inference time.
+        x = torch.from_numpy(images).unsqueeze(1).to(torch.float32).div_(255.0)
+        u = rng.uniform(-1.0, 1.0, size=(6, b))
+        angle = np.deg2rad(self.rotation * u[0])
+        zoom = 1.0 + self.scale * u[1]
+        flip = np.where(rng.random(b) < 0.5, -1.0, 1.0) if self.hflip else np.ones(b)
+        # theta maps output to input coordinates (-1..1), so dividing by zoom enlarges the picture.
+        theta = np.empty((b, 2, 3))
+        theta[:, 0, 0] = flip * np.cos(angle) / zoom
+        theta[:, 0, 1] = -np.sin(angle) / zoom
+        theta[:, 1, 0] = flip * np.sin(angle) / zoom
+        theta[:, 1, 1] = np.cos(angle) / zoom
+        theta[:, 0, 2] = 2.0 * self.shift * u[2]
+        theta[:, 1, 2] = 2.0 * self.shift * u[3]
+        grid = F.affine_grid(torch.from_numpy(theta).to(torch.float32), list(x.shape), align_corners=False)
+        x = F.grid_sample(x, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
+        mean = x.mean(dim=(1, 2, 3), keepdim=True)
+        contrast = torch.from_numpy(1.0 + self.contrast * u[4]).to(torch.float32).view(b, 1, 1, 1)
+        brightness = torch.from_numpy(self.brightness * u[5]).to(torch.float32).view(b, 1, 1, 1)
+        x = (x - mean) * contrast + mean + brightness
+        return x.clamp_(0.0, 1.0).mul_(255.0).round_().to(torch.uint8).squeeze(1).numpy()
+
+
+class ChunkLoader:
+    """Batches of one rank's share of ``samples``, read chunk by chunk from a dask_dl Zarr store.
+
+    Parameters
+    ----------
+    store : str, os.PathLike, zarr.Group or xarray.Dataset
+        The store written by :func:`dask_dl.ingest` (a path or URL, an open group, or the dataset from
+        :func:`dask_dl.open_dataset`, whose ``encoding["source"]`` names the store).
+    samples : array of int
+        Physical row numbers to serve, e.g. ``open_dataset(store, split="train").sample.values``.
+    batch_size : int
+        Images per batch on this rank.
+    rank, world_size : int
+        This trainer's rank and the number of trainers; each rank gets its own share.
+    seed : int
+        Seed of the chunk order, the window mix and the augmentation; runs with the same seed are identical.
+    shuffle : bool
+        Shuffle chunk order and mix samples within windows. False: store order (validation, prediction).
+    window : int, optional
+        Chunks whose samples are mixed together. Default ``dask-dl.train.shuffle-window``.
+    prefetch : int, optional
+        Chunk reads kept in flight by the background thread. 0 reads in the consumer's thread (no thread).
+        Default ``dask-dl.train.prefetch``.
+    augment : bool or Augmentation
+        Random affine and brightness/contrast jitter, seeded by (seed, epoch, rank); True uses
+        :class:`Augmentation` defaults.
+    drop_last : bool
+        Drop the samples that do not fill a batch on every rank, so all ranks take ``steps_per_epoch`` full
+        batches. False serves every sample exactly once across ranks (the last batch of a rank may be short and
+        ranks may differ by one batch).
+
+    Raises
+    ------
+    StoreError
+        ``store`` is not a complete dask_dl store.
+    DatasetError
+        ``samples`` has rows outside the store, repeated or rejected rows, or cannot fill one batch per rank.
+
+    Examples
+    --------
+    >>> loader = ChunkLoader(store, ds.sample.values, batch_size=32, rank=0, world_size=2)  # doctest: +SKIP
+    >>> for x, y in loader.epoch(0):  # doctest: +SKIP
+    ...     loss = criterion(model(x), y)
+    """
+
+    def __init__(
+        self,
+        store: Any,
+        samples: Any,
+        *,
+        batch_size: int,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        shuffle: bool = True,
+        window: int | None = None,
+        prefetch: int | None = None,
+        augment: bool | Augmentation = False,
+        drop_last: bool = True,
+    ) -> None:
+        self.batch_size = _positive("batch_size", batch_size)
+        self.world_size = _positive("world_size", world_size)
+        if not isinstance(rank, int | np.integer) or not 0 <= rank < world_size:
+            raise DatasetError(f"rank {rank!r} is not in 0..{world_size - 1}; pass the trainer's rank < world_size")
+        if not isinstance(seed, int | np.integer) or seed < 0:
+            raise DatasetError(f"seed must be a non-negative integer, got {seed!r}")
+        self.rank, self.seed = int(rank), int(seed)
+        self.shuffle, self.drop_last = bool(shuffle), bool(drop_last)
+        self.window = _positive("window", config.get("train.shuffle-window", window))
+        self.prefetch = _non_negative("prefetch", config.get("train.prefetch", prefetch))
+        self.augmentation = Augmentation() if augment is True else (augment or None)
+        if self.augmentation is not None and not isinstance(self.augmentation, Augmentation):
+            raise DatasetError(f"augment must be True, False or an Augmentation(...), got {augment!r}")
+
+        self.source, group = _open_store(store)
+        self._image = group["image"]
+        self.chunk = int(self._image.chunks[0])
+        self.image_size = int(self._image.shape[-1])
+        self.labels = list(group.attrs["dask_dl"]["labels"])
+        # Labels of the whole store are n x n_labels bytes: read them once rather than once per chunk.
+        self._label = np.asarray(group["label"][:], dtype=np.float32)
+        valid = np.asarray(group["valid"][:], dtype=bool) if "valid" in group else None
+        self.samples = _check_samples(samples, n=self._image.shape[0], valid=valid, source=self.source)
+
+        n, per_step = len(self.samples), self.batch_size * self.world_size
+        if self.drop_last:
+            self.steps_per_epoch = n // per_step
+            if self.steps_per_epoch == 0:
+                raise DatasetError(
+                    f"{n} samples cannot fill one batch of {self.batch_size} on each of {self.world_size} ranks; "
+                    f"use batch_size <= {max(n // self.world_size, 1)} or drop_last=False"
+                )
+            self._start = self.rank * self.steps_per_epoch * self.batch_size
+            self._stop = self._start + self.steps_per_epoch * self.batch_size
+        else:
+            q, r = divmod(n, self.world_size)
+            self._start = self.rank * q + min(self.rank, r)
+            self._stop = self._start + q + (self.rank < r)
+            self.steps_per_epoch = math.ceil((self._stop - self._start) / self.batch_size)
+        # Requested samples grouped by the chunk that holds them (samples are sorted, so groups are runs).
+        chunk_of = self.samples // self.chunk
+        self._chunks, first = np.unique(chunk_of, return_index=True)
+        self._groups = np.split(self.samples, first[1:])
+        self.wait_s = 0.0
+        self._running: set[_Producer] = set()
+        self._closed = False
+
+    # ---- public -----------------------------------------------------------------------------------------------
+
+    @property
+    def n_labels(self) -> int:
+        """Number of labels (columns of ``y``)."""
+        return len(self.labels)
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch
+
+    def __repr__(self) -> str:
+        return (
+            f"ChunkLoader({self.source!r}, samples={len(self.samples)}, batch_size={self.batch_size}, "
+            f"rank={self.rank}/{self.world_size}, steps_per_epoch={self.steps_per_epoch})"
+        )
+
+    def plan(self, epoch: int) -> list[tuple[int, np.ndarray]]:
+        """Return this rank's reads of ``epoch`` in order: ``(chunk index, physical rows it serves)``.
+
+        Every rank computes the same chunk order from ``(seed, epoch)`` and takes its own contiguous piece, so the
+        plan needs no communication.
+        """
+        if self.shuffle:
+            rng = np.random.default_rng([self.seed, int(epoch), _ORDER, 0])
+            order = rng.permutation(len(self._chunks))
+            # Shuffle inside each chunk as well: it decides which samples of a chunk shared by two ranks go where.
+            stream = np.concatenate([rng.permutation(self._groups[i]) for i in order])
+        else:
+            stream = self.samples
+        mine = stream[self._start : self._stop]
+        if len(mine) == 0:
+            return []
+        chunk_of = mine // self.chunk
+        cuts = np.flatnonzero(np.diff(chunk_of)) + 1
+        return [(int(rows[0] // self.chunk), rows) for rows in np.split(mine, cuts)]
+
+    def read_chunk(self, chunk: int) -> np.ndarray:
+        """Return all images of chunk ``chunk`` (one chunk-aligned read, one decode), uint8 ``(k, S, S)``."""
+        start = chunk * self.chunk
+        return np.asarray(self._image[start : min(start + self.chunk, self._image.shape[0])])
+
+    def epoch(self, epoch: int, *, with_samples: bool = False) -> Iterator[tuple]:
+        """Iterate over this rank's batches of ``epoch``.
+
+        Parameters
+        ----------
+        epoch : int
+            Epoch number (0-based): with ``seed``, it fixes the chunk order, the mix and the augmentation.
+        with_samples : bool
+            Also yield the physical row numbers (int64 numpy array) of each batch.
+
+        Yields
+        ------
+        x : torch.Tensor
+            float32 ``(B, 1, S, S)``, normalized by :func:`dask_dl.models.normalize`.
+        y : torch.Tensor
+            float32 ``(B, n_labels)``, 0 or 1.
+        samples : numpy.ndarray
+            Only with ``with_samples=True``.
+
+        Raises
+        ------
+        StoreError
+            A chunk could not be read; the message names the chunk and its rows.
+        """
+        if self._closed:
+            raise DatasetError("this ChunkLoader is closed; make a new one")
+        self.wait_s = 0.0
+        batches = self._batches(int(epoch))
+        producer = None
+        if self.prefetch:
+            producer = _Producer(batches, name=f"{_THREAD_PREFIX}-rank{self.rank}-epoch{epoch}")
+            self._running.add(producer)
+            batches = producer
+        try:
+            while True:
+                t0 = time.perf_counter()
+                item = next(batches, None)
+                self.wait_s += time.perf_counter() - t0
+                if item is None:
+                    return
+                yield item if with_samples else item[:2]
+        finally:
+            if producer is not None:
+                producer.stop()
+                self._running.discard(producer)
+            else:
+                batches.close()
+
+    def close(self) -> None:
+        """Stop the background threads of epochs in progress; the loader cannot start new epochs afterwards."""
+        self._closed = True
+        for producer in list(self._running):
+            producer.stop()
+        self._running.clear()
+
+    def __enter__(self) -> ChunkLoader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- internals --------------------------------------------------------------------------------------------
+
+    def _read(self, chunk: int) -> np.ndarray:
+        try:
+            return self.read_chunk(chunk)
+        except Exception as exc:
+            start = chunk * self.chunk
+            raise StoreError(
+                f"reading chunk {chunk} (rows {start}..{start + self.chunk - 1}) of {self.source}/image failed: "
+                f"{type(exc).__name__}: {exc}. Check that the store is reachable; if a shard is damaged, delete "
+                "it and run dask_dl.ingest(catalog, store) again, which rewrites missing shards"
+            ) from exc
+
+    def _reads(self, plan: list[tuple[int, np.ndarray]]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Yield ``(rows, images)`` per planned chunk, with ``prefetch`` reads in flight."""
+        if not self.prefetch:
+            for chunk, rows in plan:
+                yield rows, self._read(chunk)[rows - chunk * self.chunk]
+            return
+        pool = ThreadPoolExecutor(min(self.prefetch, 4), thread_name_prefix=f"{_THREAD_PREFIX}-read")
+        pending: deque[tuple[int, np.ndarray, Future]] = deque()
+        todo = iter(plan)
+        try:
+            for chunk, rows in todo:
+                pending.append((chunk, rows, pool.submit(self._read, chunk)))
+                if len(pending) >= self.prefetch:
+                    break
+            while pending:
+                chunk, rows, future = pending.popleft()
+                for nxt, nxt_rows in todo:
+                    pending.append((nxt, nxt_rows, pool.submit(self._read, nxt)))
+                    break
+                yield rows, future.result()[rows - chunk * self.chunk]
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def _batches(self, epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, np.ndarray]]:
+        mix = np.random.default_rng([self.seed, epoch, _MIX, self.rank])
+        augment_rng = np.random.default_rng([self.seed, epoch, _AUGMENT, self.rank])
+        size = self.image_size
+        carry_x, carry_s = np.empty((0, size, size), np.uint8), np.empty(0, np.int64)
+        window_x: list[np.ndarray] = []
+        window_s: list[np.ndarray] = []
+        plan = self.plan(epoch)
+        for i, (rows, images) in enumerate(self._reads(plan)):
+            window_x.append(images)
+            window_s.append(rows)
+            if len(window_s) < self.window and i + 1 < len(plan):
+                continue
+            # A window is complete: mix its samples, put the previous window's leftover in front, cut batches.
+            x, s = np.concatenate(window_x), np.concatenate(window_s)
+            if self.shuffle:
+                order = mix.permutation(len(s))
+                x, s = x[order], s[order]
+            x, s = np.concatenate([carry_x, x]), np.concatenate([carry_s, s])
+            n_full = len(s) // self.batch_size * self.batch_size
+            for b in range(0, n_full, self.batch_size):
+                yield self._finish(x[b : b + self.batch_size], s[b : b + self.batch_size], augment_rng)
+            carry_x, carry_s = x[n_full:], s[n_full:]
+            window_x, window_s = [], []
+        if len(carry_s):  # only with drop_last=False: with drop_last the plan holds whole batches
+            yield self._finish(carry_x, carry_s, augment_rng)
+
+    def _finish(
+        self, images: np.ndarray, rows: np.ndarray, rng: np.random.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+        if self.augmentation is not None:
+            images = self.augmentation.apply(images, rng)
+        return normalize(images), torch.from_numpy(self._label[rows]), rows
+
+
+class _Producer:
+    """Runs a batch generator on a daemon thread, handing results and errors to the consumer through a queue."""
+
+    def __init__(self, batches: Iterator, *, name: str, maxsize: int = 2) -> None:
+        self._batches = batches
+        self._queue: queue.Queue = queue.Queue(maxsize)
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            for item in self._batches:
+                if not self._put(("batch", item)):
+                    return
+            self._put(("done", None))
+        except BaseException as exc:  # handed to the consumer, which re-raises it
+            self._put(("error", exc))
+        finally:
+            self._batches.close()  # shuts the read pool down
+
+    def _put(self, item: tuple) -> bool:
+        while not self._stopped.is_set():
+            try:
+                self._queue.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def __iter__(self) -> _Producer:
+        return self
+
+    def __next__(self) -> tuple:
+        while True:
+            # Checked before the queue too: batches made before a close() are not handed out after it.
+            if self._stopped.is_set():
+                raise DatasetError("the ChunkLoader was closed while this epoch was in progress")
+            try:
+                kind, value = self._queue.get(timeout=0.1)
+                break
+            except queue.Empty:
+                continue
+        if kind == "batch":
+            return value
+        if kind == "error":
+            raise value
+        raise StopIteration
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
+
+# ---- checks -------------------------------------------------------------------------------------------------------
+
+
+def _positive(name: str, value: Any) -> int:
+    if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < 1:
+        raise DatasetError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def _non_negative(name: str, value: Any) -> int:
+    if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < 0:
+        raise DatasetError(f"{name} must be an integer >= 0, got {value!r}")
+    return int(value)
+
+
+def _open_store(store: Any) -> tuple[str, zarr.Group]:
+    if isinstance(store, zarr.Group):
+        group, source = store, str(store.store)
+    else:
+        if hasattr(store, "encoding") and hasattr(store, "data_vars"):  # an xarray.Dataset from open_dataset
+            if "source" not in store.encoding:
+                raise StoreError(
+                    "the dataset does not say which store it came from (no encoding['source']); "
+                    "pass the store path instead: ChunkLoader('path/to/store.zarr', ...)"
+                )
+            store = store.encoding["source"]
+        source = os.fspath(store)
+        try:
+            group = zarr.open_group(source, mode="r")
+        except FileNotFoundError as exc:
+            raise StoreError(f"no Zarr store at {source!r}; write one with dask_dl.ingest(catalog, store)") from exc
+    meta = group.attrs.get("dask_dl")
+    if not isinstance(meta, dict) or "image" not in group or "label" not in group:
+        raise StoreError(
+            f"{source!r} is not a dask_dl store (it lacks the 'dask_dl' attribute or the image/label arrays); "
+            "write one with dask_dl.ingest(catalog, store)"
+        )
+    if meta.get("complete") is False:
+        raise StoreError(
+            f"the store {source!r} is incomplete (an ingest did not finish), so some images would read as zeros; "
+            "run dask_dl.ingest(catalog, store) again: it writes only the missing shards"
+        )
+    return source, group
+
+
+def _check_samples(samples: Any, *, n: int, valid: np.ndarray | None, source: str) -> np.ndarray:
+    rows = np.asarray(samples)
+    if rows.ndim != 1 or not (np.issubdtype(rows.dtype, np.integer) or rows.size == 0):
+        raise DatasetError(
+            f"samples must be a 1-D array of row numbers, got dtype {rows.dtype} and shape {rows.shape}; "
+            "pass e.g. open_dataset(store, split='train').sample.values"
+        )
+    if rows.size == 0:
+        raise DatasetError("samples is empty: there is nothing to load; check the split or site you selected")
+    rows = np.sort(rows.astype(np.int64))
+    outside = rows[(rows < 0) | (rows >= n)]
+    if outside.size:
+        raise DatasetError(
+            f"sample rows {outside[:5].tolist()} are outside the store {source!r}, which has rows 0..{n - 1}; "
+            "use the sample coordinate of open_dataset(store)"
+        )
+    repeated = rows[1:][rows[1:] == rows[:-1]]
+    if repeated.size:
+        raise DatasetError(
+            f"sample rows {np.unique(repeated)[:5].tolist()} are given more than once; each epoch serves each "
+            "sample once: pass np.unique(samples)"
+        )
+    if valid is not None and not valid[rows].all():
+        bad = rows[~valid[rows]]
+        raise DatasetError(
+            f"sample rows {bad[:5].tolist()} are rejected images of {source!r} (valid is False, the image is empty); "
+            "take samples from open_dataset(store), which drops rejected rows"
+        )
+    return rows

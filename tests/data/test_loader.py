@@ -1,0 +1,345 @@
+"""ChunkLoader against small real Zarr 3 stores written to the dask_dl store contract.
+
+Image ``i`` of the test store carries its row number in its first two pixels, so a batch says exactly which
+samples it holds; label ``j`` of row ``i`` is bit ``j`` of ``i``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import zarr
+from zarr.storage import LocalStore, WrapperStore
+
+from dask_dl.data.loader import Augmentation, ChunkLoader
+from dask_dl.errors import DatasetError, StoreError
+from dask_dl.models import DEFAULT_NORMALIZATION
+
+N, SIZE, CHUNK, SHARD = 50, 8, 4, 2
+LABELS = ["Atelectasis", "Effusion", "Mass"]
+REJECTED = (7, 30)
+
+
+def split_of(i: int) -> str:
+    if 12 <= i < 16:  # chunk 3 holds no train rows: a train loader must never read it
+        return "test"
+    if 40 <= i < 44 or i % 5 == 1:  # so chunks hold different numbers of train rows
+        return "val"
+    return "train"
+
+
+def pattern(i: int) -> np.ndarray:
+    rng = np.random.default_rng(i)
+    image = rng.integers(0, 256, (SIZE, SIZE), dtype=np.uint8)
+    image[0, 0], image[0, 1] = i % 256, i // 256
+    return image
+
+
+def write_store(path: Path, *, n: int = N, complete: bool = True) -> Path:
+    """Write a store exactly as dask_dl.ingest lays it out (sharded, zstd, dimension names, coordinates)."""
+    group = zarr.open_group(path, mode="w", zarr_format=3)
+    images = np.stack([pattern(i) for i in range(n)])
+    valid = np.ones(n, bool)
+    valid[list(REJECTED)] = False
+    images[~valid] = 0
+    labels = np.array([[(i >> j) & 1 for j in range(len(LABELS))] for i in range(n)], np.uint8)
+    coords = "image_id patient_id split site"
+    image = group.create_array(
+        "image",
+        shape=images.shape,
+        chunks=(CHUNK, SIZE, SIZE),
+        shards=(CHUNK * SHARD, SIZE, SIZE),
+        dtype="uint8",
+        dimension_names=["sample", "y", "x"],
+        compressors=zarr.codecs.ZstdCodec(),
+        attributes={"coordinates": coords},
+    )
+    image[:] = images
+    for name, data, dims in [
+        ("label", labels, ["sample", "finding"]),
+        ("valid", valid, ["sample"]),
+        ("sample", np.arange(n, dtype=np.int64), ["sample"]),
+    ]:
+        arr = group.create_array(name, shape=data.shape, dtype=data.dtype, dimension_names=dims)
+        arr[:] = data
+    strings = {
+        "image_id": [f"{i:08d}_000.png" for i in range(n)],
+        "patient_id": [f"p{i}" for i in range(n)],
+        "split": [split_of(i) for i in range(n)],
+        "site": ["nih"] * n,
+    }
+    for name, values in strings.items():
+        arr = group.create_array(name, shape=(n,), dtype=str, dimension_names=["sample"])
+        arr[:] = np.array(values)
+    finding = group.create_array("finding", shape=(len(LABELS),), dtype=str, dimension_names=["finding"])
+    finding[:] = np.array(LABELS)
+    group.attrs["dask_dl"] = {
+        "format": 1,
+        "size": SIZE,
+        "chunk": CHUNK,
+        "shard": SHARD,
+        "labels": LABELS,
+        "task": "multilabel",
+        "n": n,
+        "complete": complete,
+    }
+    return path
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Path:
+    return write_store(tmp_path / "store.zarr")
+
+
+TRAIN = np.array([i for i in range(N) if split_of(i) == "train" and i not in REJECTED])
+
+
+def rows_of(x: torch.Tensor) -> np.ndarray:
+    """Decode the row numbers written into the first two pixels (requires augment=False)."""
+    pixels = ((x[:, 0, 0, :2] * DEFAULT_NORMALIZATION["std"] + DEFAULT_NORMALIZATION["mean"]) * 255).round()
+    pixels = pixels.to(torch.int64).numpy()
+    return pixels[:, 0] + 256 * pixels[:, 1]
+
+
+def label_of(rows: np.ndarray) -> np.ndarray:
+    return np.array([[(i >> j) & 1 for j in range(len(LABELS))] for i in rows], np.float32)
+
+
+def run(loader: ChunkLoader, epoch: int = 0) -> list[np.ndarray]:
+    """One epoch: the rows of each batch, checked against pixels and labels."""
+    batches = []
+    for x, y, rows in loader.epoch(epoch, with_samples=True):
+        assert x.dtype == torch.float32 and x.shape == (len(rows), 1, SIZE, SIZE)
+        assert y.dtype == torch.float32 and y.shape == (len(rows), len(LABELS))
+        if loader.augmentation is None:
+            np.testing.assert_array_equal(rows_of(x), rows)
+        np.testing.assert_array_equal(y.numpy(), label_of(rows))
+        batches.append(rows)
+    return batches
+
+
+def loader_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("dask-dl-loader")]
+
+
+@pytest.mark.parametrize("world_size, batch_size", [(1, 5), (2, 4), (3, 3), (4, 16)])
+def test_validation_covers_every_sample_once_in_store_order(store, world_size, batch_size):
+    per_rank = []
+    for rank in range(world_size):
+        loader = ChunkLoader(
+            store, TRAIN, batch_size=batch_size, rank=rank, world_size=world_size, shuffle=False, drop_last=False
+        )
+        batches = run(loader)
+        assert len(batches) == loader.steps_per_epoch
+        assert all(len(b) == batch_size for b in batches[:-1]) and 0 < len(batches[-1]) <= batch_size
+        per_rank.append(np.concatenate(batches))
+    # Rank by rank, in order, the ranks hand out the sorted samples: every sample once, none from outside.
+    np.testing.assert_array_equal(np.concatenate(per_rank), TRAIN)
+    sizes = [len(r) for r in per_rank]
+    assert max(sizes) - min(sizes) <= 1
+
+
+def test_shuffled_epoch_without_drop_covers_every_sample_once(store):
+    seen = np.concatenate(
+        [
+            np.concatenate(run(ChunkLoader(store, TRAIN, batch_size=4, rank=r, world_size=3, drop_last=False)))
+            for r in range(3)
+        ]
+    )
+    np.testing.assert_array_equal(np.sort(seen), TRAIN)
+    assert not np.array_equal(seen, TRAIN)  # shuffled
+
+
+def test_drop_last_gives_every_rank_the_same_full_steps(store):
+    world_size, batch_size = 3, 4
+    loaders = [ChunkLoader(store, TRAIN, batch_size=batch_size, rank=r, world_size=world_size) for r in range(3)]
+    steps = len(TRAIN) // (world_size * batch_size)
+    assert [ld.steps_per_epoch for ld in loaders] == [steps] * world_size and len(loaders[0]) == steps
+    for epoch in range(3):
+        per_rank = [run(ld, epoch) for ld in loaders]
+        assert all(len(b) == steps and all(len(x) == batch_size for x in b) for b in per_rank)
+        seen = np.concatenate([np.concatenate(b) for b in per_rank])
+        assert len(np.unique(seen)) == len(seen) == steps * world_size * batch_size
+        assert np.isin(seen, TRAIN).all()
+
+
+def test_seeded_order_is_reproducible_and_changes_with_epoch_and_seed(store):
+    def order(seed, epoch, rank=0):
+        return np.concatenate(run(ChunkLoader(store, TRAIN, batch_size=3, rank=rank, world_size=2, seed=seed), epoch))
+
+    np.testing.assert_array_equal(order(0, 1), order(0, 1))
+    assert not np.array_equal(order(0, 0), order(0, 1))
+    assert not np.array_equal(order(0, 0), order(1, 0))
+    assert not np.array_equal(order(0, 0, rank=0), order(0, 0, rank=1))
+
+
+def test_each_chunk_read_once_per_epoch_and_only_chunks_with_samples(store):
+    wanted_chunks = set(TRAIN // CHUNK)
+    assert 3 not in wanted_chunks and 10 not in wanted_chunks  # chunks without train rows
+    for drop_last in (True, False):
+        read_by_all: Counter = Counter()
+        for rank in range(2):
+            loader = ChunkLoader(store, TRAIN, batch_size=3, rank=rank, world_size=2, window=2, drop_last=drop_last)
+            real_read = loader.read_chunk
+            for epoch in range(2):
+                reads: Counter = Counter()
+
+                def counting(chunk, reads=reads, real_read=real_read):
+                    reads[chunk] += 1
+                    return real_read(chunk)
+
+                loader.read_chunk = counting
+                rows = np.concatenate(run(loader, epoch))
+                assert max(reads.values()) == 1
+                assert set(reads) == set(rows // CHUNK) <= wanted_chunks
+                read_by_all.update(reads)
+        if not drop_last:  # the two ranks together read every chunk with train rows, each epoch
+            assert set(read_by_all) == wanted_chunks
+            # a chunk is read twice per epoch in all (once by each rank) only where the ranks' pieces meet
+            assert sum(read_by_all.values()) <= 2 * (len(wanted_chunks) + 1)
+
+
+def test_window_mixes_samples_of_several_chunks(store):
+    def chunk_runs(window):
+        loader = ChunkLoader(store, TRAIN, batch_size=2, window=window, drop_last=False)
+        chunks = np.concatenate(run(loader)) // CHUNK
+        return 1 + int(np.count_nonzero(np.diff(chunks)))
+
+    n_chunks = len(set(TRAIN // CHUNK))
+    assert chunk_runs(1) == n_chunks  # without mixing, each chunk's samples come as one run
+    assert chunk_runs(4) > n_chunks + 5
+
+
+def test_batches_are_normalized_exactly(store):
+    loader = ChunkLoader(store, TRAIN, batch_size=6, shuffle=False)
+    x, y, rows = next(loader.epoch(0, with_samples=True))
+    raw = torch.from_numpy(np.stack([pattern(i) for i in rows])).to(torch.float32)
+    expected = ((raw / 255 - 0.5) / 0.25).unsqueeze(1)
+    torch.testing.assert_close(x, expected, rtol=1e-6, atol=1e-6)
+    assert float(x.min()) >= -2.0 and float(x.max()) <= 2.0
+
+
+def test_augmentation_changes_pixels_keeps_labels_and_is_reproducible(store):
+    def batches(epoch, augment=True, seed=0):
+        loader = ChunkLoader(store, TRAIN, batch_size=4, rank=1, world_size=2, seed=seed, augment=augment)
+        return list(loader.epoch(epoch, with_samples=True))
+
+    plain, aug, again = batches(0, augment=False), batches(0), batches(0)
+    for (x0, y0, s0), (x1, y1, s1), (x2, _, _) in zip(plain, aug, again, strict=True):
+        np.testing.assert_array_equal(s0, s1)  # augmentation does not change which samples come
+        torch.testing.assert_close(y0, y1, rtol=0, atol=0)
+        assert x1.shape == x0.shape and x1.dtype == torch.float32
+        assert (x1 != x0).float().mean() > 0.5
+        torch.testing.assert_close(x1, x2, rtol=0, atol=0)
+    other_epoch = batches(1)
+    assert not all(torch.equal(a[0], b[0]) for a, b in zip(aug, other_epoch, strict=True))
+
+
+def test_augmentation_with_zero_ranges_is_the_identity():
+    images = np.stack([pattern(i) for i in range(5)])
+    still = Augmentation(rotation=0, scale=0, shift=0, brightness=0, contrast=0)
+    np.testing.assert_array_equal(still.apply(images, np.random.default_rng(0)), images)
+    # a brightness-only jitter moves every pixel of a mid-gray image by the same amount
+    gray = np.full((3, SIZE, SIZE), 128, np.uint8)
+    bright = Augmentation(rotation=0, scale=0, shift=0, contrast=0, brightness=0.2).apply(
+        gray, np.random.default_rng(1)
+    )
+    assert all(len(np.unique(im)) == 1 for im in bright) and len(np.unique(bright)) == 3
+
+
+def test_thread_stops_on_break_and_on_close(store):
+    loader = ChunkLoader(store, TRAIN, batch_size=2, prefetch=2)
+    for _ in loader.epoch(0):
+        assert loader_threads()
+        break
+    assert loader_threads() == []
+    with ChunkLoader(store, TRAIN, batch_size=2, prefetch=3) as loader:
+        batches = loader.epoch(0)
+        next(batches)
+        assert loader_threads()
+    assert loader_threads() == []
+    with pytest.raises(DatasetError, match="closed"):
+        next(batches)
+    with pytest.raises(DatasetError, match="closed"):
+        next(loader.epoch(1))
+
+
+def corrupt_shard(store: Path, shard: int) -> None:
+    """Overwrite the chunk bytes of a shard, keeping its index, so that decoding fails."""
+    path = store / "image" / "c" / str(shard) / "0" / "0"
+    data = bytearray(path.read_bytes())
+    index_bytes = 16 * SHARD + 4
+    data[: len(data) - index_bytes] = b"\xff" * (len(data) - index_bytes)
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_read_error_names_the_chunk_in_the_consumer(store, prefetch):
+    corrupt_shard(store, 2)  # chunks 4 and 5
+    loader = ChunkLoader(store, np.arange(16, 28), batch_size=2, shuffle=False, prefetch=prefetch)
+    with pytest.raises(StoreError, match=r"chunk 4 \(rows 16\.\.19\)") as info:
+        for _ in loader.epoch(0):
+            pass
+    assert info.value.__cause__ is not None
+    assert loader_threads() == []
+
+
+def test_wait_s_is_measured_per_epoch(store):
+    loader = ChunkLoader(store, TRAIN, batch_size=4)
+    run(loader)
+    assert isinstance(loader.wait_s, float) and loader.wait_s > 0.0
+
+
+def test_sharded_read_fetches_one_inner_chunk(store):
+    class Recording(WrapperStore):
+        requests: list = []
+
+        async def get(self, key, prototype, byte_range=None):
+            Recording.requests.append((key, byte_range))
+            return await self._store.get(key, prototype, byte_range)
+
+    loader = ChunkLoader(zarr.open_group(Recording(LocalStore(store, read_only=True)), mode="r"), TRAIN, batch_size=2)
+    Recording.requests.clear()
+    np.testing.assert_array_equal(loader.read_chunk(5), np.stack([pattern(i) for i in range(20, 24)]))
+    keys = {key for key, _ in Recording.requests}
+    assert keys == {"image/c/2/0/0"}
+    assert all(r is not None for _, r in Recording.requests)  # byte ranges: index and one chunk, not the shard
+
+
+def test_accepts_a_dataset_with_its_source(store):
+    import xarray as xr
+
+    dataset = xr.open_zarr(store, consolidated=False)
+    loader = ChunkLoader(dataset, TRAIN, batch_size=4, shuffle=False, drop_last=False)
+    np.testing.assert_array_equal(np.concatenate(run(loader)), TRAIN)
+
+
+@pytest.mark.parametrize(
+    "samples, options, match",
+    [
+        (np.array([1, 2, 50]), {}, r"rows \[50\] are outside .* rows 0\.\.49"),
+        (np.array([3, 3, 4]), {}, r"rows \[3\] are given more than once"),
+        (np.array([6, 7, 8]), {}, r"rows \[7\] are rejected"),
+        (np.array([[1, 2]]), {}, "1-D array"),
+        (np.array([]), {}, "empty"),
+        (TRAIN, {"batch_size": 40, "world_size": 2}, "cannot fill one batch of 40 on each of 2 ranks"),
+        (TRAIN, {"rank": 2, "world_size": 2}, r"rank 2 is not in 0\.\.1"),
+        (TRAIN, {"window": 0}, "window must be a positive integer, got 0"),
+    ],
+)
+def test_bad_arguments_are_explained(store, samples, options, match):
+    with pytest.raises(DatasetError, match=match):
+        ChunkLoader(store, samples, **{"batch_size": 2, **options})
+
+
+def test_incomplete_or_foreign_store_is_refused(tmp_path):
+    with pytest.raises(StoreError, match="incomplete"):
+        ChunkLoader(write_store(tmp_path / "partial.zarr", complete=False), TRAIN, batch_size=2)
+    zarr.open_group(tmp_path / "other.zarr", mode="w")
+    with pytest.raises(StoreError, match="not a dask_dl store"):
+        ChunkLoader(tmp_path / "other.zarr", TRAIN, batch_size=2)
