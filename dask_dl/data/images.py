@@ -38,7 +38,7 @@ import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from dask_dl import config
-from dask_dl.errors import DaskDLError
+from dask_dl.errors import CatalogError, DaskDLError
 
 #: Why an image can be rejected, in the order the checks run.
 RejectReason = Literal["missing", "unreadable", "undecodable", "truncated", "too_small", "unsupported"]
@@ -169,7 +169,7 @@ def _decode_dicom(path: str, data: bytes, min_size: int) -> np.ndarray:
         raise ImageRejected("unsupported", path, f"DICOM decoding is not available ({exc})") from None
     try:
         pixels = read_pixels(io.BytesIO(data) if "://" in path else path)
-    except ImportError as exc:  # pydicom missing: MissingDependencyError says what to install
+    except (ImportError, CatalogError) as exc:  # pydicom missing; colour or multi-frame DICOM
         raise ImageRejected("unsupported", path, str(exc)) from None
     except Exception as exc:  # pydicom raises many kinds of errors for broken files
         reason = "truncated" if "truncated" in str(exc).lower() or isinstance(exc, EOFError) else "undecodable"
