@@ -343,3 +343,46 @@ def test_incomplete_or_foreign_store_is_refused(tmp_path):
     zarr.open_group(tmp_path / "other.zarr", mode="w")
     with pytest.raises(StoreError, match="not a dask_dl store"):
         ChunkLoader(tmp_path / "other.zarr", TRAIN, batch_size=2)
+
+
+def test_loads_what_dask_dl_ingest_wrote(tmp_path):
+    import pandas as pd
+    from distributed import Client, LocalCluster
+    from PIL import Image
+
+    from dask_dl.data.dataset import open_dataset
+    from dask_dl.data.ingest import ingest
+    from dask_dl.data.schema import make_catalog
+
+    n = 22
+    rows = []
+    for i in range(n):
+        path = tmp_path / f"{i:03d}.png"
+        if i != 9:  # row 9's file is missing: ingest rejects it and open_dataset drops it
+            Image.fromarray(np.full((64, 64), 10 + 11 * i, np.uint8)).save(path)
+        split = "val" if i // 2 in (3, 7) else "train"
+        rows.append({"image_id": path.name, "path": str(path), "patient_id": f"p{i // 2}", "site": "a", "split": split})
+        rows[-1].update({label: (i >> j) & 1 for j, label in enumerate(LABELS)})
+    catalog = make_catalog(pd.DataFrame(rows).astype({label: np.uint8 for label in LABELS}), LABELS)
+    store = tmp_path / "cxr.zarr"
+    # Our own cluster rather than distributed's ``client`` fixture: that fixture resets dask.config to a snapshot
+    # taken before dask_dl registered its defaults.
+    with (
+        LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+    ):
+        ingest(catalog, store, size=16, chunk=4, shard=2, client=client, progress=False)
+
+    samples = open_dataset(store, split="train").sample.values
+    expected = [i for i in range(n) if i != 9 and i // 2 not in (3, 7)]
+    np.testing.assert_array_equal(samples, expected)
+    seen = []
+    for rank in range(2):
+        loader = ChunkLoader(store, samples, batch_size=3, rank=rank, world_size=2, shuffle=False, drop_last=False)
+        assert loader.labels == LABELS and loader.image_size == 16
+        for x, y, batch in loader.epoch(0, with_samples=True):
+            pixels = ((x * 0.25 + 0.5) * 255).round().to(torch.int64).numpy()
+            np.testing.assert_array_equal(pixels, np.broadcast_to((10 + 11 * batch)[:, None, None, None], x.shape))
+            np.testing.assert_array_equal(y.numpy(), label_of(batch))
+            seen.append(batch)
+    np.testing.assert_array_equal(np.concatenate(seen), expected)
