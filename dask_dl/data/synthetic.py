@@ -1,0 +1,1054 @@
+"""Synthetic chest X-ray collections written in the NIH ChestX-ray14 on-disk layout (for the demo and the tests).
+
+:func:`synthesize` writes ``images/<patient>_<follow-up>.png``, ``Data_Entry_2017.csv`` (the 2017 original form,
+trailing comma included), ``train_val_list.txt`` and ``test_list.txt``, so every NIH reader can be exercised
+without downloading 45 GB. The images are drawn, not sampled from real ones: a chest-like background (lungs,
+mediastinum, spine, heart, ribs, clavicles, soft tissue, exposure and noise) with one visual signature per NIH
+finding, at a strength that varies per image, so a model can learn the labels but not trivially.
+
+Labels follow NIH's own statistics: combinations are drawn from :data:`_NIH_COMBINATIONS` (the real table's
+most frequent label combinations), raked so that each label keeps its real frequency, or taken straight from a
+real table (``label_source=``). Everything is a function of ``seed``: images are drawn in blocks of
+:data:`_BLOCK` rows, each block from its own ``numpy.random.SeedSequence(seed, spawn_key=(1, block))``, so the
+files are byte-identical whether the blocks run in this process or as tasks on a Dask cluster.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import os
+import string
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pandas as pd
+from PIL import Image
+from scipy import ndimage
+
+from dask_dl.data.schema import NIH_LABELS
+from dask_dl.errors import CatalogError, ConfigurationError, StoreNotFoundError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from distributed import Client
+
+__all__ = ["synthesize"]
+
+#: Header of the published 2017 ``Data_Entry_2017.csv``; its data lines end with one extra comma.
+NIH_HEADER = (
+    "Image Index,Finding Labels,Follow-up #,Patient ID,Patient Age,Patient Gender,View Position,"
+    "OriginalImage[Width,Height],OriginalImagePixelSpacing[x,y]"
+)
+NO_FINDING = "No Finding"
+_BLOCK = 64  # images per task; fixed, so that seeds (and files) do not depend on how the work is spread
+_CORRUPT_KINDS = ("truncated", "empty", "garbage")
+
+# The 150 most frequent label combinations of the real NIH table (Data_Entry_2017_v2020.csv, 112,120 rows),
+# labels in NIH order, with their image counts. They cover 109,706 rows (97.8%); the rest are rarer
+# combinations that would leave the rarest labels (Hernia, Pneumonia) under-represented, which
+# :func:`_combination_weights` corrects by raking the weights to the real per-label frequencies below.
+_NIH_COMBINATIONS: tuple[tuple[str, int], ...] = (
+    ("No Finding", 60361),
+    ("Infiltration", 9547),
+    ("Atelectasis", 4215),
+    ("Effusion", 3955),
+    ("Nodule", 2705),
+    ("Pneumothorax", 2194),
+    ("Mass", 2139),
+    ("Effusion|Infiltration", 1604),
+    ("Atelectasis|Infiltration", 1350),
+    ("Consolidation", 1310),
+    ("Atelectasis|Effusion", 1167),
+    ("Pleural_Thickening", 1126),
+    ("Cardiomegaly", 1093),
+    ("Emphysema", 892),
+    ("Infiltration|Nodule", 829),
+    ("Atelectasis|Effusion|Infiltration", 739),
+    ("Fibrosis", 727),
+    ("Edema", 628),
+    ("Cardiomegaly|Effusion", 484),
+    ("Infiltration|Consolidation", 441),
+    ("Infiltration|Mass", 420),
+    ("Effusion|Pneumothorax", 403),
+    ("Effusion|Mass", 402),
+    ("Atelectasis|Consolidation", 398),
+    ("Mass|Nodule", 396),
+    ("Infiltration|Edema", 392),
+    ("Infiltration|Pneumothorax", 347),
+    ("Pneumothorax|Emphysema", 337),
+    ("Effusion|Consolidation", 337),
+    ("Pneumonia", 322),
+    ("Effusion|Pleural_Thickening", 251),
+    ("Effusion|Nodule", 250),
+    ("Atelectasis|Pneumothorax", 241),
+    ("Infiltration|Pleural_Thickening", 210),
+    ("Cardiomegaly|Infiltration", 201),
+    ("Atelectasis|Nodule", 201),
+    ("Atelectasis|Effusion|Consolidation", 200),
+    ("Infiltration|Pneumonia", 199),
+    ("Effusion|Edema", 189),
+    ("Infiltration|Fibrosis", 185),
+    ("Mass|Pneumothorax", 179),
+    ("Atelectasis|Mass", 178),
+    ("Mass|Consolidation", 151),
+    ("Nodule|Pleural_Thickening", 141),
+    ("Infiltration|Pneumonia|Edema", 138),
+    ("Effusion|Infiltration|Consolidation", 134),
+    ("Mass|Pleural_Thickening", 132),
+    ("Nodule|Pneumothorax", 130),
+    ("Nodule|Consolidation", 128),
+    ("Effusion|Infiltration|Edema", 127),
+    ("Infiltration|Emphysema", 126),
+    ("Cardiomegaly|Effusion|Infiltration", 120),
+    ("Atelectasis|Emphysema", 117),
+    ("Atelectasis|Pleural_Thickening", 117),
+    ("Hernia", 110),
+    ("Atelectasis|Pneumonia", 108),
+    ("Effusion|Infiltration|Nodule", 106),
+    ("Atelectasis|Fibrosis", 104),
+    ("Atelectasis|Infiltration|Consolidation", 104),
+    ("Effusion|Infiltration|Mass", 99),
+    ("Atelectasis|Effusion|Pneumothorax", 99),
+    ("Effusion|Emphysema", 96),
+    ("Effusion|Infiltration|Pneumothorax", 88),
+    ("Atelectasis|Cardiomegaly", 88),
+    ("Pneumonia|Edema", 83),
+    ("Atelectasis|Effusion|Infiltration|Consolidation", 81),
+    ("Pneumothorax|Pleural_Thickening", 79),
+    ("Atelectasis|Effusion|Mass", 72),
+    ("Atelectasis|Infiltration|Pneumothorax", 72),
+    ("Infiltration|Pneumothorax|Emphysema", 72),
+    ("Effusion|Infiltration|Pleural_Thickening", 71),
+    ("Fibrosis|Pleural_Thickening", 70),
+    ("Atelectasis|Cardiomegaly|Effusion", 68),
+    ("Infiltration|Mass|Nodule", 67),
+    ("Atelectasis|Infiltration|Mass", 67),
+    ("Mass|Emphysema", 66),
+    ("Nodule|Fibrosis", 66),
+    ("Effusion|Mass|Consolidation", 65),
+    ("Effusion|Mass|Nodule", 65),
+    ("Effusion|Fibrosis", 59),
+    ("Atelectasis|Infiltration|Nodule", 57),
+    ("Atelectasis|Pneumothorax|Emphysema", 54),
+    ("Atelectasis|Cardiomegaly|Effusion|Infiltration", 54),
+    ("Effusion|Pneumonia", 54),
+    ("Consolidation|Edema", 49),
+    ("Pneumothorax|Consolidation", 49),
+    ("Atelectasis|Edema", 48),
+    ("Atelectasis|Effusion|Pleural_Thickening", 47),
+    ("Infiltration|Nodule|Consolidation", 47),
+    ("Effusion|Pneumothorax|Emphysema", 47),
+    ("Consolidation|Pleural_Thickening", 46),
+    ("Emphysema|Pleural_Thickening", 46),
+    ("Atelectasis|Infiltration|Pleural_Thickening", 45),
+    ("Atelectasis|Effusion|Infiltration|Pneumothorax", 44),
+    ("Atelectasis|Effusion|Nodule", 43),
+    ("Infiltration|Mass|Consolidation", 42),
+    ("Effusion|Infiltration|Pneumonia", 42),
+    ("Atelectasis|Effusion|Infiltration|Pleural_Thickening", 41),
+    ("Cardiomegaly|Consolidation", 40),
+    ("Atelectasis|Infiltration|Emphysema", 40),
+    ("Atelectasis|Effusion|Infiltration|Mass", 38),
+    ("Effusion|Mass|Pleural_Thickening", 38),
+    ("Atelectasis|Effusion|Mass|Consolidation", 37),
+    ("Pneumonia|Consolidation", 36),
+    ("Cardiomegaly|Edema", 35),
+    ("Atelectasis|Infiltration|Edema", 35),
+    ("Cardiomegaly|Effusion|Pleural_Thickening", 34),
+    ("Atelectasis|Infiltration|Pneumonia", 34),
+    ("Mass|Fibrosis", 34),
+    ("Effusion|Pneumothorax|Pleural_Thickening", 34),
+    ("Atelectasis|Mass|Consolidation", 34),
+    ("Effusion|Nodule|Pleural_Thickening", 31),
+    ("Infiltration|Nodule|Edema", 31),
+    ("Infiltration|Nodule|Pneumothorax", 31),
+    ("Atelectasis|Cardiomegaly|Infiltration", 31),
+    ("Mass|Pneumothorax|Emphysema", 30),
+    ("Mass|Nodule|Pleural_Thickening", 30),
+    ("Infiltration|Nodule|Pleural_Thickening", 29),
+    ("Nodule|Emphysema", 29),
+    ("Effusion|Nodule|Consolidation", 28),
+    ("Nodule|Edema", 28),
+    ("Atelectasis|Infiltration|Pneumothorax|Emphysema", 27),
+    ("Atelectasis|Effusion|Emphysema", 26),
+    ("Infiltration|Mass|Pleural_Thickening", 25),
+    ("Infiltration|Consolidation|Edema", 25),
+    ("Atelectasis|Effusion|Infiltration|Edema", 24),
+    ("Effusion|Infiltration|Emphysema", 24),
+    ("Consolidation|Fibrosis", 24),
+    ("Effusion|Mass|Pneumothorax", 24),
+    ("Mass|Nodule|Consolidation", 24),
+    ("Atelectasis|Mass|Nodule", 24),
+    ("Atelectasis|Pneumothorax|Consolidation", 23),
+    ("Infiltration|Mass|Edema", 23),
+    ("Atelectasis|Effusion|Pneumonia", 23),
+    ("Pneumothorax|Fibrosis", 23),
+    ("Cardiomegaly|Nodule", 22),
+    ("Infiltration|Pneumothorax|Pleural_Thickening", 22),
+    ("Effusion|Pneumothorax|Consolidation", 22),
+    ("Cardiomegaly|Effusion|Consolidation", 22),
+    ("Atelectasis|Effusion|Edema", 22),
+    ("Effusion|Infiltration|Mass|Nodule", 22),
+    ("Atelectasis|Effusion|Infiltration|Nodule", 21),
+    ("Effusion|Infiltration|Pneumonia|Edema", 21),
+    ("Atelectasis|Hernia", 21),
+    ("Atelectasis|Infiltration|Fibrosis", 21),
+    ("Infiltration|Pneumothorax|Consolidation", 20),
+    ("Infiltration|Consolidation|Pleural_Thickening", 20),
+    ("Nodule|Pneumothorax|Emphysema", 20),
+    ("Consolidation|Emphysema", 20),
+    ("Cardiomegaly|Emphysema", 19),
+)
+
+#: Share of the real NIH images carrying each label, in the order of NIH_LABELS (all 112,120 rows).
+_NIH_FREQUENCIES = (
+    0.10309, 0.02476, 0.11877, 0.17743, 0.05157, 0.05647, 0.01276,
+    0.04729, 0.04163, 0.02054, 0.02244, 0.01504, 0.03019, 0.00202,
+)  # fmt: skip
+#: Real NIH patients with 1, 2, ..., 30 images; the 1.6% of images belonging to patients with more are left
+#: out so that a small synthetic collection is not one patient's.
+_IMAGES_PER_PATIENT = (
+    17503, 4113, 2100, 1330, 938, 787, 608, 494, 387, 320, 281, 235, 165, 181, 121,
+    120, 91, 77, 77, 74, 68, 39, 50, 51, 45, 35, 38, 27, 25, 28,
+)  # fmt: skip
+#: Real NIH images per 5-year age bin: 0-4, 5-9, ..., 95-99.
+_AGE_HISTOGRAM = (
+    341, 1197, 2005, 3503, 6155, 6700, 8668, 7870, 9943, 11959,
+    13205, 14136, 10891, 8074, 4325, 2129, 713, 242, 63, 1,
+)  # fmt: skip
+#: The most common original detector formats: (width, height, pixel spacing in mm, share); a width of 0 means
+#: "2500-3000 pixels each way", as the many 0.143 mm images of the real table are.
+_ORIGINAL_FORMATS = (
+    (2500, 2048, 0.168, 0.33),
+    (2992, 2991, 0.143, 0.20),
+    (3056, 2544, 0.139, 0.14),
+    (0, 0, 0.143, 0.16),
+    (2500, 2048, 0.171, 0.09),
+    (2048, 2500, 0.168, 0.08),
+)
+_FOLLOW_UP_KEEP = 0.4  # chance that a follow-up image keeps the previous image's findings (patients stay ill)
+_TEST_FRACTION = 0.2  # share of patients in test_list.txt, as in NIH
+
+
+# ---- labels ------------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _combination_table() -> tuple[np.ndarray, np.ndarray]:
+    """The embedded combinations as a ``(k, 14)`` bool matrix and their probabilities ``(k,)``.
+
+    Iterative proportional fitting (one label at a time, scaling the combinations with and without it) moves
+    the truncated table's label frequencies to the real ones while keeping which labels occur together.
+    """
+    masks = np.array([[name in combo.split("|") for name in NIH_LABELS] for combo, _ in _NIH_COMBINATIONS])
+    p = np.array([count for _, count in _NIH_COMBINATIONS], dtype=np.float64)
+    p /= p.sum()
+    target = np.array(_NIH_FREQUENCIES)
+    for _ in range(100):
+        for j, t in enumerate(target):
+            has = masks[:, j]
+            f = p[has].sum()
+            p[has] *= t / f
+            p[~has] *= (1 - t) / (1 - f)
+    return masks, p / p.sum()
+
+
+def _site_label_weights(log_weights: np.ndarray | None) -> np.ndarray:
+    """Probabilities of the combinations at a site whose label ``j`` is ``exp(log_weights[j])`` times as likely."""
+    masks, p = _combination_table()
+    if log_weights is None:
+        return p
+    w = p * np.exp(masks @ log_weights[:-1] + (~masks.any(axis=1)) * log_weights[-1])
+    return w / w.sum()
+
+
+def _sample_labels(rng: np.random.Generator, n: int, *, probabilities: np.ndarray | None = None) -> np.ndarray:
+    """Draw ``n`` independent label rows ``(n, 14) uint8`` from the NIH combination table."""
+    masks, p = _combination_table()
+    if probabilities is not None:
+        p = probabilities
+    return masks[rng.choice(len(p), size=n, p=p)].astype(np.uint8)
+
+
+def _finding_labels(labels: np.ndarray) -> list[str]:
+    """``Finding Labels`` strings: the names of a row's labels in NIH order joined by ``|``, or ``No Finding``."""
+    names = np.array(NIH_LABELS)
+    return ["|".join(names[row.astype(bool)]) or NO_FINDING for row in labels]
+
+
+def _read_label_source(path: str | os.PathLike) -> pd.DataFrame:
+    """Read a real NIH table (2017 or v2020 form, ``.csv`` or ``.csv.gz``) into one row per image, by patient."""
+    if not os.path.exists(path):
+        raise StoreNotFoundError(f"label_source {os.fspath(path)!r} does not exist; pass the path of an NIH table")
+    # index_col=False: the 2017 file ends each data line with one comma more than its header has
+    table = pd.read_csv(path, index_col=False)
+    needed = ["Finding Labels", "Follow-up #", "Patient ID", "Patient Age", "Patient Gender", "View Position"]
+    missing = [c for c in needed if c not in table.columns]
+    if missing or len(table.columns) < 11:
+        raise CatalogError(
+            f"label_source {os.fspath(path)!r} is not an NIH Data_Entry table: it lacks {missing or 'the size'} "
+            f"columns (it has {list(table.columns)[:12]}); pass Data_Entry_2017.csv or Data_Entry_2017_v2020.csv"
+        )
+    dummies = table["Finding Labels"].astype(str).str.get_dummies(sep="|")
+    unknown = sorted(set(dummies.columns) - set(NIH_LABELS) - {NO_FINDING})
+    if unknown:
+        raise CatalogError(
+            f"label_source {os.fspath(path)!r} has unknown finding(s) {unknown}; the NIH findings are "
+            f"{', '.join(NIH_LABELS)} and {NO_FINDING!r}"
+        )
+    age = pd.to_numeric(table["Patient Age"].astype(str).str.extract(r"(\d+)")[0], errors="coerce")
+    size = table.iloc[:, 7:11].to_numpy()
+    out = pd.DataFrame(
+        {
+            "source_patient": table["Patient ID"].to_numpy(),
+            "follow_up": table["Follow-up #"].astype(int).to_numpy(),
+            "age": age.fillna(age.median()).clip(0, 100).astype(int).to_numpy(),
+            "sex": table["Patient Gender"].astype(str).to_numpy(),
+            "view": table["View Position"].astype(str).to_numpy(),
+            "orig_width": size[:, 0].astype(int),
+            "orig_height": size[:, 1].astype(int),
+            "spacing_x": size[:, 2].astype(float),
+            "spacing_y": size[:, 3].astype(float),
+        }
+    )
+    for name in NIH_LABELS:
+        out[name] = dummies[name].to_numpy(np.uint8) if name in dummies else np.uint8(0)
+    return out.sort_values(["source_patient", "follow_up"], kind="stable").reset_index(drop=True)
+
+
+# ---- the table -------------------------------------------------------------------------------------------
+
+
+def _site_names(sites: int | Sequence[str] | None) -> list[str] | None:
+    if sites is None:
+        return None
+    if isinstance(sites, int | np.integer) and not isinstance(sites, bool):
+        if not 1 <= sites <= 26:
+            raise ConfigurationError(f"sites={sites} is not between 1 and 26; pass a count or a list of names")
+        return [f"site-{c}" for c in string.ascii_uppercase[:sites]]
+    if isinstance(sites, str):
+        sites = sites.split(",")
+    names = [str(s).strip() for s in sites]
+    bad = [s for s in names if not s or os.sep in s or s in (".", "..", "images")]
+    if bad or len(set(names)) != len(names) or not names:
+        raise ConfigurationError(
+            f"sites={list(sites)!r} must be distinct, non-empty directory names (not 'images'); "
+            "e.g. sites=['A', 'B', 'C'] or sites=3"
+        )
+    return names
+
+
+def _site_profile(seed: int, index: int | None) -> dict:
+    """Label mix (log weights of the 14 labels and of No Finding) and exposure of a site; neutral without sites."""
+    if index is None:
+        return {"log_weights": None, "gain": 1.0, "gamma": 1.0, "noise": 1.0}
+    rng = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(2, index)))
+    return {
+        "log_weights": np.append(rng.normal(0.0, 0.8, len(NIH_LABELS)), rng.normal(0.0, 0.3)),
+        "gain": rng.uniform(0.85, 1.12),
+        "gamma": rng.uniform(0.85, 1.2),
+        "noise": rng.uniform(0.5, 2.0),
+    }
+
+
+def _spread(total: int, parts: int) -> list[int]:
+    return [total // parts + (j < total % parts) for j in range(parts)]
+
+
+def _invent_patients(rng: np.random.Generator, n: int, n_patients: int | None, profile: dict) -> pd.DataFrame:
+    """``n`` images of invented patients with NIH-like follow-up counts, ages, sexes, views and formats."""
+    pmf = np.array(_IMAGES_PER_PATIENT, dtype=np.float64)
+    pmf /= pmf.sum()
+    if n_patients is None:
+        counts = np.empty(0, dtype=np.int64)
+        while counts.sum() < n:
+            counts = np.append(counts, rng.choice(len(pmf), size=n // 3 + 1, p=pmf) + 1)
+        counts = counts[: np.searchsorted(np.cumsum(counts), n) + 1]
+        counts[-1] -= counts.sum() - n
+    else:
+        draws = rng.choice(len(pmf), size=n_patients, p=pmf).astype(np.float64)
+        counts = 1 + rng.multinomial(n - n_patients, draws / draws.sum())
+    n_pat = len(counts)
+    patient = np.repeat(np.arange(n_pat), counts)
+    follow_up = np.arange(n) - np.repeat(np.cumsum(counts) - counts, counts)
+    fresh = _sample_labels(rng, n, probabilities=_site_label_weights(profile["log_weights"]))
+    keep = (follow_up > 0) & (rng.random(n) < _FOLLOW_UP_KEEP)
+    labels = fresh[np.maximum.accumulate(np.where(keep, 0, np.arange(n)))]
+    ages = np.array(_AGE_HISTOGRAM, dtype=np.float64)
+    base_age = rng.choice(len(ages), size=n_pat, p=ages / ages.sum()) * 5 + rng.integers(0, 5, n_pat)
+    ageing = rng.uniform(0.0, 0.5, n_pat)  # years per follow-up
+    age = np.minimum(base_age[patient] + np.floor(follow_up * ageing[patient]), 99).astype(int)
+    sex = np.where(rng.random(n_pat) < 0.565, "M", "F")[patient]
+    p_ap = rng.beta(0.8, 1.2, n_pat)  # inpatients are mostly imaged AP, outpatients PA; 40% AP overall
+    view = np.where(rng.random(n) < p_ap[patient], "AP", "PA")
+    fmt = np.array(_ORIGINAL_FORMATS)
+    kind = rng.choice(len(fmt), size=n, p=fmt[:, 3] / fmt[:, 3].sum())
+    free = rng.integers(2500, 3001, size=(n, 2))
+    width = np.where(fmt[kind, 0] > 0, fmt[kind, 0], free[:, 0]).astype(int)
+    height = np.where(fmt[kind, 1] > 0, fmt[kind, 1], free[:, 1]).astype(int)
+    frame = pd.DataFrame(
+        {
+            "patient": patient,
+            "follow_up": follow_up,
+            "age": age,
+            "sex": sex,
+            "view": view,
+            "orig_width": width,
+            "orig_height": height,
+            "spacing_x": fmt[kind, 2],
+            "spacing_y": fmt[kind, 2],
+        }
+    )
+    frame[list(NIH_LABELS)] = labels
+    return frame
+
+
+def _take_patients(rng: np.random.Generator, source: pd.DataFrame, n: int, profile: dict, used: np.ndarray):
+    """``n`` images of real patients of ``source`` (whole patients, the last one cut), weighted by the site's mix."""
+    codes, first = np.unique(source["source_patient"].to_numpy(), return_index=True)
+    counts = np.diff(np.append(first, len(source)))
+    score = np.ones(len(source))
+    if profile["log_weights"] is not None:
+        labels = source[list(NIH_LABELS)].to_numpy()
+        lw = profile["log_weights"]
+        score = np.exp(labels @ lw[:-1] + (labels.sum(axis=1) == 0) * lw[-1])
+    weight = np.add.reduceat(score, first) / counts
+    # weighted sampling without replacement: sort by log-weight plus Gumbel noise
+    key = np.where(used, -np.inf, np.log(weight) + rng.gumbel(size=len(codes)))
+    order = np.argsort(-key, kind="stable")
+    order = order[~used[order]]
+    if counts[order].sum() < n:
+        raise ConfigurationError(
+            f"the label_source has {int(counts[order].sum())} images left for this site but {n} were asked; "
+            "ask for fewer images"
+        )
+    chosen = order[: np.searchsorted(np.cumsum(counts[order]), n) + 1]
+    used[chosen] = True
+    rows = np.concatenate([np.arange(first[p], first[p] + counts[p]) for p in chosen])[:n]
+    frame = source.iloc[rows].drop(columns="source_patient").reset_index(drop=True)
+    frame.insert(0, "patient", np.repeat(np.arange(len(chosen)), counts[chosen])[:n])
+    frame["follow_up"] = frame.groupby("patient").cumcount()  # renumbered: a cut patient has no gaps
+    return frame
+
+
+# ---- drawing -----------------------------------------------------------------------------------------------
+# Coordinates are normalized: x from -1 (image left, the patient's right) to 1, y from -1 (top) to 1. Pixels
+# are "density" (0 air, ~0.6 soft tissue, more for bone) until the exposure maps them to gray levels.
+
+
+@functools.lru_cache(maxsize=4)
+def _grid(size: int) -> tuple[np.ndarray, np.ndarray]:
+    c = ((np.arange(size, dtype=np.float32) + 0.5) / size * 2 - 1).astype(np.float32)
+    return np.broadcast_to(c[None, :], (size, size)), np.broadcast_to(c[:, None], (size, size))
+
+
+def _ramp(d, width: float):
+    """A soft step from 0 to 1 as ``d`` goes from ``-width/2`` to ``width/2``."""
+    return np.clip(d / width + 0.5, 0.0, 1.0)
+
+
+def _blob(chest: _Chest, x: float, y: float, r: float):
+    return np.exp(-((chest.X - x) ** 2 + (chest.Y - y) ** 2) / (r * r))
+
+
+class _Chest:
+    """One radiograph being drawn: its geometry, its density map, and the hooks findings use."""
+
+    def __init__(self, size: int, rng: np.random.Generator, view: str):
+        # the anatomy is smooth: draw it at half resolution and add only the quantum noise at full resolution
+        self.out = out = size
+        self.size = size = size if size < 128 else (size + 1) // 2
+        self.rng, self.ap = rng, view == "AP"
+        u, v = _grid(size)
+        dx, dy, rot = rng.normal(0, 0.03), rng.normal(0, 0.03), rng.normal(0, 0.03)
+        scale = rng.uniform(0.9, 1.04)
+        c, s = np.cos(rot), np.sin(rot)
+        self.X = ((c * (u - dx) + s * (v - dy)) / scale).astype(np.float32)
+        self.Y = ((-s * (u - dx) + c * (v - dy)) / scale).astype(np.float32)
+        self.midline = rng.normal(0, 0.015)
+        # per side (0: image left, 1: image right): apex, costophrenic level; AP films are shallower inspirations
+        self.top = -0.74 + rng.normal(0, 0.02, 2) + 0.04 * self.ap
+        self.base = 0.6 + rng.normal(0, 0.03, 2) - np.array([0.03, 0.0]) - 0.07 * self.ap
+        self.dome = rng.uniform(0.15, 0.21)
+        self.width = rng.uniform(0.8, 0.88) + 0.03 * self.ap
+        # heart: centre, radii, tilt; AP magnifies it (the heart is far from the detector)
+        self.heart = [self.midline + rng.uniform(0.05, 0.09), rng.uniform(0.25, 0.29), rng.uniform(0.3, 0.34),
+                      rng.uniform(0.2, 0.23)]  # fmt: skip
+        if self.ap:
+            self.heart[2:] = [r * 1.12 for r in self.heart[2:]]
+            self.heart[1] -= 0.03
+        self.lung_depth = rng.uniform(0.28, 0.36)
+        self.markings_gain = 1.0
+        self.rib_phase = rng.uniform(-0.15, 0.15)
+        self.clavicle = -0.6 + rng.normal(0, 0.02) - 0.07 * self.ap
+        self.heel = rng.uniform(-0.08, 0.08)
+        self.bubble = rng.uniform(0.3, 1.0)
+        # noise fields are drawn now, in a fixed order, so findings never shift the background's randomness
+        self.vessel_phase = rng.uniform(0, 2 * np.pi, 2)
+        self.vessel_profile = rng.standard_normal((2, 96)).astype(np.float32)
+        self.grain = rng.standard_normal((size, size), dtype=np.float32)
+        self.quantum = rng.standard_normal((out, out), dtype=np.float32)
+        self.lucency = np.zeros((size, size), np.float32)
+        self.no_markings = np.zeros((size, size), np.float32)
+
+    # -- geometry findings use ----------------------------------------------------------------------------
+    def px(self, length: float) -> float:
+        return length * self.size / 2
+
+    def lung_shape(self, t):
+        """Medial and lateral edge (distance from the midline) at relative height ``t`` (0 apex, 1 base)."""
+        medial = 0.19 - 0.09 * t
+        lateral = 0.21 + (self.width - 0.21) * np.sqrt(np.clip(t * (2 - t), 0, 1))
+        return medial, lateral
+
+    def lung_point(self, rng, *, side=None, t=(0.2, 0.8), q=(0.25, 0.8)) -> tuple[float, float, int]:
+        """A random point inside a lung: relative height ``t``, relative width ``q`` (0 medial, 1 lateral)."""
+        side = int(rng.integers(2)) if side is None else side
+        tt, qq = rng.uniform(*t), rng.uniform(*q)
+        medial, lateral = self.lung_shape(tt)
+        a = medial + qq * (lateral - medial)
+        y = self.top[side] + tt * (self.base[side] - self.top[side])
+        return self.midline + (a if side else -a), y, side
+
+    def side_mask(self, side: int):
+        return self.lung * (self.right if side else ~self.right)
+
+    # -- anatomy ------------------------------------------------------------------------------------------
+    def draw_anatomy(self) -> None:
+        X, Y = self.X, self.Y
+        self.right = np.greater(X, self.midline)
+        a = np.abs(X - self.midline)
+        self.a = a
+        top = np.where(self.right, self.top[1], self.top[0])
+        base = np.where(self.right, self.base[1], self.base[0])
+        self.t = t = np.clip((Y - top) / (base - top), 0, 1)
+        medial, lateral = self.lung_shape(t)
+        span = lateral - medial
+        self.q = q = (a - medial) / span
+        floor = base - self.dome * (1 - np.clip((q - 0.35) / 0.65, -1, 1) ** 2)
+        self.floor = floor
+        e = 0.03
+        lung = _ramp(q * span, e) * _ramp((1 - q) * span, e) * _ramp(Y - top, e) * _ramp(floor - Y, e)
+        hx, hy, rx, ry = self.heart
+        ct, st = np.cos(-0.6), np.sin(-0.6)
+        hu, hv = (X - hx) * ct - (Y - hy) * st, (X - hx) * st + (Y - hy) * ct
+        heart = _ramp(1 - np.sqrt((hu / rx) ** 2 + (hv / ry) ** 2), 0.12)
+        knob = _ramp(1 - np.hypot(X - self.midline - 0.1, Y + 0.28) / 0.06, 0.4)
+        self.lung_behind_heart = lung
+        self.lung = lung * (1 - heart) * (1 - knob)
+        self.heart_mask = heart
+        shoulder = np.clip((-0.7 - Y) / 0.3, 0, None)
+        body = _ramp(1.08 - 0.8 * shoulder**2 - a, 0.08)
+        density = body * (0.4 + 0.12 * _ramp(0.35 - a, 0.6) + 0.12 * _ramp(Y - 0.6, 0.4))
+        density += 0.1 * _ramp(0.17 - a, 0.1) * _ramp(0.45 - Y, 0.3) * (1 - heart) + 0.07 * heart
+        density -= self.lung_depth * self.lung * (1 - 0.3 * t**2)
+        # spine with vertebral bodies, trachea, hila
+        spine = _ramp(0.065 - a, 0.02)
+        density += spine * (0.05 + 0.025 * np.cos(np.pi * (Y + 1) / 0.09) ** 2) * _ramp(0.3 - Y, 0.6)
+        density -= 0.1 * _ramp(0.028 - a, 0.015) * _ramp(-0.3 - Y, 0.08)
+        hila = _blob(self, self.midline - 0.2, -0.04, 0.08) + _blob(self, self.midline + 0.19, -0.07, 0.07)
+        density += 0.12 * hila * self.lung
+        # gastric bubble under the left hemidiaphragm (image right)
+        density -= (
+            0.1
+            * self.bubble
+            * np.exp(-(((X - self.midline - 0.38) / 0.1) ** 2) - ((Y - self.base[1] - 0.02) / 0.05) ** 2)
+        )
+        density += self._bones(a)
+        self.density = density
+
+    def _bones(self, a):
+        Y = self.Y
+        cage = _ramp(self.width + 0.1 - a, 0.08) * _ramp(Y + 0.85, 0.08) * _ramp(0.6 - Y, 0.15)
+        cage = cage * _ramp(self.floor + 0.06 - Y, 0.1)
+        u = np.clip(Y + 0.35 * a - 0.85 * a**2 + 0.9, 0, None)
+        posterior = (0.5 + 0.5 * np.cos(2 * np.pi * (12 * (u / 1.5) ** 0.85 + self.rib_phase))) ** 3
+        v = Y - 0.5 * a + 0.3 * a**2
+        anterior = (0.5 + 0.5 * np.cos(2 * np.pi * (v + 0.2) / 0.14)) ** 4 * _ramp(a - 0.15, 0.1)
+        ribs = cage * (0.055 * posterior * (0.2 + 0.8 * _ramp(a - 0.15, 0.12)) + 0.025 * anterior)
+        slope = 0.13 - 0.06 * self.ap
+        s = np.clip((a - 0.06) / 0.55, 0, 1)
+        yc = self.clavicle - slope * s + 0.035 * np.sin(np.pi * s)
+        clavicles = np.exp(-(((Y - yc) / 0.036) ** 2)) * _ramp(a - 0.07, 0.04) * _ramp(0.64 - a, 0.06)
+        humerus = _ramp(1 - np.hypot(a - 1.02, Y + 0.76) / 0.2, 0.3)
+        scapula = _ramp(a - (0.6 if self.ap else 0.78), 0.08) * _ramp(-0.15 - Y, 0.2) * _ramp(Y + 0.72, 0.06)
+        return ribs + 0.13 * clavicles + 0.1 * humerus + 0.05 * scapula
+
+    def _markings(self):
+        """Vessels: lines radiating from the hila, tapering and fading towards the periphery."""
+        X, Y = self.X, self.Y
+        hx = np.where(self.right, self.midline + 0.19, self.midline - 0.2)
+        dx, dy = X - hx, Y + 0.05
+        r = np.sqrt(dx * dx + dy * dy)
+        theta = np.arctan2(dy, np.where(self.right, dx, -dx)) + 0.25 * np.sin(7 * r + self.vessel_phase[0])
+        grid = np.linspace(-np.pi, np.pi, 96, dtype=np.float32)
+        profile = np.where(
+            self.right,
+            np.interp(theta, grid, self.vessel_profile[1], period=2 * np.pi),
+            np.interp(theta, grid, self.vessel_profile[0], period=2 * np.pi),
+        )
+        width = 0.45 * np.exp(-r / 0.5)
+        vessels = np.clip(1 - np.abs(profile) / width, 0, 1) ** 2 * np.exp(-r / 0.45)
+        sigma = max(0.7, self.px(0.008))
+        fine = ndimage.gaussian_filter(self.grain, sigma)
+        fine *= 1 / (fine.std() + 1e-6)
+        fine = np.clip(1 - np.abs(fine) / 0.4, 0, 1) ** 2 * 0.4
+        return (vessels + fine * np.exp(-r / 0.6)) * self.lung * (1 - self.no_markings)
+
+    def expose(self, gain: float, gamma: float, noise: float) -> np.ndarray:
+        rng = self.rng
+        gain *= np.exp(rng.normal(0, 0.07))
+        gamma *= np.exp(rng.normal(0, 0.07))
+        density = self.density + 0.17 * self.markings_gain * self._markings() - self.lucency * self.lung
+        density = ndimage.gaussian_filter(np.clip(density, 0, None), max(0.5, self.px(0.005)))
+        level = 1.3 * gain * (1 + self.heel * self.X) * density**gamma
+        if self.out != self.size:
+            level = Image.fromarray(level.astype(np.float32))
+            level = np.asarray(level.resize((self.out, self.out), Image.Resampling.BILINEAR))
+        level = 255 * level + (1.5 + 3 * np.sqrt(np.clip(level, 0, 1))) * noise * self.quantum
+        return np.clip(np.rint(level), 0, 255).astype(np.uint8)
+
+
+def _smooth_noise(rng: np.random.Generator, size: int, cells: int) -> np.ndarray:
+    """Smooth noise of unit-ish amplitude varying over about ``size / cells`` pixels."""
+    coarse = ndimage.gaussian_filter(rng.standard_normal((cells, cells)), 0.8)
+    coarse /= coarse.std() + 1e-9
+    return ndimage.zoom(coarse, size / cells, order=1, grid_mode=True, mode="nearest").astype(np.float32)
+
+
+def _cardiomegaly(chest: _Chest, rng, st) -> None:  # before the anatomy: the heart itself grows
+    chest.heart[2] *= 1.25 + 0.3 * st
+    chest.heart[3] *= 1.08 + 0.12 * st
+    chest.heart[0] += 0.03 * st
+
+
+def _emphysema(chest: _Chest, rng, st) -> None:  # before the anatomy: hyperinflated, hyperlucent, flat domes
+    chest.lung_depth *= 1.2 + 0.25 * st
+    chest.markings_gain *= 0.7 - 0.4 * st
+    chest.base = chest.base + 0.06 * st
+    chest.dome *= 0.5
+
+
+def _nodule(chest: _Chest, rng, st) -> None:
+    x, y, _ = chest.lung_point(rng)
+    r = rng.uniform(0.022, 0.04)
+    chest.density += (0.1 + 0.2 * st) * _ramp(1 - np.hypot(chest.X - x, chest.Y - y) / r, 0.5)
+
+
+def _mass(chest: _Chest, rng, st) -> None:
+    x, y, _ = chest.lung_point(rng, t=(0.25, 0.7), q=(0.3, 0.7))
+    r = rng.uniform(0.07, 0.12)
+    dx, dy = chest.X - x, chest.Y - y
+    theta, phase = np.arctan2(dy, dx), rng.uniform(0, 2 * np.pi, 2)
+    lobes = 1 + 0.12 * np.sin(3 * theta + phase[0]) + 0.08 * np.sin(5 * theta + phase[1])
+    chest.density += (0.12 + 0.22 * st) * _ramp(1 - np.hypot(dx, dy) / (r * lobes), 0.35)
+
+
+def _sides(rng, both: float) -> list[int]:
+    return [0, 1] if rng.random() < both else [int(rng.integers(2))]
+
+
+def _effusion(chest: _Chest, rng, st) -> None:
+    """Fluid at the base, its surface rising against the chest wall (meniscus), blunting the angle."""
+    for side in _sides(rng, 0.4):
+        height = (0.1 + 0.25 * st * rng.uniform(0.6, 1.0)) * (chest.base[side] - chest.top[side])
+        level = chest.base[side] - height - 0.14 * np.clip(chest.q, 0, 1) ** 2
+        region = (chest.right == side) * _ramp(chest.q + 0.05, 0.1) * _ramp(1.03 - chest.q, 0.06)
+        region = region * _ramp(chest.Y - level, 0.05) * _ramp(chest.base[side] + 0.02 - chest.Y, 0.04)
+        fluid = (0.55 + 0.4 * st) * (0.7 + 0.3 * _ramp(chest.Y - level - 0.1, 0.2))
+        chest.density += chest.lung_depth * fluid * region * chest.lung
+        chest.no_markings = np.maximum(chest.no_markings, region)
+
+
+def _pneumothorax(chest: _Chest, rng, st) -> None:
+    """Air between lung and chest wall at the apex and side: darker, no vessels, a thin visceral pleural line."""
+    side = int(rng.integers(2))
+    depth = 0.05 + 0.1 * st
+    span = chest.lung_shape(chest.t)[1] - chest.lung_shape(chest.t)[0]
+    top = chest.top[side]
+    edge = np.minimum((1 - chest.q) * span, (chest.Y - top) * 0.8)
+    upper = (chest.right == side) * _ramp(0.75 - chest.t, 0.2)
+    region = chest.lung * upper * _ramp(depth - edge, 0.01)
+    chest.no_markings = np.maximum(chest.no_markings, region)
+    chest.lucency += (0.05 + 0.08 * st) * region
+    chest.density += 0.06 * np.exp(-(((edge - depth) / 0.006) ** 2)) * chest.lung * upper
+
+
+def _atelectasis(chest: _Chest, rng, st) -> None:
+    """A dense band (plate atelectasis), widening into a wedge towards one end."""
+    x, y, _ = chest.lung_point(rng, t=(0.55, 0.85), q=(0.25, 0.75))
+    angle, length = rng.uniform(-0.4, 0.4), rng.uniform(0.18, 0.32)
+    thick, wedge = rng.uniform(0.012, 0.025) * (0.7 + 0.6 * st), rng.uniform(0, 1.5)
+    dx, dy = chest.X - x, chest.Y - y
+    along, across = dx * np.cos(angle) + dy * np.sin(angle), -dx * np.sin(angle) + dy * np.cos(angle)
+    width = thick * (1 + wedge * np.clip(along / length + 0.5, 0, 1))
+    band = np.exp(-((across / width) ** 2)) * _ramp(length / 2 - np.abs(along), 0.04)
+    chest.density += (0.14 + 0.2 * st) * band * (0.3 + 0.7 * chest.lung)
+
+
+def _infiltration(chest: _Chest, rng, st) -> None:
+    patches = _ramp(_smooth_noise(rng, chest.size, 12) - rng.uniform(0.2, 0.7), 0.8)
+    zone = _ramp(chest.t - rng.uniform(0.1, 0.5), 0.3)
+    lungs = sum(chest.side_mask(side) for side in _sides(rng, 0.5))
+    chest.density += (0.08 + 0.14 * st) * patches * zone * lungs
+
+
+def _consolidation(chest: _Chest, rng, st) -> None:
+    """Dense opacity filling a lobe: everything below (or above) an oblique fissure in one lung."""
+    side, upper = int(rng.integers(2)), rng.random() < 0.4
+    fissure = chest.top[side] + rng.uniform(0.4, 0.6) * (chest.base[side] - chest.top[side]) - 0.25 * (chest.q - 0.5)
+    lobe = _ramp((fissure - chest.Y) if upper else (chest.Y - fissure), 0.06)
+    texture = 0.8 + 0.2 * _smooth_noise(rng, chest.size, 10)
+    chest.density += (0.15 + 0.22 * st) * chest.side_mask(side) * lobe * texture
+
+
+def _edema(chest: _Chest, rng, st) -> None:
+    """Bilateral perihilar ("bat wing") haze plus a few Kerley B lines at the bases."""
+    haze = np.exp(-(((chest.a - 0.24) / 0.22) ** 2) - ((chest.Y + 0.02) / 0.32) ** 2)
+    kerley = (0.5 + 0.5 * np.cos(2 * np.pi * chest.Y / 0.035)) ** 8 * _ramp(chest.q - 0.82, 0.1)
+    kerley = kerley * _ramp(chest.t - 0.6, 0.2)
+    chest.density += ((0.1 + 0.16 * st) * haze + 0.06 * st * kerley) * chest.lung
+
+
+def _fibrosis(chest: _Chest, rng, st) -> None:
+    """Reticular lines, peripheral and basal."""
+    field = ndimage.gaussian_filter(rng.standard_normal((chest.size, chest.size)), max(1.0, chest.px(0.022)))
+    net = np.clip(1 - np.abs(field / (field.std() + 1e-9)) / 0.3, 0, 1) ** 2
+    zone = _ramp(chest.q - 0.35, 0.4) * _ramp(chest.t - 0.3, 0.4)
+    chest.density += (0.1 + 0.14 * st) * net * zone * chest.lung
+
+
+def _pleural_thickening(chest: _Chest, rng, st) -> None:
+    """A bright rim along the inside of the chest wall (or an apical cap)."""
+    medial, lateral = chest.lung_shape(chest.t)
+    inside = (1 - chest.q) * (lateral - medial)  # distance from the lateral lung edge
+    for side in _sides(rng, 0.3):
+        t0 = rng.uniform(0.0, 0.5)
+        thick = 0.018 + 0.025 * st
+        along = _ramp(chest.t - t0, 0.1) * _ramp(t0 + 0.45 - chest.t, 0.1)
+        rim = (chest.right == side) * _ramp(thick - inside, 0.012) * _ramp(inside + 0.01, 0.02) * along
+        chest.density += (0.12 + 0.2 * st) * rim * _ramp(chest.Y - chest.top[side] + 0.01, 0.03)
+
+
+def _hernia(chest: _Chest, rng, st) -> None:
+    """A hiatus hernia: a rounded opacity behind the heart at the base, often with an air-fluid level."""
+    x = chest.midline + rng.normal(0, 0.04)
+    y = chest.heart[1] + 0.6 * chest.heart[3]
+    r = rng.uniform(0.08, 0.12) * (0.8 + 0.3 * st)
+    disc = _ramp(1 - np.hypot(chest.X - x, chest.Y - y) / r, 0.25)
+    chest.density += (0.05 + 0.07 * st) * disc
+    if rng.random() < 0.6:
+        chest.density -= 0.06 * disc * _ramp(y - 0.25 * r - chest.Y, 0.02)
+
+
+def _pneumonia(chest: _Chest, rng, st) -> None:
+    """Focal haze around a denser consolidated core."""
+    x, y, side = chest.lung_point(rng, t=(0.35, 0.8), q=(0.3, 0.8))
+    r = rng.uniform(0.1, 0.16)
+    d = np.hypot(chest.X - x, chest.Y - y)
+    haze = np.exp(-((d / r) ** 2)) * (0.75 + 0.25 * _smooth_noise(rng, chest.size, 16))
+    core = _ramp(1 - d / (0.45 * r), 0.5)
+    chest.density += ((0.08 + 0.1 * st) * haze + (0.08 + 0.14 * st) * core) * (0.2 + 0.8 * chest.side_mask(side))
+
+
+_FINDINGS = {
+    "Atelectasis": _atelectasis,
+    "Cardiomegaly": _cardiomegaly,
+    "Effusion": _effusion,
+    "Infiltration": _infiltration,
+    "Mass": _mass,
+    "Nodule": _nodule,
+    "Pneumonia": _pneumonia,
+    "Pneumothorax": _pneumothorax,
+    "Consolidation": _consolidation,
+    "Edema": _edema,
+    "Emphysema": _emphysema,
+    "Fibrosis": _fibrosis,
+    "Pleural_Thickening": _pleural_thickening,
+    "Hernia": _hernia,
+}
+_SHAPE_FINDINGS = ("Cardiomegaly", "Emphysema")  # change the anatomy itself, so they act before it is drawn
+
+
+def _draw(
+    size: int,
+    labels: np.ndarray | Sequence[str],
+    *,
+    seed: int = 0,
+    key: tuple[int, ...] = (),
+    view: str = "PA",
+    gain: float = 1.0,
+    gamma: float = 1.0,
+    noise: float = 1.0,
+) -> np.ndarray:
+    """Draw one radiograph ``(size, size) uint8`` with the given findings (a 0/1 row or a list of names).
+
+    The background comes from ``SeedSequence(seed, spawn_key=(*key, 0))`` and finding ``j`` from
+    ``(*key, 1 + j)``, so the same seed and key give the same chest with or without any finding.
+    """
+    names = labels if not isinstance(labels, np.ndarray) else [n for n, v in zip(NIH_LABELS, labels, strict=True) if v]
+    present = [name in names for name in NIH_LABELS]
+    chest = _Chest(size, np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(*key, 0))), view)
+    findings = []
+    for j, name in enumerate(NIH_LABELS):
+        if present[j]:
+            rng = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(*key, 1 + j)))
+            findings.append((name, rng, rng.uniform(0.35, 1.0)))
+    for name, rng, strength in findings:
+        if name in _SHAPE_FINDINGS:
+            _FINDINGS[name](chest, rng, strength)
+    chest.draw_anatomy()
+    for name, rng, strength in findings:
+        if name not in _SHAPE_FINDINGS:
+            _FINDINGS[name](chest, rng, strength)
+    return chest.expose(gain, gamma, noise)
+
+
+def _plan(
+    root: str,
+    n_images: int,
+    *,
+    seed: int,
+    n_patients: int | None,
+    label_source: str | os.PathLike | None,
+    sites: list[str] | None,
+    rgba_fraction: float,
+    corrupt_fraction: float,
+) -> pd.DataFrame:
+    """The whole table, every decision but the pixels: patients, labels, splits, files, RGBA and corrupt rows."""
+    rng = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(0,)))
+    source = _read_label_source(label_source) if label_source is not None else None
+    used = np.zeros(source["source_patient"].nunique() if source is not None else 0, dtype=bool)
+    names = sites or [None]
+    images = _spread(n_images, len(names))
+    patients = _spread(n_patients, len(names)) if n_patients is not None else [None] * len(names)
+    frames, next_patient = [], 1
+    for index, name in enumerate(names):
+        profile = _site_profile(seed, None if sites is None else index)
+        if source is None:
+            frame = _invent_patients(rng, images[index], patients[index], profile)
+        else:
+            frame = _take_patients(rng, source, images[index], profile, used)
+        n_pat = int(frame["patient"].max()) + 1
+        test = np.zeros(n_pat, dtype=bool)
+        n_test = max(1, round(_TEST_FRACTION * n_pat)) if n_pat > 1 else 0
+        test[rng.permutation(n_pat)[:n_test]] = True
+        frame["split"] = np.where(test[frame["patient"]], "test", "train_val")
+        frame["patient"] += next_patient
+        next_patient += n_pat
+        site_root = root if name is None else os.path.join(root, name)
+        frame["site"] = "" if name is None else name
+        frame["site_root"] = site_root
+        for key in ("gain", "gamma", "noise"):
+            frame[key] = profile[key]
+        frames.append(frame)
+    table = pd.concat(frames, ignore_index=True)
+    if next_patient > 10**8:  # pragma: no cover - 100 million patients
+        raise ConfigurationError("more than 99,999,999 patients do not fit NIH's 8-digit patient ids")
+    table["image_id"] = [f"{p:08d}_{f:03d}.png" for p, f in zip(table["patient"], table["follow_up"], strict=True)]
+    table["path"] = [os.path.join(r, "images", i) for r, i in zip(table["site_root"], table["image_id"], strict=True)]
+    n = len(table)
+    order = rng.permutation(n)
+    n_corrupt = round(corrupt_fraction * n)
+    n_rgba = min(round(rgba_fraction * n), n - n_corrupt)
+    kind = np.full(n, "", dtype=object)
+    kind[order[:n_corrupt]] = rng.choice(_CORRUPT_KINDS, size=n_corrupt)
+    rgba = np.zeros(n, dtype=bool)
+    rgba[order[n_corrupt : n_corrupt + n_rgba]] = True
+    table["rgba"] = rgba
+    table["corrupt"] = kind != ""
+    table["corrupt_kind"] = kind.astype(str)
+    table["finding_labels"] = _finding_labels(table[list(NIH_LABELS)].to_numpy())
+    return table
+
+
+def _write_tables(table: pd.DataFrame) -> None:
+    """Write ``Data_Entry_2017.csv`` and the two split lists of every site root."""
+    for site_root, frame in table.groupby("site_root", sort=False):
+        os.makedirs(os.path.join(site_root, "images"), exist_ok=True)
+        lines = [NIH_HEADER]
+        for row in frame.itertuples(index=False):
+            lines.append(
+                f"{row.image_id},{row.finding_labels},{row.follow_up},{row.patient},{row.age},{row.sex},"
+                f"{row.view},{row.orig_width},{row.orig_height},{row.spacing_x:g},{row.spacing_y:g},"
+            )
+        with open(os.path.join(site_root, "Data_Entry_2017.csv"), "w", newline="") as f:
+            f.write("\n".join(lines) + "\n")
+        for split, fn in (("train_val", "train_val_list.txt"), ("test", "test_list.txt")):
+            ids = sorted(frame.loc[frame["split"] == split, "image_id"])
+            with open(os.path.join(site_root, fn), "w", newline="") as f:
+                f.write("".join(i + "\n" for i in ids))
+
+
+_BLOCK_COLUMNS = ("path", "view", "gain", "gamma", "noise", "rgba", "corrupt_kind", *NIH_LABELS)
+
+
+def _write_block(rows: pd.DataFrame, *, size: int, seed: int, block: int) -> int:
+    """Draw and write the PNGs of one block of rows; every image's randomness comes from ``(seed, block, i)``."""
+    labels = rows[list(NIH_LABELS)].to_numpy().astype(bool)
+    for i, row in enumerate(rows.itertuples(index=False)):
+        key = (1, block, i)
+        pixels = _draw(size, labels[i], seed=seed, key=key, view=row.view, gain=row.gain, gamma=row.gamma,
+                       noise=row.noise)  # fmt: skip
+        _save_png(row.path, pixels, rgba=row.rgba, corrupt=row.corrupt_kind, seed=seed, key=key)
+    return len(rows)
+
+
+def _save_png(path: str, pixels: np.ndarray, *, rgba: bool, corrupt: str, seed: int, key: tuple) -> None:
+    if rgba:  # NIH's RGBA files are gray images with an opaque alpha channel
+        image = Image.fromarray(np.dstack([pixels, pixels, pixels, np.full_like(pixels, 255)]))
+    else:
+        image = Image.fromarray(pixels)
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG", compress_level=1)  # noise compresses badly anyway; level 1 is 3x faster
+    data = buffer.getvalue()
+    if corrupt == "truncated":  # the header survives, so it opens but fails to decode
+        data = data[: len(data) // 2]
+    elif corrupt == "empty":
+        data = b""
+    elif corrupt == "garbage":
+        rng = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(*key, 99)))
+        data = b"garbage\x00" + rng.bytes(int(rng.integers(100, 2000)))
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def synthesize(
+    root: str | os.PathLike,
+    *,
+    n_images: int = 1000,
+    size: int = 256,
+    seed: int = 0,
+    n_patients: int | None = None,
+    label_source: str | os.PathLike | None = None,
+    sites: int | Sequence[str] | None = None,
+    rgba_fraction: float = 0.0,
+    corrupt_fraction: float = 0.0,
+    client: Client | None = None,
+    progress: bool = False,
+) -> pd.DataFrame:
+    """Write a synthetic chest X-ray collection in the NIH ChestX-ray14 on-disk layout.
+
+    ``root/images/<8-digit patient>_<3-digit follow-up>.png`` (8-bit grayscale, ``size`` x ``size``),
+    ``root/Data_Entry_2017.csv`` in the published 2017 form (its header, and one trailing comma on every data
+    line), ``root/train_val_list.txt`` and ``root/test_list.txt`` (about 20% of the patients in test). With
+    ``sites`` each site is a complete NIH root of its own, ``root/<site>/...``. The same arguments write
+    byte-identical files, with or without a Dask ``client``.
+
+    Parameters
+    ----------
+    root
+        Directory to write into (created if needed; files already there are overwritten).
+    n_images
+        Number of images, over all sites together.
+    size
+        Side of the square images in pixels, at least 64.
+    seed
+        Seed of everything: patients, labels, splits and pixels.
+    n_patients
+        Number of patients; default: as many as NIH-like follow-up counts give (about 2.9 images each).
+    label_source
+        A real NIH table (``Data_Entry_2017.csv`` or ``_v2020.csv``, may be gzipped) whose patients are taken
+        whole: their labels, ages, sexes, views, image formats and follow-up counts (patient ids renumbered).
+        Default: label combinations drawn from the real table's frequencies, embedded in this module.
+    sites
+        A number of sites (named ``site-A``, ``site-B``, ...) or a list of site names. Patients belong to one
+        site; each site has its own label mix and exposure (gain, contrast, noise).
+    rgba_fraction
+        Share of the images saved as RGBA PNGs, as some NIH images are.
+    corrupt_fraction
+        Share of the images written corrupt (truncated PNG, empty file or garbage bytes) but listed as usual.
+    client
+        Dask client to draw the images on, one task per block of 64 images (the workers must see ``root``).
+        Default: draw them in this process.
+    progress
+        Show a progress bar.
+
+    Returns
+    -------
+    pandas.DataFrame
+        One row per image, in table order: ``image_id``, ``path``, ``patient_id`` (8 digits), ``site`` (``""`` without
+        sites), ``split`` (``train_val`` or ``test``, as the list files say), ``follow_up``, ``age``, ``sex``,
+        ``view``, ``orig_width``, ``orig_height``, ``spacing_x``, ``spacing_y``, ``finding_labels``, one uint8
+        column per NIH label, ``rgba``, ``corrupt`` and ``corrupt_kind``.
+
+    Raises
+    ------
+    ConfigurationError
+        For a size under 64, a share outside [0, 1], fewer images than sites or patients, bad site names.
+    StoreNotFoundError, CatalogError
+        When ``label_source`` does not exist or is not an NIH table.
+
+    Examples
+    --------
+    >>> import tempfile
+    >>> table = synthesize(tempfile.mkdtemp(), n_images=8, size=64, seed=1)
+    >>> len(table), table["image_id"].iloc[0]
+    (8, '00000001_000.png')
+    """
+    _check_options(n_images, size, n_patients, rgba_fraction, corrupt_fraction)
+    root = os.path.abspath(os.fspath(root))
+    names = _site_names(sites)
+    if n_images < len(names or [None]) or (n_patients is not None and n_patients < len(names or [None])):
+        raise ConfigurationError(f"{n_images} images or {n_patients} patients cannot fill {len(names)} sites")
+    table = _plan(
+        root, n_images, seed=seed, n_patients=n_patients, label_source=label_source, sites=names,
+        rgba_fraction=rgba_fraction, corrupt_fraction=corrupt_fraction,
+    )  # fmt: skip
+    _write_tables(table)
+    blocks = [table.iloc[start : start + _BLOCK][list(_BLOCK_COLUMNS)] for start in range(0, len(table), _BLOCK)]
+    _run_blocks(blocks, size=size, seed=seed, client=client, progress=progress)
+    return _result(table)
+
+
+def _check_options(n_images, size, n_patients, rgba_fraction, corrupt_fraction) -> None:
+    if int(n_images) != n_images or n_images < 1:
+        raise ConfigurationError(f"n_images={n_images!r} must be a positive integer, e.g. n_images=1000")
+    if int(size) != size or size < 64:
+        raise ConfigurationError(f"size={size!r} is too small: images are at least 64 pixels wide, e.g. size=256")
+    if n_patients is not None and not 1 <= n_patients <= n_images:
+        raise ConfigurationError(
+            f"n_patients={n_patients!r} must be between 1 and n_images={n_images}; every patient has an image"
+        )
+    for name, value in (("rgba_fraction", rgba_fraction), ("corrupt_fraction", corrupt_fraction)):
+        if not 0.0 <= value <= 1.0:
+            raise ConfigurationError(f"{name}={value!r} is a share of the images: pass a value in [0, 1]")
+
+
+def _run_blocks(blocks: list[pd.DataFrame], *, size: int, seed: int, client, progress: bool) -> None:
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=sum(len(b) for b in blocks), desc="synthesize", unit="image")
+    if client is None:
+        for block, rows in enumerate(blocks):
+            done = _write_block(rows, size=size, seed=seed, block=block)
+            if bar is not None:
+                bar.update(done)
+    else:
+        from distributed import as_completed
+
+        futures = [
+            client.submit(_write_block, rows, size=size, seed=seed, block=block, pure=False)
+            for block, rows in enumerate(blocks)
+        ]
+        for future in as_completed(futures):
+            done = future.result()  # re-raises a task's error here
+            if bar is not None:
+                bar.update(done)
+    if bar is not None:
+        bar.close()
+
+
+def _result(table: pd.DataFrame) -> pd.DataFrame:
+    out = table.rename(columns={"patient": "patient_id"})
+    out["patient_id"] = [f"{p:08d}" for p in out["patient_id"]]  # as read_nih spells them
+    columns = [
+        "image_id", "path", "patient_id", "site", "split", "follow_up", "age", "sex", "view", "orig_width",
+        "orig_height", "spacing_x", "spacing_y", "finding_labels", *NIH_LABELS, "rgba", "corrupt", "corrupt_kind",
+    ]  # fmt: skip
+    out = out[columns].reset_index(drop=True)
+    out.attrs = {"labels": list(NIH_LABELS), "task": "multilabel"}
+    return out
