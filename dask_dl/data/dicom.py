@@ -197,7 +197,7 @@ def _labels_from_csv(path: Path, frame: pd.DataFrame, labels: Sequence[str] | No
         )
     position = pd.Series(np.arange(len(table)), index=table[key])
     row = frame["sop_uid"].map(position)
-    for candidate in (frame["file_name"], frame["image_id"]):
+    for candidate in (frame["file_name"], frame["relative"]):
         row = row.fillna(candidate.map(position))
     if row.isna().any():
         missing = list(frame.loc[row.isna(), "file_name"][:5])
@@ -291,6 +291,7 @@ def read_dicom(
     frame = pd.DataFrame([read_header(str(p)) for p in files])
     relative = pd.Series([p.relative_to(root).as_posix() for p in files])
     frame["file_name"] = [p.name for p in files]
+    frame["relative"] = relative
     if id_from == "uid":
         no_uid = frame["sop_uid"] == ""
         if no_uid.any():

@@ -74,6 +74,11 @@ def _rows(mask: pd.Series | np.ndarray, limit: int = 5) -> str:
     return shown + (f" and {len(idx) - limit} more" if len(idx) > limit else "")
 
 
+def _show(value: object) -> str:
+    """repr of a table value as the user wrote it: ``2``, not ``np.int64(2)``."""
+    return repr(value.item() if isinstance(value, np.generic) else value)
+
+
 def validate_catalog(catalog: pd.DataFrame) -> pd.DataFrame:
     """Check ``catalog`` against the canonical schema and return it with canonical dtypes.
 
@@ -91,6 +96,17 @@ def validate_catalog(catalog: pd.DataFrame) -> pd.DataFrame:
             f"the catalog lacks the column(s) {missing}; it has {list(catalog.columns)}. "
             "Read collections with dask_dl.read_catalog(...) or add the columns."
         )
+    if len(set(labels)) != len(labels):
+        twice = sorted({label for label in labels if labels.count(label) > 1})
+        raise CatalogError(f"catalog.attrs['labels'] names {twice} more than once; each label names one column")
+    for col in REQUIRED_COLUMNS:
+        values = catalog[col]
+        blank = values.isna() | (values.astype(str).str.strip() == "")
+        if blank.any():
+            raise CatalogError(
+                f"column {col!r} is empty in rows {_rows(blank)}; every image needs a value there: "
+                "fill it in or drop those rows"
+            )
     task = task_of(catalog)
     if task not in TASKS:
         raise CatalogError(f"catalog.attrs['task'] is {task!r}; use one of {list(TASKS)}")
@@ -98,23 +114,24 @@ def validate_catalog(catalog: pd.DataFrame) -> pd.DataFrame:
     if dup.any():
         first = catalog.loc[dup, "image_id"].iloc[0]
         raise CatalogError(
-            f"image_id {first!r} appears more than once (rows {_rows(dup)}); image ids must be unique: "
+            f"image_id {_show(first)} appears more than once (rows {_rows(dup)}); image ids must be unique: "
             "drop the duplicates, e.g. catalog.drop_duplicates('image_id')"
         )
     bad_split = ~catalog["split"].isin(SPLITS)
     if bad_split.any():
         value = catalog.loc[bad_split, "split"].iloc[0]
         raise CatalogError(
-            f"split {value!r} in rows {_rows(bad_split)} is not one of {list(SPLITS)}; "
+            f"split {_show(value)} in rows {_rows(bad_split)} is not one of {list(SPLITS)}; "
             "map it, e.g. catalog['split'] = catalog['split'].replace({'valid': 'val'})"
         )
-    n_splits = catalog.groupby("patient_id", observed=True)["split"].nunique()
+    # Compare patients as strings, the form they are stored in: 1 and "1" are one patient.
+    n_splits = catalog["split"].groupby(catalog["patient_id"].astype(str), observed=True).nunique()
     leaking = n_splits[n_splits > 1]
     if len(leaking):
         pid = leaking.index[0]
-        rows = catalog["patient_id"] == pid
+        rows = catalog["patient_id"].astype(str) == pid
         raise CatalogError(
-            f"patient {pid!r} is in more than one split ({sorted(catalog.loc[rows, 'split'].unique())}, "
+            f"patient {_show(pid)} is in more than one split ({sorted(catalog.loc[rows, 'split'].unique())}, "
             f"rows {_rows(rows)}) and {len(leaking) - 1} more patients too; a patient must stay in one split. "
             "Re-split by patient with dask_dl.data.catalog.split_by_patient(catalog)"
         )
@@ -127,7 +144,7 @@ def validate_catalog(catalog: pd.DataFrame) -> pd.DataFrame:
         if bad.any():
             raise CatalogError(
                 f"label column {label!r} has values other than 0/1 in rows {_rows(bad)} "
-                f"(e.g. {out.loc[bad, label].iloc[0]!r}); labels are 0 or 1"
+                f"(e.g. {_show(out.loc[bad, label].iloc[0])}); labels are 0 or 1"
             )
         out[label] = values.astype(np.uint8)
     if task == "multiclass" and len(out):
@@ -163,12 +180,17 @@ def read_parquet_catalog(path: str, *, labels: Sequence[str] | None = None, task
 
     ``labels`` and ``task`` are needed only for Parquet files that dask_dl did not write.
     """
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
         table = pq.read_table(path)
     except FileNotFoundError:
-        raise StoreNotFoundError(f"no Parquet catalog at {path!r}") from None
+        raise StoreNotFoundError(f"no Parquet catalog at {str(path)!r}") from None
+    except pa.ArrowInvalid as exc:
+        raise CatalogError(
+            f"{str(path)!r} is not a Parquet file ({exc}); write catalogs with dask_dl.write_catalog"
+        ) from None
     catalog = table.to_pandas()
     meta = (table.schema.metadata or {}).get(_META_KEY)
     attrs = json.loads(meta) if meta else {}

@@ -1,0 +1,326 @@
+"""DICOM pixels and headers (dask_dl.data.dicom) on the two real chest X-ray DICOMs and on files written here."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pydicom
+import pytest
+from pydicom.dataset import Dataset, FileMetaDataset
+from pydicom.uid import ExplicitVRLittleEndian, SecondaryCaptureImageStorage, generate_uid
+
+from dask_dl.data.dicom import is_dicom_file, read_dicom, read_header, read_pixels
+from dask_dl.data.schema import NIH_LABELS
+from dask_dl.errors import CatalogError, ConfigurationError, MissingDependencyError, StoreNotFoundError
+
+MONO2 = "1.2.276.0.7230010.3.1.4.8323329.6904.1517875201.850819.dcm"
+MONO1 = "Fake_MONOHR1.dcm"
+
+
+def write_dicom(
+    path: Path,
+    pixels: np.ndarray,
+    *,
+    bits: int = 12,
+    photometric: str = "MONOCHROME2",
+    uid: str | None = None,
+    patient: str | None = "P1",
+    **elements,
+) -> str:
+    """Write ``pixels`` as an uncompressed single-frame DICOM; ``elements`` are extra header keywords."""
+    uid = uid or generate_uid()
+    meta = FileMetaDataset()
+    meta.MediaStorageSOPClassUID = SecondaryCaptureImageStorage
+    meta.MediaStorageSOPInstanceUID = uid
+    meta.TransferSyntaxUID = ExplicitVRLittleEndian
+    ds = Dataset()
+    ds.file_meta = meta
+    ds.SOPClassUID = SecondaryCaptureImageStorage
+    ds.SOPInstanceUID = uid
+    if patient is not None:
+        ds.PatientID = patient
+    ds.Modality = "CR"
+    ds.SamplesPerPixel = 1
+    ds.PhotometricInterpretation = photometric
+    ds.Rows, ds.Columns = pixels.shape
+    ds.BitsAllocated = 16 if bits > 8 else 8
+    ds.BitsStored = bits
+    ds.HighBit = bits - 1
+    signed = pixels.dtype.kind == "i"
+    ds.PixelRepresentation = int(signed)
+    dtype = {(16, False): "<u2", (16, True): "<i2", (8, False): "u1", (8, True): "i1"}[(ds.BitsAllocated, signed)]
+    ds.PixelData = pixels.astype(dtype).tobytes()
+    for key, value in elements.items():
+        setattr(ds, key, value)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ds.save_as(path, enforce_file_format=True)
+    return uid
+
+
+@pytest.fixture
+def ramp12() -> np.ndarray:
+    """A 12-bit image covering 0..4095 with a few repeats, 48 x 96."""
+    return (np.arange(48 * 96).reshape(48, 96) % 4096).astype(np.uint16)
+
+
+# ---- the real files ---------------------------------------------------------------------------------------
+
+
+def test_real_monochrome2_is_min_max_scaled(shared_data):
+    path = shared_data / "dicom" / MONO2
+    raw = pydicom.dcmread(path).pixel_array  # 8-bit JPEG baseline, no VOI LUT or window
+    image = read_pixels(str(path))
+    assert image.dtype == np.uint8 and image.shape == (1024, 1024)
+    assert (image.min(), image.max()) == (0, 255)
+    assert (raw.min(), raw.max()) == (0, 254)
+    expected = np.rint((raw.astype(np.float64) - 0) * 255.0 / 254.0).astype(np.uint8)
+    np.testing.assert_array_equal(image, expected)
+
+
+def test_real_monochrome1_is_inverted(shared_data):
+    mono1 = pydicom.dcmread(shared_data / "dicom" / MONO1)
+    assert mono1.PhotometricInterpretation == "MONOCHROME1"
+    raw = mono1.pixel_array.astype(np.float64)
+    image = read_pixels(str(shared_data / "dicom" / MONO1))
+    assert image.dtype == np.uint8 and image.shape == (1024, 1024)
+    expected = 255 - np.rint((raw - raw.min()) * 255.0 / (raw.max() - raw.min())).astype(np.uint8)
+    np.testing.assert_array_equal(image, expected)
+    # The two files hold the same pixel data, so together they add up to white everywhere.
+    other = read_pixels(str(shared_data / "dicom" / MONO2))
+    np.testing.assert_array_equal(image.astype(int) + other.astype(int), np.full((1024, 1024), 255))
+    assert image.mean() < 128 < other.mean()  # lungs dark in MONOCHROME2, bright when inverted
+
+
+def test_real_headers(shared_data):
+    header = read_header(str(shared_data / "dicom" / MONO2))
+    assert header == {
+        "sop_uid": "1.2.276.0.7230010.3.1.4.8323329.6904.1517875201.850819",
+        "patient_id": "16d7f894-55d7-4d95-8957-d18987f0e981",
+        "age": 62.0,
+        "sex": "M",
+        "view": "PA",
+        "orig_width": 1024,
+        "orig_height": 1024,
+        "spacing_x": 0.168,
+        "spacing_y": 0.168,
+    }
+
+
+def test_real_folder_shares_one_uid(shared_data):
+    # Both real files carry the same SOP Instance UID: ids by UID would collide, and the error says what to do.
+    with pytest.raises(CatalogError, match="share the SOP Instance UID.*id_from='path'") as info:
+        read_dicom(shared_data / "dicom")
+    assert MONO1 in str(info.value) and MONO2 in str(info.value)
+    catalog = read_dicom(shared_data / "dicom", id_from="path", site="NIH-dicom")
+    assert sorted(catalog["image_id"]) == sorted([MONO1, MONO2])
+    assert catalog.attrs == {"labels": [], "task": "multilabel"}
+    assert set(catalog["site"]) == {"NIH-dicom"}
+    assert catalog["patient_id"].nunique() == 1 and catalog["split"].nunique() == 1
+    assert list(catalog["age"]) == [62.0, 62.0] and list(catalog["orig_width"]) == [1024, 1024]
+
+
+# ---- pixel pipeline on files written here -----------------------------------------------------------------
+
+
+def test_rescale_then_window(tmp_path, ramp12):
+    slope, intercept, center, width = 2.0, -1024.0, 1500.0, 2001.0
+    path = tmp_path / "w.dcm"
+    write_dicom(path, ramp12, RescaleSlope=slope, RescaleIntercept=intercept, WindowCenter=center, WindowWidth=width)
+    image = read_pixels(str(path))
+    # DICOM PS3.3 C.11.2.1.2.1, LINEAR window straight onto 0..255.
+    v = ramp12.astype(np.float64) * slope + intercept
+    c, w = center - 0.5, width - 1
+    expected = np.where(v <= c - w / 2, 0.0, np.where(v > c + w / 2, 255.0, ((v - c) / w + 0.5) * 255.0))
+    np.testing.assert_array_equal(image, np.rint(expected).astype(np.uint8))
+    assert image.min() == 0 and image.max() == 255
+    assert 0 < np.mean((image > 0) & (image < 255)) < 1  # the window clips at both ends
+
+
+def test_wide_window_keeps_its_scale(tmp_path, ramp12):
+    # The whole image lies inside the window: it must stay grey, not be stretched to 0..255.
+    write_dicom(tmp_path / "wide.dcm", ramp12, WindowCenter=2048, WindowWidth=8193)
+    image = read_pixels(str(tmp_path / "wide.dcm"))
+    v, c, w = ramp12.astype(np.float64), 2047.5, 8192.0
+    np.testing.assert_array_equal(image, np.rint(((v - c) / w + 0.5) * 255.0).astype(np.uint8))
+    assert (image.min(), image.max()) == (64, 191)
+
+
+def test_window_on_monochrome1_is_inverted(tmp_path, ramp12):
+    write_dicom(tmp_path / "m2.dcm", ramp12, WindowCenter=2048, WindowWidth=1024)
+    write_dicom(tmp_path / "m1.dcm", ramp12, WindowCenter=2048, WindowWidth=1024, photometric="MONOCHROME1")
+    np.testing.assert_array_equal(read_pixels(str(tmp_path / "m1.dcm")), 255 - read_pixels(str(tmp_path / "m2.dcm")))
+
+
+def test_voi_lut_sequence(tmp_path, ramp12):
+    # A decreasing LUT into 100..611 of a 10-bit range: min-max scaling would stretch it, the LUT must not be.
+    lut = (100 + np.arange(4096)[::-1] // 8).astype(np.uint16)
+    item = Dataset()
+    # Both tags are "US or SS"/"US or OW" in the dictionary: give the VR so that pydicom can write them.
+    item.add_new(0x00283002, "US", [4096, 0, 10])  # LUTDescriptor: entries, first mapped value, bits
+    item.add_new(0x00283006, "US", lut.tolist())  # LUTData
+    path = tmp_path / "lut.dcm"
+    write_dicom(path, ramp12, VOILUTSequence=[item])
+    expected = np.rint(lut[ramp12] * 255.0 / 1023.0).astype(np.uint8)
+    np.testing.assert_array_equal(read_pixels(str(path)), expected)
+
+
+def test_16_bit_without_window_is_min_max(tmp_path):
+    rng = np.random.default_rng(0)
+    pixels = rng.integers(1000, 60000, size=(40, 30)).astype(np.uint16)
+    write_dicom(tmp_path / "16.dcm", pixels, bits=16)
+    lo, hi = float(pixels.min()), float(pixels.max())
+    expected = np.rint((pixels - lo) * 255.0 / (hi - lo)).astype(np.uint8)
+    image = read_pixels(str(tmp_path / "16.dcm"))
+    assert image.shape == (40, 30)
+    np.testing.assert_array_equal(image, expected)
+
+
+def test_signed_with_rescale_min_max(tmp_path):
+    pixels = np.array([[-1000, 0], [500, 3000]], dtype=np.int16).repeat(8, 0).repeat(8, 1)
+    write_dicom(tmp_path / "s.dcm", pixels, bits=16, RescaleSlope=1.0, RescaleIntercept=-24.0)
+    image = read_pixels(str(tmp_path / "s.dcm"))
+    expected = np.rint((pixels + 1000.0) * 255.0 / 4000.0).astype(np.uint8)
+    np.testing.assert_array_equal(image, expected)
+
+
+def test_constant_image_is_black(tmp_path):
+    write_dicom(tmp_path / "c.dcm", np.full((16, 16), 700, np.uint16))
+    np.testing.assert_array_equal(read_pixels(str(tmp_path / "c.dcm")), np.zeros((16, 16), np.uint8))
+
+
+def test_colour_is_refused(tmp_path, ramp12):
+    path = tmp_path / "rgb.dcm"
+    write_dicom(path, ramp12, photometric="PALETTE COLOR")
+    with pytest.raises(CatalogError, match="not a single-frame grayscale DICOM.*PALETTE COLOR"):
+        read_pixels(str(path))
+
+
+def test_headers_units(tmp_path, ramp12):
+    path = tmp_path / "h.dcm"
+    uid = write_dicom(path, ramp12, PatientAge="006M", PatientSex="F", ViewPosition="AP", PixelSpacing=[0.2, 0.3])
+    header = read_header(str(path))
+    assert header["sop_uid"] == uid
+    assert header["age"] == 0.5
+    # PixelSpacing is (row, column) spacing: rows run along y.
+    assert (header["spacing_y"], header["spacing_x"]) == (0.2, 0.3)
+    assert (header["orig_height"], header["orig_width"]) == (48, 96)
+    write_dicom(tmp_path / "y.dcm", ramp12, PatientAge="045Y", ImagerPixelSpacing=[0.15, 0.15])
+    header = read_header(str(tmp_path / "y.dcm"))
+    assert header["age"] == 45.0 and header["spacing_x"] == 0.15
+
+
+def test_is_dicom_file(tmp_path, ramp12):
+    write_dicom(tmp_path / "noext", ramp12)
+    (tmp_path / "plain").write_bytes(b"\0" * 200)
+    (tmp_path / "x.png").write_bytes(b"\0" * 200)
+    assert is_dicom_file(str(tmp_path / "noext"))
+    assert not is_dicom_file(str(tmp_path / "plain"))
+    assert not is_dicom_file(str(tmp_path / "x.png"))
+    assert is_dicom_file("whatever.DCM")
+
+
+# ---- read_dicom -------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def dicom_root(tmp_path, ramp12) -> tuple[Path, dict[str, str]]:
+    """Five DICOMs of three patients, nested, one without extension, plus files that are not DICOM."""
+    root = tmp_path / "hospital"
+    uids = {
+        "a.dcm": write_dicom(root / "p1" / "a.dcm", ramp12, patient="P1", PatientAge="050Y", PatientSex="M"),
+        "b.dcm": write_dicom(root / "p1" / "s2" / "b.dcm", ramp12, patient="P1", ViewPosition="AP"),
+        "c.dcm": write_dicom(root / "p2" / "c.dcm", ramp12, patient="P2", PixelSpacing=[0.1, 0.2]),
+        "d": write_dicom(root / "p3" / "d", ramp12, patient="P3"),
+        "e.dcm": write_dicom(root / "e.dcm", ramp12, patient=None),
+    }
+    (root / "notes.txt").write_text("not an image")
+    (root / ".hidden").mkdir()
+    write_dicom(root / ".hidden" / "skip.dcm", ramp12)
+    return root, uids
+
+
+def test_read_dicom_headers_and_ids(dicom_root):
+    root, uids = dicom_root
+    catalog = read_dicom(root, seed=3)
+    assert sorted(catalog["image_id"]) == sorted(uids.values())
+    by_file = catalog.set_index(catalog["path"].map(lambda p: Path(p).name))
+    assert by_file.loc["a.dcm", "patient_id"] == "P1" and by_file.loc["b.dcm", "patient_id"] == "P1"
+    assert by_file.loc["a.dcm", "age"] == 50.0 and by_file.loc["a.dcm", "sex"] == "M"
+    assert by_file.loc["b.dcm", "view"] == "AP"
+    assert by_file.loc["c.dcm", ["spacing_y", "spacing_x"]].tolist() == [0.1, 0.2]
+    # No PatientID: the image is its own patient.
+    assert by_file.loc["e.dcm", "patient_id"] == uids["e.dcm"]
+    assert by_file.loc["a.dcm", "split"] == by_file.loc["b.dcm", "split"]
+    assert set(catalog["site"]) == {"hospital"}
+    assert catalog.attrs["labels"] == []
+    by_path = read_dicom(root, id_from="path")
+    assert sorted(by_path["image_id"]) == ["e.dcm", "p1/a.dcm", "p1/s2/b.dcm", "p2/c.dcm", "p3/d"]
+
+
+def test_read_dicom_finding_labels(dicom_root, tmp_path):
+    root, uids = dicom_root
+    csv = tmp_path / "labels.csv"
+    # Keyed by SOP UID, file name or path under the root, mixed.
+    pd.DataFrame(
+        {
+            "key": [uids["a.dcm"], "b.dcm", "p2/c.dcm", "d", "e.dcm"],
+            "Finding Labels": ["Effusion|Mass", "No Finding", "Hernia", "Mass", "No Finding"],
+        }
+    ).to_csv(csv, index=False)
+    catalog = read_dicom(root, labels_csv=csv).set_index("image_id")
+    assert catalog.attrs["labels"] == list(NIH_LABELS)
+    rows = {name: catalog.loc[uid, list(NIH_LABELS)] for name, uid in uids.items()}
+    assert rows["a.dcm"].to_dict() == {k: int(k in ("Effusion", "Mass")) for k in NIH_LABELS}
+    assert rows["b.dcm"].sum() == 0 and rows["e.dcm"].sum() == 0
+    assert rows["c.dcm"]["Hernia"] == 1 and rows["c.dcm"].sum() == 1
+    assert rows["d"]["Mass"] == 1 and catalog[list(NIH_LABELS)].dtypes.eq(np.uint8).all()
+
+
+def test_read_dicom_own_labels_and_columns(dicom_root, tmp_path):
+    root, uids = dicom_root
+    findings = tmp_path / "own.csv"
+    names = ["a.dcm", "b.dcm", "c.dcm", "d", "e.dcm"]
+    pd.DataFrame({"file": names, "Finding Labels": ["covid", "normal|covid", "normal", "normal", "normal"]}).to_csv(
+        findings, index=False
+    )
+    catalog = read_dicom(root, labels_csv=findings)
+    assert catalog.attrs["labels"] == ["covid", "normal"]
+    assert int(catalog["covid"].sum()) == 2 and int(catalog["normal"].sum()) == 4
+    columns = tmp_path / "cols.csv"
+    pd.DataFrame({"file": names, "nodule": [1, 0, 0, 1, 0], "mass": [0, 0, 1, 1, 0]}).to_csv(columns, index=False)
+    catalog = read_dicom(root, labels_csv=columns).set_index("image_id")
+    assert catalog.attrs["labels"] == ["nodule", "mass"]
+    assert catalog.loc[uids["d"], ["nodule", "mass"]].tolist() == [1, 1]
+    only = read_dicom(root, labels_csv=columns, labels=["mass"])
+    assert only.attrs["labels"] == ["mass"] and "nodule" not in only.columns
+    with pytest.raises(CatalogError, match=r"lacks label column\(s\) \['effusion'\]"):
+        read_dicom(root, labels_csv=columns, labels=["effusion"])
+
+
+def test_read_dicom_errors(dicom_root, tmp_path, monkeypatch):
+    root, _ = dicom_root
+    partial = tmp_path / "partial.csv"
+    pd.DataFrame({"file": ["a.dcm"], "Finding Labels": ["Mass"]}).to_csv(partial, index=False)
+    with pytest.raises(CatalogError, match="4 DICOM file.* have no row"):
+        read_dicom(root, labels_csv=partial)
+    with pytest.raises(ConfigurationError, match="pass labels_csv="):
+        read_dicom(root, labels=["Mass"])
+    with pytest.raises(ConfigurationError, match="id_from='sop'"):
+        read_dicom(root, id_from="sop")
+    with pytest.raises(StoreNotFoundError):
+        read_dicom(tmp_path / "absent")
+    with pytest.raises(StoreNotFoundError, match="no labels table"):
+        read_dicom(root, labels_csv=tmp_path / "absent.csv")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "x.png").write_bytes(b"png")
+    with pytest.raises(CatalogError, match="no DICOM files"):
+        read_dicom(empty)
+    monkeypatch.setitem(sys.modules, "pydicom", None)  # import pydicom now raises ImportError
+    with pytest.raises(MissingDependencyError, match=r"pip install 'dask-dl\[dicom\]'"):
+        read_dicom(root)
+    with pytest.raises(MissingDependencyError, match="pydicom"):
+        read_pixels(str(root / "p1" / "a.dcm"))
