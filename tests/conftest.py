@@ -7,6 +7,10 @@ from pathlib import Path
 
 import pytest
 
+# Registers dask_dl's config defaults before distributed.utils_test snapshots dask.config: its fixtures reset the
+# config to that snapshot, which would otherwise lack the "dask-dl" key.
+import dask_dl.config  # noqa: F401  # isort: skip
+
 # distributed's harness: ``client`` gives a Client of a real LocalCluster (2 worker processes) per test,
 # ``gen_cluster`` (imported in the tests that use it) an in-process cluster for async tests.
 from distributed.utils_test import (  # noqa: F401
