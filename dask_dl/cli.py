@@ -130,6 +130,61 @@ def catalog(source, out, layout, site, seed, val_fraction, test_fraction, labels
         click.echo(f"wrote {out}")
 
 
+# ---- synth (data room: dask_dl.data.synthetic) ---------------------------------------------------------------
+
+
+@cli.command()
+@click.argument("root", type=click.Path(file_okay=False))
+@click.option("--images", "-n", type=int, default=1000, show_default=True, help="Number of images (all sites).")
+@click.option("--size", "-s", type=int, default=256, show_default=True, help="Side of the square PNGs (>= 64).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed: the same seed writes identical files.")
+@click.option("--patients", type=int, default=None, help="Number of patients. Default: NIH-like follow-up counts.")
+@click.option(
+    "--label-source", type=click.Path(exists=True, dir_okay=False), default=None,
+    help="A real NIH table (Data_Entry_2017[_v2020].csv[.gz]) to take labels, ages, sexes, views and follow-up "
+    "counts from. Default: label combinations with NIH's real frequencies, built in.",
+)  # fmt: skip
+@click.option(
+    "--sites", default=None, metavar="N|A,B,...",
+    help="Spread patients over sites (hospitals) with their own label mix and exposure: a count (site-A, "
+    "site-B, ...) or comma-separated names. Each site is written as its own NIH root, ROOT/<site>/.",
+)  # fmt: skip
+@click.option("--rgba", type=float, default=0.0, show_default=True, help="Share of the PNGs saved as RGBA.")
+@click.option(
+    "--corrupt", type=float, default=0.0, show_default=True,
+    help="Share of the images written corrupt (truncated, empty or garbage) but listed in the table.",
+)  # fmt: skip
+@scheduler_option
+@quiet_option
+def synth(root, images, size, seed, patients, label_source, sites, rgba, corrupt, scheduler, workers, quiet) -> None:
+    """Write a synthetic chest X-ray collection in the NIH ChestX-ray14 layout under ROOT.
+
+    ROOT gets images/<patient>_<follow-up>.png, Data_Entry_2017.csv, train_val_list.txt and test_list.txt,
+    readable by `dask-dl catalog ROOT`. Images are drawn in this process unless --scheduler or --workers asks
+    for a cluster (whose workers must see ROOT).
+    """
+    from dask_dl.cluster import close_client, get_client
+    from dask_dl.data.synthetic import synthesize
+
+    if sites is not None and sites.strip().isdigit():
+        sites = int(sites)
+    client = get_client(scheduler=scheduler, n_workers=workers) if (scheduler or workers) else None
+    try:
+        table = synthesize(
+            root, n_images=images, size=size, seed=seed, n_patients=patients, label_source=label_source,
+            sites=sites, rgba_fraction=rgba, corrupt_fraction=corrupt, client=client, progress=not quiet,
+        )  # fmt: skip
+    finally:
+        if client is not None:
+            close_client(client)
+    where = ", ".join(sorted(table["site"].unique())) if sites is not None else root
+    click.echo(
+        f"wrote {len(table)} images of {table['patient_id'].nunique()} patients to {where} "
+        f"({int((table['split'] == 'test').sum())} in test_list.txt, {int(table['rgba'].sum())} RGBA, "
+        f"{int(table['corrupt'].sum())} corrupt)"
+    )
+
+
 # ---- end of commands --------------------------------------------------------------------------------------
 
 main = cli
