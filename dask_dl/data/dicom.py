@@ -10,7 +10,7 @@ import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import pandas as pd
@@ -79,7 +79,7 @@ def _to_uint8(values: np.ndarray, lo: float, hi: float) -> np.ndarray:
     return np.clip(np.rint(scaled), 0, 255).astype(np.uint8)
 
 
-def read_pixels(path: str) -> np.ndarray:
+def read_pixels(path: str | os.PathLike | BinaryIO) -> np.ndarray:
     """Read a DICOM image as a 2-D ``uint8`` array, as a radiologist would see it.
 
     The stored values go through the modality LUT (rescale slope/intercept), then the VOI LUT or window
@@ -89,8 +89,8 @@ def read_pixels(path: str) -> np.ndarray:
 
     Parameters
     ----------
-    path : str
-        A DICOM file.
+    path : str, path or binary file object
+        A DICOM file (a file object lets callers read remote files through fsspec).
 
     Returns
     -------
@@ -117,7 +117,8 @@ def read_pixels(path: str) -> np.ndarray:
     photometric = str(ds.get("PhotometricInterpretation", "MONOCHROME2")).upper()
     if photometric not in ("MONOCHROME1", "MONOCHROME2") or int(ds.get("NumberOfFrames", 1) or 1) != 1:
         raise CatalogError(
-            f"{path!r} is not a single-frame grayscale DICOM (PhotometricInterpretation {photometric!r}, "
+            f"{str(getattr(path, 'name', path))!r} is not a single-frame grayscale DICOM "
+            f"(PhotometricInterpretation {photometric!r}, "
             f"NumberOfFrames {ds.get('NumberOfFrames', 1)}); dask_dl reads single-frame MONOCHROME1/2 images: "
             "remove the file from the collection or convert it"
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import sys
 from pathlib import Path
 
@@ -92,6 +93,9 @@ def test_real_monochrome1_is_inverted(shared_data):
     other = read_pixels(str(shared_data / "dicom" / MONO2))
     np.testing.assert_array_equal(image.astype(int) + other.astype(int), np.full((1024, 1024), 255))
     assert image.mean() < 128 < other.mean()  # lungs dark in MONOCHROME2, bright when inverted
+    # A file object (what ingest hands over for remote files) reads the same.
+    from_bytes = read_pixels(io.BytesIO((shared_data / "dicom" / MONO1).read_bytes()))
+    np.testing.assert_array_equal(from_bytes, image)
 
 
 def test_real_headers(shared_data):
