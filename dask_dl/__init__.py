@@ -44,8 +44,9 @@ _LAZY = {
     "build_model": "dask_dl.models",
     "list_models": "dask_dl.models",
     "export_onnx": "dask_dl.export",
-    "predict": "dask_dl.export",
-    "scores_table": "dask_dl.export",
+    "predict": "dask_dl.inference",
+    "scores_table": "dask_dl.inference",
+    "evaluate": "dask_dl.inference",
     "auroc": "dask_dl.metrics",
     "get_client": "dask_dl.cluster",
 }
@@ -87,7 +88,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from dask_dl.data.ingest import ingest
     from dask_dl.data.schema import NIH_LABELS, make_catalog, validate_catalog, write_catalog
     from dask_dl.data.synthetic import synthesize
-    from dask_dl.export import export_onnx, predict, scores_table
+    from dask_dl.export import export_onnx
+    from dask_dl.inference import evaluate, predict, scores_table
     from dask_dl.metrics import auroc
     from dask_dl.models import build_model, list_models
     from dask_dl.train.run import TrainingRun, fit

@@ -1,0 +1,490 @@
+"""ONNX export of trained models, with everything a reader needs in the file itself.
+
+The exported graph takes ``image``: float32 pixels 0-255, shape ``(batch, in_channels, S, S)`` with a dynamic
+batch axis, and returns ``probabilities``: float32 ``(batch, n_labels)``. Normalization (``(x / 255 - mean) / std``)
+and the output activation (sigmoid for multilabel, softmax for multiclass) are inside the graph, so
+:func:`dask_dl.predict` or any onnxruntime user needs nothing but the file: uint8 images only need a cast. Label
+names, input size, channel layout, normalization, task and output kind are in the model's ``metadata_props``:
+the key ``dask_dl`` holds them all as JSON (read back by :func:`read_model_info`), and the flat keys ``labels``,
+``input_size``, ``normalization``, ``task`` and ``output`` repeat them for other tools.
+
+torch's dynamo-based exporter (``torch.onnx.export(..., dynamo=True)``, onnxscript) is used: it exports all five
+registry models, while the legacy TorchScript exporter refuses AlexNet's adaptive pooling to 6x6 at sizes that
+are not multiples of 6.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import pickle
+import uuid
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import torch
+from torch import nn
+
+from dask_dl.errors import ExportError, StoreNotFoundError
+from dask_dl.models import DEFAULT_NORMALIZATION, build_model
+
+__all__ = ["INPUT_NAME", "OUTPUT_NAME", "ModelInfo", "export_onnx", "read_model_info"]
+
+INPUT_NAME = "image"
+OUTPUT_NAME = "probabilities"
+FORMAT = 1
+#: largest absolute difference of probabilities between torch and onnxruntime that passes the parity check
+PARITY_ATOL = 1e-4
+_ACTIVATIONS = {"multilabel": "sigmoid", "multiclass": "softmax"}
+_NEEDED_KEYS = ("model_name", "model_kwargs", "model", "labels", "task", "input_size")
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What an ONNX model takes and returns: the ``dask_dl`` entry of its metadata.
+
+    ``normalization_in_graph`` is False only for models dask_dl did not export (described by the caller); their
+    ``normalization`` is then applied outside the graph, if any.
+    """
+
+    labels: tuple[str, ...]
+    input_size: int
+    in_channels: int = 1
+    normalization: dict[str, float] | None = field(default_factory=lambda: dict(DEFAULT_NORMALIZATION))
+    task: str = "multilabel"
+    activation: str = "sigmoid"
+    output: str = "probabilities"
+    channel_layout: str = "NCHW"
+    input_name: str = INPUT_NAME
+    output_name: str = OUTPUT_NAME
+    input_rank: int = 4
+    input_dtype: str = "float32"
+    input_range: tuple[float, float] = (0.0, 255.0)
+    normalization_in_graph: bool = True
+    model_name: str | None = None
+    model_kwargs: dict[str, Any] = field(default_factory=dict)
+    epoch: int | None = None
+    format: int = FORMAT
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["labels"] = list(self.labels)
+        out["input_range"] = list(self.input_range)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelInfo:
+        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        known["labels"] = tuple(known["labels"])
+        if "input_range" in known:
+            known["input_range"] = tuple(known["input_range"])
+        return cls(**known)
+
+    @property
+    def image_shape(self) -> tuple[int, int, int]:
+        """``(channels, y, x)`` of one input image."""
+        return (self.in_channels, self.input_size, self.input_size)
+
+
+class _Scored(nn.Module):
+    """The network between pixels 0-255 and probabilities: what the ONNX graph holds."""
+
+    def __init__(self, net: nn.Module, mean: float, std: float, activation: str) -> None:
+        super().__init__()
+        self.net = net
+        self.mean, self.std, self.activation = float(mean), float(std), activation
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        # the same arithmetic as dask_dl.models.normalize, so the graph sees what training saw
+        logits = self.net((image / 255.0 - self.mean) / self.std)
+        return torch.sigmoid(logits) if self.activation == "sigmoid" else torch.softmax(logits, dim=1)
+
+
+# ---- reading sources ---------------------------------------------------------------------------------------
+
+
+def _load_checkpoint_file(source: str | os.PathLike) -> dict[str, Any]:
+    import fsspec
+
+    from dask_dl.errors import TrainingError
+    from dask_dl.train.checkpoint import load_checkpoint
+
+    fs, fpath = fsspec.core.url_to_fs(os.fspath(source))
+    if not fs.exists(fpath):
+        raise StoreNotFoundError(f"no checkpoint file or directory at {os.fspath(source)!r}")
+    try:
+        return load_checkpoint(source)
+    except TrainingError as exc:
+        raise ExportError(f"cannot export {os.fspath(source)!r}: {exc}") from exc
+    except (pickle.UnpicklingError, EOFError, RuntimeError) as exc:
+        raise ExportError(
+            f"{os.fspath(source)!r} is not a checkpoint torch.load(weights_only=True) can read "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); pass a file written by "
+            "dask_dl.fit (epoch-NNNN.pt) or its checkpoint directory"
+        ) from exc
+
+
+def _from_checkpoint(ck: dict[str, Any]) -> tuple[nn.Module, dict[str, Any]]:
+    missing = [k for k in _NEEDED_KEYS if k not in ck]
+    if missing:
+        raise ExportError(
+            f"the checkpoint lacks {missing}; a dask_dl checkpoint has {list(_NEEDED_KEYS)} among its keys "
+            f"(it has {sorted(ck)})"
+        )
+    labels = list(ck["labels"])
+    in_channels = int(ck.get("in_channels", 1))
+    net = build_model(ck["model_name"], num_outputs=len(labels), in_channels=in_channels, **ck["model_kwargs"])
+    # DDP wraps the module as `module`; the contract says it is stripped, but tolerate checkpoints that did not
+    state = {k.removeprefix("module."): v for k, v in ck["model"].items()}
+    try:
+        net.load_state_dict(state)
+    except RuntimeError as exc:
+        raise ExportError(f"the checkpoint's weights do not fit model {ck['model_name']!r}: {exc}") from exc
+    meta = {
+        "labels": labels,
+        "input_size": int(ck["input_size"]),
+        "in_channels": in_channels,
+        "normalization": dict(ck.get("normalization") or DEFAULT_NORMALIZATION),
+        "task": ck["task"],
+        "model_name": ck["model_name"],
+        "model_kwargs": dict(ck["model_kwargs"]),
+        "epoch": int(ck["epoch"]) if "epoch" in ck else None,
+    }
+    return net, meta
+
+
+def _resolve(source: Any) -> tuple[nn.Module, dict[str, Any]]:
+    if isinstance(source, nn.Module):
+        return source, {"in_channels": 1, "model_name": type(source).__name__, "model_kwargs": {}}
+    if isinstance(source, dict):
+        return _from_checkpoint(source)
+    if isinstance(source, str | os.PathLike):
+        return _from_checkpoint(_load_checkpoint_file(source))
+    if callable(getattr(source, "checkpoint", None)):
+        return _from_checkpoint(source.checkpoint())
+    raise ExportError(
+        f"cannot export a {type(source).__name__}; pass a TrainingRun, a checkpoint dict, a checkpoint file or "
+        "directory, or a torch.nn.Module (with labels= and input_size=)"
+    )
+
+
+# ---- export ------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _quiet_exporter():
+    """Silence the exporter's chatter (torchvision ops it skips, deprecations inside torch)."""
+    loggers = [logging.getLogger(n) for n in ("torch.onnx", "torch.onnx._internal.exporter._registration")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(None):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
+
+
+def _example_batch(info: ModelInfo, example: Any, n: int = 3) -> torch.Tensor:
+    if example is None:
+        # noise and smooth images: parity must hold for both; seeded, so an export is reproducible
+        rng = np.random.default_rng(0)
+        s = info.input_size
+        noise = rng.integers(0, 256, (n - 1, info.in_channels, s, s))
+        ramp = np.add.outer(np.arange(s), np.arange(s)) * (255.0 / max(1, 2 * s - 2))
+        batch = np.concatenate([noise, np.broadcast_to(ramp, (1, info.in_channels, s, s))])
+        return torch.from_numpy(batch.astype(np.float32))
+    batch = torch.as_tensor(np.asarray(example)).to(torch.float32)
+    if batch.ndim == 3:
+        batch = batch.unsqueeze(1)
+    if tuple(batch.shape[1:]) != info.image_shape:
+        raise ExportError(
+            f"the example batch has images of shape {tuple(batch.shape[1:])}; the model takes {info.image_shape} "
+            "(channels, y, x), pixels 0-255"
+        )
+    return batch
+
+
+def _check_parity(path: Path, scored: nn.Module, batch: torch.Tensor) -> float:
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    got = session.run([OUTPUT_NAME], {INPUT_NAME: batch.numpy()})[0]
+    with torch.no_grad():
+        want = scored(batch).numpy()
+    if got.shape != want.shape:
+        raise ExportError(f"onnxruntime returned shape {got.shape}, torch {want.shape}: the export is broken")
+    diff = np.abs(got.astype(np.float64) - want)
+    worst = float(np.nan_to_num(diff, nan=np.inf).max())
+    if not worst <= PARITY_ATOL:
+        i, j = np.unravel_index(np.nan_to_num(diff, nan=np.inf).argmax(), diff.shape)
+        raise ExportError(
+            f"parity check failed: onnxruntime and torch differ by {worst:.3g} (allowed {PARITY_ATOL:g}) on "
+            f"image {i}, output {j} (onnxruntime {got[i, j]:.6g}, torch {want[i, j]:.6g}); try another opset=, "
+            "or export with check=False to inspect the file"
+        )
+    return worst
+
+
+def export_onnx(
+    source: Any,
+    path: str | os.PathLike,
+    *,
+    labels: list[str] | None = None,
+    input_size: int | None = None,
+    normalization: dict[str, float] | None = None,
+    task: str | None = None,
+    opset: int | None = None,
+    overwrite: bool = False,
+    check: bool = True,
+    example: Any = None,
+) -> Path:
+    """Write a trained model as ONNX, with its labels and preprocessing, and check it against torch.
+
+    Parameters
+    ----------
+    source
+        A :class:`~dask_dl.TrainingRun` (anything with a ``checkpoint()`` method), a checkpoint dict, a checkpoint
+        file, a checkpoint directory (its highest ``epoch-NNNN.pt``), or a ``torch.nn.Module`` returning logits
+        (then ``labels`` and ``input_size`` are required).
+    path
+        The ``.onnx`` file to write (atomically: a reader never sees half a file).
+    labels, input_size, normalization, task
+        Override what the checkpoint says. ``normalization`` defaults to
+        :data:`dask_dl.models.DEFAULT_NORMALIZATION`, ``task`` to ``"multilabel"``.
+    opset
+        ONNX opset; default the exporter's.
+    overwrite
+        Replace an existing file.
+    check
+        Run onnxruntime on a batch and compare with torch (probabilities within 1e-4).
+    example
+        Images (pixels 0-255, ``(B, S, S)`` or ``(B, 1, S, S)``) for the parity check, e.g. a batch of the
+        dataset; default three seeded images (noise and a ramp).
+
+    Returns
+    -------
+    pathlib.Path
+        The file written.
+
+    Raises
+    ------
+    ExportError
+        ``path`` exists and ``overwrite`` is False; the source lacks what is needed; the parity check fails.
+    StoreNotFoundError
+        A checkpoint path that does not exist.
+
+    Examples
+    --------
+    >>> path = export_onnx("checkpoints/", "cxr.onnx")  # doctest: +SKIP
+    >>> read_model_info(path).labels[:2]  # doctest: +SKIP
+    ('Atelectasis', 'Cardiomegaly')
+    """
+    path = Path(path)
+    if path.exists() and not overwrite:
+        raise ExportError(f"{str(path)!r} exists already; pass overwrite=True (CLI: --overwrite) to replace it")
+    net, meta = _resolve(source)
+    for key, value in (("labels", labels), ("input_size", input_size), ("normalization", normalization)):
+        if value is not None:
+            meta[key] = value
+    if task is not None or "task" not in meta:
+        meta["task"] = task or "multilabel"
+    info = _info(meta)
+    scored = _Scored(net, info.normalization["mean"], info.normalization["std"], info.activation)
+    batch = _example_batch(info, example)
+    was_training = net.training
+    net.eval()  # BatchNorm statistics and no dropout, in the export and in the parity check alike
+    try:
+        _check_outputs(scored, batch, info)
+        model = _to_onnx(scored, batch[:2], opset)
+        _annotate(model, info)
+        onnx.checker.check_model(model)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+        try:
+            onnx.save_model(model, temporary)
+            if check:
+                _check_parity(temporary, scored, batch)
+            os.replace(temporary, path)
+        finally:
+            temporary.unlink(missing_ok=True)
+    finally:
+        net.train(was_training)
+    return path
+
+
+def _check_outputs(scored: nn.Module, batch: torch.Tensor, info: ModelInfo) -> None:
+    with torch.no_grad():
+        try:
+            out = scored(batch[:2])
+        except RuntimeError as exc:
+            raise ExportError(f"the model fails on input of shape {tuple(batch[:2].shape)}: {exc}") from exc
+    if out.ndim != 2 or out.shape[1] != len(info.labels):
+        raise ExportError(
+            f"the model returns shape {tuple(out.shape)} for 2 images, but {len(info.labels)} labels were given: "
+            f"{list(info.labels)}; it must return (batch, n_labels) logits"
+        )
+
+
+def _info(meta: dict[str, Any]) -> ModelInfo:
+    if meta.get("labels") is None or meta.get("input_size") is None:
+        raise ExportError(
+            "exporting a torch.nn.Module needs labels= and input_size=, e.g. "
+            "export_onnx(model, 'model.onnx', labels=['Atelectasis', ...], input_size=224)"
+        )
+    task = meta["task"]
+    if task not in _ACTIVATIONS:
+        raise ExportError(f"task {task!r} is not one of {list(_ACTIVATIONS)}")
+    size = meta["input_size"]
+    if isinstance(size, bool) or not isinstance(size, int | np.integer) or size < 32:
+        raise ExportError(f"input_size must be an integer of at least 32; got {size!r}")
+    norm = dict(meta.get("normalization") or DEFAULT_NORMALIZATION)
+    if set(norm) != {"mean", "std"} or not float(norm["std"]) > 0:
+        raise ExportError(f"normalization must be {{'mean': m, 'std': s}} with s > 0; got {norm!r}")
+    return ModelInfo(
+        labels=tuple(str(label) for label in meta["labels"]),
+        input_size=int(size),
+        in_channels=int(meta.get("in_channels", 1)),
+        normalization={"mean": float(norm["mean"]), "std": float(norm["std"])},
+        task=task,
+        activation=_ACTIVATIONS[task],
+        model_name=meta.get("model_name"),
+        model_kwargs=meta.get("model_kwargs") or {},
+        epoch=meta.get("epoch"),
+    )
+
+
+def _to_onnx(scored: nn.Module, batch: torch.Tensor, opset: int | None) -> onnx.ModelProto:
+    with _quiet_exporter():
+        try:
+            program = torch.onnx.export(
+                scored,
+                (batch,),
+                dynamo=True,
+                input_names=[INPUT_NAME],
+                output_names=[OUTPUT_NAME],
+                dynamic_shapes={"image": {0: torch.export.Dim("batch", min=1)}},
+                opset_version=opset,
+                verbose=False,
+            )
+        except Exception as exc:  # the exporter raises many types; all mean the same to the user
+            raise ExportError(f"torch.onnx.export failed: {type(exc).__name__}: {exc}") from exc
+    return program.model_proto
+
+
+def _annotate(model: onnx.ModelProto, info: ModelInfo) -> None:
+    from dask_dl import __version__
+
+    props = {
+        "dask_dl": json.dumps({**info.to_dict(), "dask_dl_version": __version__}),
+        "labels": json.dumps(list(info.labels)),
+        "input_size": str(info.input_size),
+        "normalization": json.dumps(info.normalization),
+        "task": info.task,
+        "output": f"{info.output} ({info.activation})",
+    }
+    del model.metadata_props[:]
+    for key, value in props.items():
+        model.metadata_props.add(key=key, value=value)
+    model.doc_string = (
+        f"dask_dl {info.model_name or 'model'}: input '{INPUT_NAME}' float32 pixels 0-255 "
+        f"(batch, {info.in_channels}, {info.input_size}, {info.input_size}); output '{OUTPUT_NAME}' "
+        f"{info.activation} probabilities of {len(info.labels)} labels"
+    )
+
+
+# ---- reading models ----------------------------------------------------------------------------------------
+
+
+def load_onnx(path: str | os.PathLike) -> onnx.ModelProto:
+    """Read an ONNX file (weights not loaded from external files), or raise a clear error."""
+    path = Path(path)
+    if not path.is_file():
+        raise StoreNotFoundError(f"no ONNX model file at {str(path)!r}")
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception as exc:  # protobuf's DecodeError and friends
+        raise ExportError(f"{str(path)!r} is not an ONNX model: {type(exc).__name__}: {exc}") from exc
+    # protobuf parses some arbitrary bytes without error: a real model has an IR version and a graph
+    if model.ir_version < 1 or not model.graph.input or not model.graph.output:
+        raise ExportError(f"{str(path)!r} is not an ONNX model: it has no IR version or no graph inputs/outputs")
+    return model
+
+
+def read_model_info(
+    path: str | os.PathLike,
+    *,
+    input_size: int | None = None,
+    labels: list[str] | None = None,
+    normalization: dict[str, float] | None = None,
+) -> ModelInfo:
+    """Read what an ONNX model takes and returns from its ``dask_dl`` metadata.
+
+    Parameters
+    ----------
+    path
+        An ONNX file.
+    input_size, labels
+        Describe a model without dask_dl metadata (both required then; its input is fed pixels 0-255 in its
+        input's element type). For a dask_dl model they must agree with the metadata.
+    normalization
+        ``{"mean": m, "std": s}`` to apply before a model without dask_dl metadata (default: none, raw pixels).
+        A dask_dl model normalizes inside its graph and refuses this.
+
+    Raises
+    ------
+    ExportError
+        Not an ONNX file; no dask_dl metadata and no ``input_size``/``labels``; disagreement with the metadata.
+    StoreNotFoundError
+        No file at ``path``.
+    """
+    model = load_onnx(path)
+    props = {p.key: p.value for p in model.metadata_props}
+    if "dask_dl" in props:
+        info = ModelInfo.from_dict(json.loads(props["dask_dl"]))
+        if input_size is not None and int(input_size) != info.input_size:
+            raise ExportError(f"{str(path)!r} takes {info.input_size} px images, not input_size={input_size}")
+        if labels is not None and list(labels) != list(info.labels):
+            raise ExportError(f"{str(path)!r} predicts {list(info.labels)}, not labels={list(labels)}")
+        if normalization is not None:
+            raise ExportError(
+                f"{str(path)!r} normalizes inside its graph with {info.normalization}; do not pass normalization="
+            )
+        return info
+    if input_size is None or labels is None:
+        raise ExportError(
+            f"{str(path)!r} has no dask_dl metadata (it was not written by dask_dl.export_onnx), so its input size "
+            "and labels are unknown; pass input_size= and labels= (CLI: export it with dask-dl export)"
+        )
+    graph_input = model.graph.input[0]
+    elem = graph_input.type.tensor_type.elem_type
+    dims = [d.dim_value if d.HasField("dim_value") else None for d in graph_input.type.tensor_type.shape.dim]
+    if len(dims) not in (3, 4):
+        raise ExportError(
+            f"{str(path)!r} takes input {graph_input.name!r} of rank {len(dims)}; image models take "
+            "(batch, y, x) or (batch, channels, y, x)"
+        )
+    if normalization is not None and (set(normalization) != {"mean", "std"} or not normalization["std"] > 0):
+        raise ExportError(f"normalization must be {{'mean': m, 'std': s}} with s > 0; got {normalization!r}")
+    return ModelInfo(
+        labels=tuple(str(label) for label in labels),
+        input_size=int(input_size),
+        in_channels=int(dims[1] or 1) if len(dims) == 4 else 1,
+        normalization=dict(normalization) if normalization is not None else None,
+        task="unknown",
+        activation="unknown",
+        output="unknown",
+        input_name=graph_input.name,
+        output_name=model.graph.output[0].name,
+        input_rank=len(dims),
+        input_dtype=str(np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem))),
+        normalization_in_graph=False,
+    )

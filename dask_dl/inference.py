@@ -1,0 +1,321 @@
+"""Scoring image collections with an ONNX model over Dask chunks, and evaluating the scores.
+
+:func:`predict` maps onnxruntime over the chunks of a Dask array: each worker process opens the model once (a
+module-level cache keyed by file, modification time, size, providers and threads) and reuses that session for
+every chunk it scores. Sessions run one intra-op thread each, because Dask already runs one task per worker
+thread: more would oversubscribe the cores (``dask-dl.predict.threads`` changes it, e.g. for one-thread workers
+on big machines).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import dask
+import dask.array as da
+import numpy as np
+import pandas as pd
+
+from dask_dl import config
+from dask_dl.errors import DatasetError, ExportError, StoreNotFoundError
+from dask_dl.export import ModelInfo, read_model_info
+from dask_dl.metrics import auroc
+
+if TYPE_CHECKING:  # pragma: no cover
+    import onnxruntime as ort
+    import xarray as xr
+    from distributed import Client
+
+__all__ = ["evaluate", "predict", "scores_table"]
+
+PROB_PREFIX = "p_"
+_COORDS = ("image_id", "patient_id", "split", "site")
+
+# ---- one session per worker process ------------------------------------------------------------------------
+
+_SESSIONS: dict[tuple, ort.InferenceSession] = {}
+_SESSIONS_LOCK = threading.Lock()
+#: sessions this process has created; tests read it on each worker with ``client.run``
+SESSIONS_CREATED = 0
+
+
+def _default_providers() -> list[str]:
+    import onnxruntime as ort
+
+    available = ort.get_available_providers()
+    # onnxruntime-gpu lists CUDA when built with it; on a machine without a GPU it falls back to the CPU provider
+    if "CUDAExecutionProvider" in available:
+        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    return ["CPUExecutionProvider"]
+
+
+def _stamp(path: str) -> tuple[int, int]:
+    st = os.stat(path)
+    return (st.st_mtime_ns, st.st_size)
+
+
+def get_session(path: str, stamp: tuple[int, int], providers: Sequence[str] | None, threads: int):
+    """Return this process's onnxruntime session of ``path``, creating it on first use.
+
+    ``stamp`` (modification time, size) is what the driver saw: a worker that sees another file (changed,
+    or a different file under the same path on another machine) refuses rather than score with other weights.
+    """
+    global SESSIONS_CREATED
+    import onnxruntime as ort
+
+    try:
+        seen = _stamp(path)
+    except FileNotFoundError:
+        raise StoreNotFoundError(
+            f"the model {path!r} is not visible on this worker; put it on storage every worker can read"
+        ) from None
+    if seen != tuple(stamp):
+        raise ExportError(f"the model {path!r} changed after predict() was called; call predict() again")
+    providers = tuple(providers) if providers else tuple(_default_providers())
+    key = (path, tuple(stamp), providers, threads)
+    with _SESSIONS_LOCK:
+        session = _SESSIONS.get(key)
+        if session is None:
+            options = ort.SessionOptions()
+            options.intra_op_num_threads = threads
+            options.inter_op_num_threads = 1
+            options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+            session = ort.InferenceSession(path, sess_options=options, providers=list(providers))
+            # an older session of the same path (the file changed) would only hold memory
+            for old in [k for k in _SESSIONS if k[0] == path]:
+                del _SESSIONS[old]
+            _SESSIONS[key] = session
+            SESSIONS_CREATED += 1
+        return session
+
+
+def _score_block(
+    block: np.ndarray,
+    *,
+    path: str,
+    stamp: tuple[int, int],
+    providers: tuple[str, ...] | None,
+    threads: int,
+    batch_size: int,
+    info: dict[str, Any],
+) -> np.ndarray:
+    session = get_session(path, stamp, providers, threads)
+    n = block.shape[0]
+    shape = (n, info["in_channels"], info["input_size"], info["input_size"])
+    images = np.asarray(block).reshape(shape if info["input_rank"] == 4 else shape[:1] + shape[2:])
+    out = np.empty((n, len(info["labels"])), np.float32)
+    norm = None if info["normalization_in_graph"] else info["normalization"]
+    for start in range(0, n, batch_size):
+        batch = images[start : start + batch_size].astype(np.float32)
+        if norm is not None:
+            batch = (batch / 255.0 - norm["mean"]) / norm["std"]
+        batch = batch.astype(info["input_dtype"], copy=False)
+        result = session.run([info["output_name"]], {info["input_name"]: batch})[0]
+        if result.shape != (len(batch), out.shape[1]):
+            raise ExportError(
+                f"the model returned shape {result.shape} for {len(batch)} images; with labels {info['labels']} "
+                f"it should be {(len(batch), out.shape[1])}"
+            )
+        out[start : start + batch_size] = result
+    return out
+
+
+# ---- predict -----------------------------------------------------------------------------------------------
+
+
+def _images(data: Any) -> tuple[da.Array, bool]:
+    """The ``(n, S, S)`` or ``(n, C, S, S)`` image array of ``data`` as a Dask array (and whether it was lazy)."""
+    import xarray as xr
+
+    if isinstance(data, xr.Dataset):
+        if "image" not in data:
+            raise DatasetError(f"the dataset has no 'image' variable (it has {list(data.data_vars)}); use open_dataset")
+        data = data["image"]
+    if isinstance(data, xr.DataArray):
+        data = data.data
+    if isinstance(data, da.Array):
+        return data, True
+    array = np.asarray(data)
+    return da.from_array(array, chunks=(256,) + array.shape[1:]), False
+
+
+def _check_shape(images: da.Array, info: ModelInfo) -> da.Array:
+    if images.dtype.kind not in "uif":
+        raise DatasetError(f"images must be uint8 or float pixels 0-255; got dtype {images.dtype}")
+    want = info.image_shape
+    got = tuple(images.shape[1:])
+    fits = got == want or (info.in_channels == 1 and got == want[1:])
+    if images.ndim not in (3, 4) or not fits:
+        raise ExportError(
+            f"the model takes images of shape {want} (channels, y, x) but the data has images of shape {got}; "
+            f"ingest the collection at size={info.input_size} or use a model exported for "
+            f"{got[-1] if got else '?'} px images"
+        )
+    # a block must hold whole images
+    return images.rechunk({i: -1 for i in range(1, images.ndim)})
+
+
+def predict(
+    data: Any,
+    model_path: str | os.PathLike,
+    *,
+    batch_size: int | None = None,
+    providers: Sequence[str] | None = None,
+    client: Client | None = None,
+    input_size: int | None = None,
+    labels: Sequence[str] | None = None,
+    normalization: dict[str, float] | None = None,
+) -> da.Array:
+    """Score images with an ONNX model, chunk by chunk on a Dask cluster.
+
+    Parameters
+    ----------
+    data
+        An :func:`~dask_dl.open_dataset` dataset (its ``image``), or a Dask/NumPy array of pixels 0-255, uint8
+        or float, shape ``(n, S, S)`` or ``(n, 1, S, S)``. NumPy arrays are cut into chunks of 256 images.
+    model_path
+        An ONNX file from :func:`~dask_dl.export_onnx`, on storage every worker can read.
+    batch_size
+        Images per onnxruntime call inside a chunk; default ``dask-dl.predict.batch-size``.
+    providers
+        onnxruntime execution providers; default CUDA when the worker's onnxruntime has it, else CPU.
+    client
+        When given, the scores are computed on its cluster at once (``client.persist``) and the returned array
+        holds the futures; without it the array is lazy, computed by whichever scheduler computes it.
+    input_size, labels, normalization
+        Describe an ONNX model without dask_dl metadata (see :func:`dask_dl.export.read_model_info`).
+
+    Returns
+    -------
+    dask.array.Array
+        float32 ``(n, n_labels)`` probabilities, chunked like ``data`` along its first axis.
+
+    Raises
+    ------
+    ExportError
+        Not an ONNX file, a model without metadata and no ``input_size``/``labels``, or images of another shape
+        than the model takes.
+    StoreNotFoundError
+        No file at ``model_path``.
+
+    Examples
+    --------
+    >>> ds = dask_dl.open_dataset("cxr.zarr", split="test")  # doctest: +SKIP
+    >>> probs = dask_dl.predict(ds, "cxr.onnx")  # doctest: +SKIP
+    >>> probs.to_zarr("scores.zarr")  # doctest: +SKIP
+    """
+    path = str(Path(model_path).resolve())
+    info = read_model_info(path, input_size=input_size, labels=labels, normalization=normalization)
+    batch_size = config.get("predict.batch-size", batch_size)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int | np.integer) or batch_size < 1:
+        raise DatasetError(f"batch_size must be a positive integer; got {batch_size!r}")
+    images, _ = _images(data)
+    images = _check_shape(images, info)
+    spec = {
+        "labels": list(info.labels),
+        "input_size": info.input_size,
+        "in_channels": info.in_channels,
+        "input_rank": info.input_rank,
+        "input_name": info.input_name,
+        "output_name": info.output_name,
+        "input_dtype": info.input_dtype,
+        "normalization": info.normalization,
+        "normalization_in_graph": info.normalization_in_graph,
+    }
+    probs = da.map_blocks(
+        _score_block,
+        images,
+        path=path,
+        stamp=_stamp(path),
+        providers=tuple(providers) if providers else None,
+        threads=int(config.get("predict.threads")),
+        batch_size=int(batch_size),
+        info=spec,
+        drop_axis=list(range(2, images.ndim)),
+        chunks=(images.chunks[0], (len(info.labels),)),
+        dtype=np.float32,
+        meta=np.empty((0, 0), np.float32),
+        token="predict",
+    )
+    if client is not None:
+        probs = client.persist(probs)
+    return probs
+
+
+# ---- tables ------------------------------------------------------------------------------------------------
+
+
+def scores_table(ds: xr.Dataset, probs: Any, *, labels: Sequence[str] | None = None) -> pd.DataFrame:
+    """Join predictions to the dataset's coordinates and true labels.
+
+    Parameters
+    ----------
+    ds
+        The dataset that was scored (from :func:`~dask_dl.open_dataset`).
+    probs
+        ``(n, k)`` scores of its images, e.g. from :func:`predict` (computed here when lazy).
+    labels
+        Names of the ``k`` score columns; default the dataset's labels (``finding``).
+
+    Returns
+    -------
+    pandas.DataFrame
+        One row per image: ``sample`` (row in the store), ``image_id``, ``patient_id``, ``split``, ``site``, a
+        float32 column ``p_<label>`` per label, and the true labels (uint8 columns named like the labels) when the
+        dataset has them. ``table.attrs["labels"]`` lists the scored labels.
+    """
+    labels = [str(v) for v in (labels if labels is not None else ds["finding"].values)]
+    if getattr(probs, "ndim", None) != 2 or probs.shape != (ds.sizes["sample"], len(labels)):
+        raise DatasetError(
+            f"probs has shape {getattr(probs, 'shape', None)}; for this dataset of {ds.sizes['sample']} images and "
+            f"{len(labels)} labels it must be {(ds.sizes['sample'], len(labels))}: pass labels= naming its columns"
+        )
+    truth = ds["label"].data if "label" in ds else None
+    probs, truth = dask.compute(probs, truth)
+    table = pd.DataFrame({"sample": np.asarray(ds["sample"].values, dtype=np.int64)})
+    for name in _COORDS:
+        if name in ds.coords:
+            table[name] = np.asarray(ds[name].values).astype(str)
+    probs = np.asarray(probs, dtype=np.float32)
+    for j, label in enumerate(labels):
+        table[PROB_PREFIX + label] = probs[:, j]
+    if truth is not None:
+        findings = [str(v) for v in ds["finding"].values]
+        for label in labels:
+            if label in findings:
+                table[label] = np.asarray(truth[:, findings.index(label)], dtype=np.uint8)
+    table.attrs = {"labels": labels}
+    return table
+
+
+def evaluate(table: pd.DataFrame, *, labels: Sequence[str] | None = None) -> pd.Series:
+    """Per-label AUROC of a :func:`scores_table` (also one read back from Parquet).
+
+    Parameters
+    ----------
+    table
+        With ``p_<label>`` score columns and ``<label>`` truth columns.
+    labels
+        Labels to evaluate; default every label with both columns.
+
+    Returns
+    -------
+    pandas.Series
+        AUROC per label (index: label, name ``auroc``), NaN where a label has one class only.
+    """
+    if labels is None:
+        labels = [c[len(PROB_PREFIX) :] for c in table.columns if c.startswith(PROB_PREFIX)]
+        labels = [label for label in labels if label in table.columns]
+    missing = [c for label in labels for c in (PROB_PREFIX + label, label) if c not in table.columns]
+    if not labels or missing:
+        raise DatasetError(
+            f"the table lacks score or truth columns {missing or ['p_<label>', '<label>']}; evaluate needs a "
+            "scores_table of a dataset with labels"
+        )
+    truth = table[list(labels)].to_numpy()
+    scores = table[[PROB_PREFIX + label for label in labels]].to_numpy()
+    return pd.Series(auroc(truth, scores), index=pd.Index(list(labels), name="label"), name="auroc")
