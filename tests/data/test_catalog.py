@@ -134,6 +134,30 @@ def test_nih_trailing_comma_gzip_and_images_folder_agree(tmp_path):
     pd.testing.assert_frame_equal(old[columns], flat_catalog[columns])
 
 
+def test_nih_from_fsspec_url(tmp_path):
+    import fsspec
+
+    train_val, test = official_lists()
+    local = write_nih(tmp_path / "nih", name="Data_Entry_2017.csv.gz", lists=(train_val, test))
+    fs = fsspec.filesystem("memory")
+    try:
+        fs.put(str(local), "/nih-url", recursive=True)
+        catalog = read_catalog("memory://nih-url", site="remote")
+        paths = catalog.set_index("image_id")["path"]
+        # fsspec spells memory URLs with the root slash: memory:///nih-url/...
+        assert paths["00000001_001.png"] == "memory:///nih-url/images_002/images/00000001_001.png"
+        assert paths["00000005_000.png"] == "memory:///nih-url/images/00000005_000.png"
+        with fsspec.open(paths["00000001_001.png"], "rb") as f:
+            assert Image.open(f).size == (8, 8)
+        expected = read_nih(local, site="remote")
+        columns = [c for c in catalog.columns if c != "path"]
+        pd.testing.assert_frame_equal(catalog[columns], expected[columns])
+        with pytest.raises(StoreNotFoundError, match="memory:///nih-absent.* is not a directory"):
+            read_nih("memory://nih-absent")
+    finally:
+        fs.rm("/nih-url", recursive=True)
+
+
 def test_nih_prefers_v2020(tmp_path):
     root = write_nih(tmp_path / "nih", name="Data_Entry_2017_v2020.csv", trailing_comma=False)
     write_nih(root, ROWS[:2])  # an older Data_Entry_2017.csv beside it
