@@ -134,7 +134,10 @@ def _decode_raster(path: str, data: bytes, min_size: int) -> np.ndarray:
     try:
         image = Image.open(io.BytesIO(data))
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
-        raise ImageRejected("undecodable", path, f"not an image file Pillow can read ({exc})") from None
+        # Pillow's message names the BytesIO object (a memory address): keep status files deterministic
+        raise ImageRejected(
+            "undecodable", path, f"not an image format Pillow can identify ({type(exc).__name__})"
+        ) from None
     _check_size(path, image.width, image.height, min_size)
     if image.format == "PNG":
         import imagecodecs

@@ -410,6 +410,9 @@ def _ingest_shard(job: dict[str, Any], *, url: str, size: int, min_size: int) ->
             status.append((row, image_id, False, exc.reason, exc.detail))
     store = _open_store(url)
     image = zarr.open_array(store, path="image", mode="r+")
+    # zarr reads an existing shard before writing into it, even when the write covers all of it; the file a killed
+    # run left may be half-written and unreadable, so start from nothing (this task is the shard's only writer)
+    sync(store.delete("image/" + image.metadata.encode_chunk_key((job["shard"], 0, 0))))
     image[job["start"] : job["start"] + len(block)] = block
     table = pd.DataFrame(status, columns=_STATUS_COLUMNS)
     record = {"shard": job["shard"], "start": job["start"], "status": table.to_dict(orient="list")}

@@ -1,0 +1,376 @@
+"""ingest on a real LocalCluster into real Zarr stores: layout, round trip, rejects, refusals, resume after a kill."""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import dask.config
+import numpy as np
+import pandas as pd
+import pytest
+import xarray as xr
+import zarr
+from PIL import Image
+from scipy.ndimage import gaussian_filter
+
+import dask_dl
+from dask_dl.data.images import load_image
+from dask_dl.data.ingest import IngestResult, read_rejects
+from dask_dl.data.schema import make_catalog, write_catalog
+from dask_dl.errors import CatalogError, StoreError
+
+LABELS = ["Effusion", "Mass", "Nodule"]
+
+
+@pytest.fixture(autouse=True)
+def dask_dl_settings():
+    """Put the dask-dl defaults back if a test before this one used distributed's ``client`` fixture: it resets
+    dask.config to a snapshot that ``distributed.utils_test`` took before dask_dl registered its defaults.
+    """
+    dask.config.update(dask.config.config, copy.deepcopy(dask_dl.config._defaults), priority="old")
+
+
+@pytest.fixture(scope="module")
+def client():
+    """A real LocalCluster, 2 worker processes x 1 thread, shared by this module's tests.
+
+    (distributed's own ``client`` fixture fails tests that start zarr's I/O threads, which live for the process.)
+    """
+    from distributed import Client, LocalCluster
+
+    with (
+        LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+    ):
+        yield client
+
+
+SIZE, CHUNK, SHARD = 32, 4, 2  # 8 images per shard
+
+
+def write_png(path: Path, seed: int, shape=(96, 96)) -> None:
+    noise = gaussian_filter(np.random.default_rng(seed).random(shape), 4)
+    Image.fromarray(np.rint((noise - noise.min()) / np.ptp(noise) * 255).astype(np.uint8)).save(path)
+
+
+def make_collection(root: Path, n: int = 36, bad: dict[int, str] | None = None) -> pd.DataFrame:
+    """``n`` PNGs (80-112 px, some not square) and their catalog; rows in ``bad`` get a broken file."""
+    root.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i in range(n):
+        path = root / f"{i:05d}.png"
+        write_png(path, seed=i, shape=(80 + 8 * (i % 5), 96))
+        patient = i // 3
+        rows.append(
+            {
+                "image_id": f"img{i:05d}",
+                "path": str(path),
+                "patient_id": f"p{patient:03d}",
+                "site": "north" if patient % 2 else "south",
+                "split": ("train", "train", "val", "test")[patient % 4],
+                **{label: int((i >> k) & 1) for k, label in enumerate(LABELS)},
+                "age": 20 + i,
+            }
+        )
+    for i, kind in (bad or {}).items():
+        path = Path(rows[i]["path"])
+        if kind == "missing":
+            path.unlink()
+        elif kind == "truncated":
+            path.write_bytes(path.read_bytes()[:200])
+        elif kind == "garbage":
+            path.write_bytes(b"\x89PNG but not really" * 20)
+        elif kind == "too_small":
+            write_png(path, seed=i, shape=(40, 96))
+    return make_catalog(pd.DataFrame(rows), LABELS)
+
+
+BAD = {3: "missing", 9: "truncated", 10: "garbage", 30: "too_small"}
+
+
+def run_ingest(catalog, store, client, **kwargs) -> IngestResult:
+    options = {"size": SIZE, "chunk": CHUNK, "shard": SHARD, "client": client, "progress": False}
+    return dask_dl.ingest(catalog, store, **{**options, **kwargs})
+
+
+def test_round_trip(client, tmp_path):
+    catalog = make_collection(tmp_path / "images", bad=BAD)
+    store = tmp_path / "cxr.zarr"
+    result = run_ingest(catalog, store, client, progress=True)
+    n = len(catalog)
+    assert (result.n, result.n_rejected, result.n_written) == (n, 4, n - 4)
+    assert (result.shards_written, result.shards_skipped) == (5, 0)  # ceil(36 / 8)
+    assert result.rejects.set_index("row")["reason"].to_dict() == {
+        3: "missing",
+        9: "truncated",
+        10: "undecodable",
+        30: "too_small",
+    }
+    assert "4 rejected" in result.summary() and "shards_written=5" in repr(result)
+
+    # the layout of the contract, read with zarr directly
+    group = zarr.open_group(store, mode="r")
+    assert group.attrs["dask_dl"] == {
+        "format": 1, "size": SIZE, "chunk": CHUNK, "shard": SHARD, "labels": LABELS, "task": "multilabel",
+        "n": n, "complete": True,
+    }  # fmt: skip
+    image = group["image"]
+    assert (image.shape, image.dtype, image.chunks, image.shards) == (
+        (n, SIZE, SIZE),
+        np.uint8,
+        (4, 32, 32),
+        (8, 32, 32),
+    )
+    assert image.metadata.dimension_names == ("sample", "y", "x")
+    assert [type(c).__name__ for c in image.compressors] == ["ZstdCodec"]
+    assert group["label"].metadata.dimension_names == ("sample", "finding")
+    assert group["valid"].dtype == np.bool_
+    np.testing.assert_array_equal(group["sample"][:], np.arange(n))
+    valid = np.ones(n, bool)
+    valid[list(BAD)] = False
+    np.testing.assert_array_equal(group["valid"][:], valid)
+
+    # every image equals load_image of its file; rejected rows stay all zero
+    pixels = image[:]
+    for i, path in enumerate(catalog["path"]):
+        if valid[i]:
+            np.testing.assert_array_equal(pixels[i], load_image(path, size=SIZE), err_msg=f"row {i}")
+        else:
+            assert not pixels[i].any()
+
+    # xarray reads it too, and open_dataset drops the rejects from image, label and coordinates alike
+    raw = xr.open_zarr(store, consolidated=False)
+    assert set(raw.coords) >= {"image_id", "patient_id", "split", "site", "finding", "sample"}
+    ds = dask_dl.open_dataset(store)
+    kept = catalog[valid]
+    np.testing.assert_array_equal(ds.sample.values, np.flatnonzero(valid))
+    np.testing.assert_array_equal(ds.label.values, kept[LABELS].to_numpy(np.uint8))
+    np.testing.assert_array_equal(ds.image.values, pixels[valid])
+    for name in ("image_id", "patient_id", "split", "site"):
+        np.testing.assert_array_equal(ds[name].values, kept[name].to_numpy(str))
+    assert list(ds.finding.values) == LABELS
+    # the official split is kept: each split is exactly the catalog's rows of that split, minus the rejects
+    for split in ("train", "val", "test"):
+        subset = dask_dl.open_dataset(store, split=split)
+        assert list(subset.image_id.values) == list(kept.loc[kept["split"] == split, "image_id"])
+
+    # the rejects table, in the store and returned
+    stored = read_rejects(store)
+    pd.testing.assert_frame_equal(stored, result.rejects)
+    assert list(stored.columns) == ["row", "image_id", "path", "patient_id", "split", "site", "reason", "message"]
+    assert list(stored["image_id"]) == [f"img{i:05d}" for i in sorted(BAD)]
+
+
+def test_rejects_also_written_where_asked(client, tmp_path):
+    catalog = make_collection(tmp_path / "images", n=10, bad={2: "garbage"})
+    result = run_ingest(catalog, tmp_path / "s.zarr", client, rejects=tmp_path / "rejects.parquet")
+    pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "rejects.parquet"), result.rejects)
+    assert result.rejects["reason"].tolist() == ["undecodable"]
+
+
+def test_quiet_progress_logs_lines(client, tmp_path, caplog):
+    catalog = make_collection(tmp_path / "images", n=20)
+    with caplog.at_level(logging.INFO, logger="dask_dl.data.ingest"):
+        run_ingest(catalog, tmp_path / "s.zarr", client, progress=False)
+    assert any("3/3 shards written" in r.getMessage() for r in caplog.records)
+
+
+def test_malformed_catalog_fails_before_any_work(tmp_path):
+    catalog = make_collection(tmp_path / "images", n=6)
+    duplicated = pd.concat([catalog, catalog.iloc[:1]], ignore_index=True)
+    duplicated.attrs = catalog.attrs
+    with pytest.raises(CatalogError, match="img00000.*more than once"):
+        dask_dl.ingest(duplicated, tmp_path / "dup.zarr", size=SIZE)
+    leaking = catalog.copy()
+    leaking.loc[0, "split"] = "test"  # p000 now in train and test
+    with pytest.raises(CatalogError, match="p000"):
+        dask_dl.ingest(leaking, tmp_path / "leak.zarr", size=SIZE)
+    assert not (tmp_path / "dup.zarr").exists() and not (tmp_path / "leak.zarr").exists()
+
+
+def test_bad_options_fail_before_any_work(tmp_path):
+    catalog = make_collection(tmp_path / "images", n=4)
+    with pytest.raises(dask_dl.ConfigurationError, match="chunk must be a positive integer; got 0"):
+        dask_dl.ingest(catalog, tmp_path / "s.zarr", size=SIZE, chunk=0)
+    assert not (tmp_path / "s.zarr").exists()
+
+
+def test_other_store_refused_unless_overwrite(client, tmp_path):
+    catalog = make_collection(tmp_path / "images", n=12)
+    store = tmp_path / "s.zarr"
+    run_ingest(catalog, store, client)
+    with pytest.raises(StoreError, match="size: store has 32, asked for 48.*overwrite=True"):
+        run_ingest(catalog, store, client, size=48)
+    with pytest.raises(StoreError, match="n: store has 12, asked for 11"):
+        run_ingest(catalog.iloc[:11], store, client)
+    renamed = catalog.copy()
+    renamed.loc[5, "image_id"] = "another"
+    with pytest.raises(StoreError, match="catalog \\(hash of the image ids\\)"):
+        run_ingest(renamed, store, client)
+    relabelled = catalog.copy()
+    relabelled.attrs = {"labels": LABELS[:2], "task": "multilabel"}
+    with pytest.raises(StoreError, match="labels: store has"):
+        run_ingest(relabelled, store, client)
+    assert dask_dl.open_dataset(store).image.shape == (12, 32, 32)  # untouched by the refused runs
+
+    result = run_ingest(catalog.iloc[:11], store, client, size=48, overwrite=True)
+    assert (result.shards_written, result.shards_skipped) == (2, 0)
+    ds = dask_dl.open_dataset(store)
+    assert ds.image.shape == (11, 48, 48) and ds.attrs["dask_dl"]["n"] == 11
+    np.testing.assert_array_equal(ds.image.values[10], load_image(catalog["path"][10], size=48))
+
+    folder = tmp_path / "not-a-store"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine")
+    with pytest.raises(StoreError, match="not a dask_dl store"):
+        run_ingest(catalog, folder, client)
+    assert (folder / "notes.txt").exists()
+
+
+def test_second_run_on_finished_store_writes_nothing(client, tmp_path):
+    catalog = make_collection(tmp_path / "images", n=20)
+    store = tmp_path / "s.zarr"
+    run_ingest(catalog, store, client)
+    before = store_files(store)
+    relabelled = catalog.copy()
+    relabelled["Mass"] = 1 - relabelled["Mass"]
+    result = run_ingest(relabelled, store, client)
+    assert (result.shards_written, result.shards_skipped, result.n_written) == (0, 3, 0)
+    after = store_files(store)
+    assert {k: v for k, v in after.items() if k.startswith("image/")} == {
+        k: v for k, v in before.items() if k.startswith("image/")
+    }
+    # labels come from the catalog on every run
+    np.testing.assert_array_equal(dask_dl.open_dataset(store).label.values[:, 1], relabelled["Mass"].to_numpy())
+
+
+def test_real_nih_pngs_and_dicoms(client, shared_data, tmp_path):
+    table = pd.read_csv(shared_data / "nih" / "Data_Entry_2017_v2020.csv.gz")
+    rows = table[table["Image Index"].isin(["00000001_000.png", "00027426_000.png"])]
+    frame = pd.DataFrame(
+        {
+            "image_id": rows["Image Index"],
+            "path": [str(shared_data / "nih" / name) for name in rows["Image Index"]],
+            "patient_id": rows["Patient ID"].astype(str),
+            "site": "nih",
+            "split": ["train", "test"],
+        }
+    )
+    labels = sorted({f for value in table["Finding Labels"] for f in value.split("|")} - {"No Finding"})
+    for label in labels:
+        frame[label] = [int(label in value.split("|")) for value in rows["Finding Labels"]]
+    dicoms = sorted((shared_data / "dicom").glob("*.dcm"))
+    extra = pd.DataFrame(
+        {"image_id": [p.name for p in dicoms], "path": [str(p) for p in dicoms], "patient_id": ["d1", "d2"]}
+    ).assign(site="dicom", split="val", **{label: 0 for label in labels})
+    catalog = make_catalog(pd.concat([frame, extra], ignore_index=True), labels)
+    with dask.config.set({"dask-dl.ingest.min-size": 16}):
+        result = run_ingest(catalog, tmp_path / "nih.zarr", client, size=64, chunk=1, shard=2)
+    assert result.n_rejected == 0 and result.shards_written == 2
+    ds = dask_dl.open_dataset(tmp_path / "nih.zarr")
+    for i, path in enumerate(catalog["path"]):
+        np.testing.assert_array_equal(ds.image.values[i], load_image(path, size=64, min_size=16))
+    for i, findings in enumerate(rows["Finding Labels"]):  # e.g. "Cardiomegaly" for 00000001_000.png
+        assert {str(f) for f in ds.finding.values[ds.label.values[i] == 1]} == set(findings.split("|")) - {"No Finding"}
+    assert ds.label.values[0].sum() >= 1 and not ds.label.values[2:].any()
+
+
+# ---- resume after a real kill ---------------------------------------------------------------------------------
+
+
+def store_files(store: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(store)): p.read_bytes()
+        for p in sorted(store.rglob("*"))
+        if p.is_file() and p.name != "rejects.parquet"
+    }
+
+
+KILLED_RUN = textwrap.dedent(
+    """
+    import sys
+    import dask_dl
+    from dask_dl.data.schema import read_parquet_catalog
+
+    if __name__ == "__main__":  # the worker processes are spawned and import this module
+        catalog = read_parquet_catalog(sys.argv[1])
+        dask_dl.ingest(catalog, sys.argv[2], size=32, chunk=2, shard=2, progress=False)
+    """
+)
+
+
+def test_resume_after_kill_writes_only_missing_shards(client, tmp_path):
+    catalog = make_collection(tmp_path / "images", n=48, bad={13: "garbage"})  # 12 shards of 4 images
+    # Rows 9 and 21 (shards 2 and 5) are FIFOs: reading them blocks like a hung network mount, so the killed
+    # run is stuck with both workers busy and some shards done, whatever order the scheduler picked.
+    hung = [9, 21]
+    for row in hung:
+        path = Path(catalog["path"][row])
+        path.unlink()
+        os.mkfifo(path)
+    write_catalog(catalog, tmp_path / "catalog.parquet")
+    (tmp_path / "run.py").write_text(KILLED_RUN)
+    store = tmp_path / "resumed.zarr"
+    status = store / "_dask_dl" / "status"
+    process = subprocess.Popen(
+        [sys.executable, str(tmp_path / "run.py"), str(tmp_path / "catalog.parquet"), str(store)],
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        count, stable_since, deadline = -1, time.monotonic(), time.monotonic() + 120
+        while time.monotonic() < deadline:
+            now = len(list(status.glob("*.json"))) if status.exists() else 0
+            if now != count:
+                count, stable_since = now, time.monotonic()
+            elif count > 0 and time.monotonic() - stable_since > 3:
+                break
+            assert process.poll() is None, "the run finished although two of its images hang"
+            time.sleep(0.2)
+        else:
+            pytest.fail(f"the killed run never settled ({count} status files)")
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)  # the driver and its LocalCluster's worker processes
+        process.wait()
+    done = {int(p.stem.split("-")[1]) for p in status.glob("*.json")}
+    assert 0 < len(done) < 12 and not done & {2, 5}
+    assert zarr.open_group(store, mode="r").attrs["dask_dl"]["complete"] is False
+    with pytest.raises(StoreError, match="(?i)run ingest again to resume"):
+        dask_dl.open_dataset(store)
+
+    # a half-written shard file of an unfinished shard (the status file is what counts, not the shard file)
+    missing = sorted(set(range(12)) - done)
+    half = store / "image" / "c" / str(missing[-1]) / "0" / "0"
+    half.parent.mkdir(parents=True, exist_ok=True)
+    half.write_bytes(b"\x00half a shard")
+    # the storage recovers: the hung files become the real images
+    for row in hung:
+        path = Path(catalog["path"][row])
+        path.unlink()
+        write_png(path, seed=row, shape=(80 + 8 * (row % 5), 96))
+    finished = {s: os.stat(store / "image" / "c" / str(s) / "0" / "0") for s in done}
+
+    result = dask_dl.ingest(catalog, store, size=32, chunk=2, shard=2, client=client, progress=False)
+    assert (result.shards_written, result.shards_skipped) == (len(missing), len(done))
+    assert result.n_written == 4 * len(missing) - (13 // 4 in missing)  # row 13 is garbage
+    for s, before in finished.items():  # finished shards were not rewritten (an atomic rewrite changes the inode)
+        after = os.stat(store / "image" / "c" / str(s) / "0" / "0")
+        assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+
+    clean = tmp_path / "clean.zarr"
+    reference = dask_dl.ingest(catalog, clean, size=32, chunk=2, shard=2, client=client, progress=False)
+    assert store_files(store) == store_files(clean)  # same files, same bytes: shards, arrays, status, metadata
+    pd.testing.assert_frame_equal(result.rejects, reference.rejects)
+    assert result.rejects["row"].tolist() == [13]
+    np.testing.assert_array_equal(dask_dl.open_dataset(store).image.values, dask_dl.open_dataset(clean).image.values)
+    assert json.loads((store / "zarr.json").read_text())["attributes"]["dask_dl"]["complete"] is True
