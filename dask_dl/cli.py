@@ -185,6 +185,59 @@ def synth(root, images, size, seed, patients, label_source, sites, rgba, corrupt
     )
 
 
+# ---- ingest and summary (data room: dask_dl.data.ingest, dask_dl.data.dataset) -----------------------------
+
+
+@cli.command("ingest")
+@click.argument("source")
+@click.argument("store")
+@click.option("--size", "-s", type=int, default=None, help="Side of the square uint8 images (default from config).")
+@click.option("--chunk", type=int, default=None, help="Images per Zarr chunk (default from config).")
+@click.option("--shard", type=int, default=None, help="Chunks per Zarr shard, the unit one task writes (config).")
+@click.option("--overwrite", is_flag=True, help="Replace STORE if it holds another dataset (size, catalog, ...).")
+@scheduler_option
+@quiet_option
+def ingest_command(source, store, size, chunk, shard, overwrite, scheduler, workers, quiet) -> None:
+    """Decode, grayscale and resize the images of SOURCE into the sharded Zarr store STORE.
+
+    SOURCE is anything `dask-dl catalog` reads (a collection root or a catalog .parquet). Rerunning on a store
+    that a killed run left behind writes only the missing shards. Rejected images are listed in
+    STORE/_dask_dl/rejects.parquet.
+    """
+    import logging
+
+    from dask_dl.cluster import close_client, get_client
+    from dask_dl.data.catalog import read_catalog
+    from dask_dl.data.ingest import ingest
+
+    if quiet:  # log lines of dask_dl only, not every line of distributed
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+        logging.getLogger("dask_dl").addHandler(handler)
+        logging.getLogger("dask_dl").setLevel(logging.INFO)
+    catalog = read_catalog(source)
+    client = get_client(scheduler=scheduler, n_workers=workers)
+    try:
+        result = ingest(
+            catalog, store, size=size, chunk=chunk, shard=shard, overwrite=overwrite, client=client,
+            progress=False if quiet else None,
+        )  # fmt: skip
+    finally:
+        close_client(client)
+    click.echo(result.summary())
+
+
+@cli.command("summary")
+@click.argument("store")
+def summary_command(store) -> None:
+    """Count the images of STORE per split and label, and the rejected ones."""
+    from dask_dl.data.dataset import summary
+
+    table = summary(store)
+    click.echo(f"{store}: {int(table.loc['total', 'images'])} images, {int(table.loc['total', 'rejected'])} rejected")
+    click.echo(table.T.to_string())
+
+
 # ---- end of commands --------------------------------------------------------------------------------------
 
 main = cli
