@@ -223,7 +223,10 @@ def ingest_command(source, store, size, chunk, shard, overwrite, scheduler, work
             progress=False if quiet else None,
         )  # fmt: skip
     finally:
-        close_client(client)
+        if scheduler is not None:
+            client.close()  # our connection to someone else's cluster
+        else:
+            close_client(client)
     click.echo(result.summary())
 
 
