@@ -1,0 +1,389 @@
+"""TrainingActor: one data-parallel trainer, living on one Dask worker as a Dask actor.
+
+The driver (:mod:`dask_dl.train.run`) makes one actor per trainer and calls, on all of them at once:
+``free_address`` (rank 0 only), ``setup``, then per epoch ``train_epoch``, ``validate`` and ``checkpoint``, and
+finally ``teardown``. A worker runs an actor's synchronous methods one at a time on a single thread, so the
+collective ones (``setup``, ``train_epoch``, ``checkpoint``) must be started on every actor before any result is
+awaited. ``request_stop`` and ``progress`` are ``async`` methods: they run on the worker's event loop and answer
+while an epoch is running.
+
+Time accounting of an epoch (the ``*_s`` fields of :meth:`TrainingActor.train_epoch`):
+
+``data_wait_s``
+    time the trainer waited for its next batch (the loader's ``wait_s``);
+``comm_s``
+    communication the trainer was blocked on: the synchronous part of every DDP comm-hook call (compression,
+    launching the collective), plus the wait from the return of the last bucket's hook to the end of
+    ``backward()`` (all-reduces still in flight once gradients are computed), plus the per-step all-reduce of the
+    stop/finite flags. All-reduce time hidden behind backward compute is not counted: it cost nothing;
+``compute_s``
+    the rest of the step: forward, backward compute, optimizer (step wall time minus ``comm_s``).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+from urllib.parse import urlparse
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+from dask_dl.errors import ClusterError, TrainingError
+from dask_dl.train.checkpoint import load_checkpoint, rng_state, set_rng_state
+
+
+@dataclass(frozen=True)
+class TrainerSpec:
+    """Everything a trainer needs to build its part of a run; the same for every rank."""
+
+    store: str
+    train_samples: np.ndarray
+    val_samples: np.ndarray
+    labels: tuple[str, ...]
+    task: str
+    input_size: int
+    model_name: str
+    batch_size: int
+    lr: float
+    model_kwargs: dict[str, Any] = field(default_factory=dict)
+    optimizer: str = "sgd"
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    compression: str = "none"
+    compression_options: dict[str, Any] = field(default_factory=dict)
+    warmup_steps: int = 0
+    seed: int = 0
+    augment: bool = False
+    window: int | None = None
+    prefetch: int | None = None
+    timeout_s: float = 120.0
+    resume_from: str | None = None
+
+
+def _epoch_seed(seed: int, epoch: int, rank: int) -> int:
+    # Reseeding at every epoch start makes an epoch's randomness (dropout, augmentation) a function of
+    # (seed, epoch, rank) alone, so a resumed run draws exactly what the uninterrupted one drew.
+    return (seed * 1_000_003 + epoch * 10_007 + rank) % (2**63)
+
+
+class _CommTimer:
+    """Wraps DDP comm hooks to measure the communication a trainer is blocked on (see module docstring)."""
+
+    def __init__(self) -> None:
+        self.hook_s = 0.0
+        self.last_return: float | None = None
+        self.calls = 0
+
+    def wrap(self, hook):
+        def timed_hook(state, bucket):
+            start = time.perf_counter()
+            future = hook(state, bucket)
+            self.last_return = time.perf_counter()
+            self.hook_s += self.last_return - start
+            self.calls += 1
+            return future
+
+        return timed_hook
+
+    def attach(self, ddp: DistributedDataParallel) -> None:
+        """Make every later ``ddp.register_comm_hook`` register a timed version of its hook."""
+        register = ddp.register_comm_hook
+
+        def register_timed(state, hook):
+            return register(state, self.wrap(hook))
+
+        ddp.register_comm_hook = register_timed  # instance attribute shadows the method
+
+
+class TrainingActor:
+    """One rank of a data-parallel training run (used through ``client.submit(TrainingActor, actor=True)``)."""
+
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self._progress: dict[str, Any] = {}
+        self._ready = False
+
+    # ---- answered on the event loop, also while an epoch runs ----------------------------------------------
+
+    async def request_stop(self) -> bool:
+        """Ask the trainer to stop after its current step (all ranks agree on the step)."""
+        self._stop.set()
+        return True
+
+    async def progress(self) -> dict[str, Any]:
+        """Return where the current epoch is: ``epoch, step, steps, loss, images_per_s``."""
+        return dict(self._progress)
+
+    # ---- process group and model ----------------------------------------------------------------------
+
+    def free_address(self) -> str:
+        """Return ``tcp://host:port`` with a port free now on this worker's host (rank 0's rendezvous)."""
+        from distributed import get_worker
+
+        host = urlparse(get_worker().address).hostname or "127.0.0.1"
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        return f"tcp://{host}:{port}"
+
+    def setup(self, spec: TrainerSpec, *, init_method: str, rank: int, world_size: int) -> dict[str, Any]:
+        """Join the process group, build model, DDP, compressor, optimizer and loaders; load a checkpoint."""
+        from distributed import get_worker
+
+        from dask_dl.data.loader import ChunkLoader
+        from dask_dl.models import build_model
+        from dask_dl.train.compression import make_compressor
+
+        if dist.is_available() and dist.is_initialized():
+            raise ClusterError(
+                f"worker {get_worker().address} is already in a torch.distributed process group (another fit is "
+                "running on it); wait for that run or stop it (run.stop()), or train on other workers"
+            )
+        worker = get_worker()
+        torch.set_num_threads(max(1, worker.state.nthreads))
+        self.spec, self.rank, self.world_size = spec, rank, world_size
+        self._stop.clear()
+        cuda = torch.cuda.is_available()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        dist.init_process_group(
+            "nccl" if cuda else "gloo",
+            init_method=init_method,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=spec.timeout_s),
+        )
+        torch.manual_seed(spec.seed)  # every rank builds the same initial weights (DDP broadcasts rank 0's anyway)
+        model = build_model(spec.model_name, num_outputs=len(spec.labels), in_channels=1, **spec.model_kwargs)
+        model = model.to(self.device)
+        self.ddp = DistributedDataParallel(model, device_ids=[self.device.index] if cuda else None)
+        self.timer = _CommTimer()
+        self.timer.attach(self.ddp)
+        self.compressor = make_compressor(
+            spec.compression, warmup_steps=spec.warmup_steps, **dict(spec.compression_options)
+        )
+        self.compressor.register(self.ddp)
+        if spec.optimizer == "adamw":
+            self.optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay)
+        else:
+            self.optimizer = torch.optim.SGD(
+                model.parameters(), lr=spec.lr, momentum=spec.momentum, weight_decay=spec.weight_decay
+            )
+        self.start_epoch = 0
+        if spec.resume_from is not None:
+            self._load(load_checkpoint(spec.resume_from, map_location=self.device))
+        common = dict(rank=rank, world_size=world_size, seed=spec.seed, window=spec.window, prefetch=spec.prefetch)
+        self.train_loader = ChunkLoader(
+            spec.store, spec.train_samples, batch_size=spec.batch_size, shuffle=True, augment=spec.augment, **common
+        )
+        self.val_loader = ChunkLoader(
+            spec.store, spec.val_samples, batch_size=spec.batch_size, shuffle=False, drop_last=False, **common
+        )
+        self._ready = True
+        return {
+            "rank": rank,
+            "address": worker.address,
+            "device": str(self.device),
+            "gpu": cuda,
+            "threads": torch.get_num_threads(),
+            "steps_per_epoch": int(self.train_loader.steps_per_epoch),
+            "start_epoch": self.start_epoch,
+        }
+
+    def _load(self, checkpoint: dict[str, Any]) -> None:
+        self.ddp.module.load_state_dict(checkpoint["model"])
+        self.optimizer.load_state_dict(checkpoint["optimizer"])
+        for group in self.optimizer.param_groups:  # the lr passed to this fit wins over the checkpoint's
+            group["lr"] = self.spec.lr
+        states = checkpoint["compressor"]
+        if len(states) != self.world_size:
+            raise TrainingError(
+                f"the checkpoint was written by {len(states)} trainers and this run has {self.world_size}; "
+                f"resume with trainers={len(states)} (error-feedback residuals are per rank)"
+            )
+        self.compressor.load_state_dict(states[self.rank])
+        set_rng_state(checkpoint["rng"][self.rank])
+        self.start_epoch = int(checkpoint["epoch"]) + 1
+
+    # ---- one epoch ------------------------------------------------------------------------------------
+
+    def _loss(self, logits: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        if self.spec.task == "multiclass":
+            return F.cross_entropy(logits, y.argmax(dim=1), reduction=reduction)
+        loss = F.binary_cross_entropy_with_logits(logits, y, reduction="none").mean(dim=1)
+        return loss.mean() if reduction == "mean" else loss.sum()
+
+    def train_epoch(self, epoch: int) -> dict[str, Any]:
+        """Train one epoch; every rank stops at the same step when a stop was requested on any rank.
+
+        Raises
+        ------
+        TrainingError
+            On every rank, when the loss of any rank is not finite (no optimizer step is taken with it).
+        """
+        torch.manual_seed(_epoch_seed(self.spec.seed, epoch, self.rank))
+        self.ddp.train()
+        timer, device = self.timer, self.device
+        steps = self.train_loader.steps_per_epoch
+        bytes_before = int(self.compressor.bytes_sent)
+        loss_sum, examples, step, comm_s, busy_s, stopped = 0.0, 0, 0, 0.0, 0.0, False
+        self._progress = {"epoch": epoch, "step": 0, "steps": steps, "loss": None, "images_per_s": None}
+        started = time.perf_counter()
+        for step, (x, y) in enumerate(self.train_loader.epoch(epoch)):
+            begin = time.perf_counter()
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            hook_s_before, timer.last_return = timer.hook_s, None
+            self.optimizer.zero_grad(set_to_none=True)
+            loss = self._loss(self.ddp(x), y)
+            loss.backward()
+            backward_end = time.perf_counter()
+            # one small all-reduce per step makes every rank agree to stop, or to fail, at the same step;
+            # a rank that broke out alone would leave the others waiting in DDP's next all-reduce
+            flags = torch.stack(
+                [torch.tensor(float(self._stop.is_set()), device=device), (~torch.isfinite(loss.detach())).float()]
+            )
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            flags_end = time.perf_counter()
+            stop, bad = bool(flags[0] > 0), bool(flags[1] > 0)
+            if bad:
+                raise TrainingError(
+                    f"non-finite training loss at epoch {epoch} step {step} (rank {self.rank} loss "
+                    f"{float(loss.detach()):.4g}); the weights of the last completed epoch are kept in its "
+                    "checkpoint; lower the learning rate (lr=...) or check the data"
+                )
+            self.optimizer.step()
+            end = time.perf_counter()
+            tail = backward_end - timer.last_return if timer.last_return is not None else 0.0
+            comm_s += (timer.hook_s - hook_s_before) + tail + (flags_end - backward_end)
+            busy_s += end - begin
+            loss_sum += float(loss.detach())
+            examples += x.shape[0]
+            elapsed = time.perf_counter() - started
+            self._progress.update(
+                step=step + 1, loss=loss_sum / (step + 1), images_per_s=examples * self.world_size / elapsed
+            )
+            if stop:
+                stopped = True
+                break
+        else:
+            step = steps - 1 if steps else -1
+        seconds = time.perf_counter() - started
+        done = step + 1 if steps else 0
+        return {
+            "rank": self.rank,
+            "epoch": epoch,
+            "steps": done,
+            "loss_sum": loss_sum,
+            "examples": examples,
+            "seconds": seconds,
+            "compute_s": busy_s - comm_s,
+            "comm_s": comm_s,
+            "data_wait_s": float(self.train_loader.wait_s),
+            "bytes_sent": int(self.compressor.bytes_sent) - bytes_before,
+            "stopped": stopped,
+        }
+
+    @torch.no_grad()
+    def validate(self, epoch: int) -> dict[str, Any]:
+        """Score this rank's share of the validation split (no DDP sync: ``ddp.module`` under no_grad).
+
+        Returns the sample numbers, scores (sigmoid, or softmax for multiclass), 0/1 labels and the loss sum, so
+        that the driver computes metrics over all predictions of all ranks.
+        """
+        model = self.ddp.module
+        model.eval()
+        samples, scores, labels, loss_sum = [], [], [], 0.0
+        for x, y, s in self.val_loader.epoch(epoch, with_samples=True):
+            x, y = x.to(self.device), y.to(self.device)
+            logits = model(x)
+            loss_sum += float(self._loss(logits, y, reduction="sum"))
+            prob = logits.softmax(dim=1) if self.spec.task == "multiclass" else logits.sigmoid()
+            samples.append(np.asarray(s, dtype=np.int64))
+            scores.append(prob.float().cpu().numpy())
+            labels.append(y.cpu().numpy().astype(np.uint8))
+        k = len(self.spec.labels)
+        return {
+            "rank": self.rank,
+            "samples": np.concatenate(samples) if samples else np.zeros(0, np.int64),
+            "scores": np.concatenate(scores) if scores else np.zeros((0, k), np.float32),
+            "labels": np.concatenate(labels) if labels else np.zeros((0, k), np.uint8),
+            "loss_sum": loss_sum,
+        }
+
+    # ---- checkpoint and teardown ----------------------------------------------------------------------
+
+    def checkpoint(self, epoch: int, *, history: list[dict[str, Any]], directory: str | None) -> dict[str, Any] | None:
+        """Gather every rank's compressor and RNG state to rank 0, which builds the checkpoint dict.
+
+        Rank 0 writes it to ``directory`` (atomically) when given, and returns it; other ranks return None.
+        """
+        from dask_dl.models import DEFAULT_NORMALIZATION
+        from dask_dl.train.checkpoint import FORMAT, save_checkpoint
+
+        mine = {"compressor": _to_cpu(self.compressor.state_dict()), "rng": rng_state()}
+        gathered: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(mine, gathered, dst=0)
+        if self.rank != 0:
+            return None
+        spec = self.spec
+        checkpoint = {
+            "format": FORMAT,
+            "model_name": spec.model_name,
+            "model_kwargs": dict(spec.model_kwargs),
+            "model": _to_cpu(self.ddp.module.state_dict()),
+            "labels": list(spec.labels),
+            "task": spec.task,
+            "input_size": int(spec.input_size),
+            "in_channels": 1,
+            "normalization": dict(DEFAULT_NORMALIZATION),
+            "epoch": int(epoch),
+            "optimizer": _to_cpu(self.optimizer.state_dict()),
+            "compressor": [g["compressor"] for g in gathered],
+            "rng": [g["rng"] for g in gathered],
+            "history": [_plain(row) for row in history],
+        }
+        if directory is not None:
+            save_checkpoint(checkpoint, directory)
+        return checkpoint
+
+    def teardown(self) -> bool:
+        """Leave the process group and drop model, loaders and optimizer, so the worker is free again."""
+        for name in ("train_loader", "val_loader"):
+            close = getattr(getattr(self, name, None), "close", None)
+            if close is not None:
+                close()
+        for name in ("ddp", "optimizer", "compressor", "train_loader", "val_loader"):
+            self.__dict__.pop(name, None)
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+        self._ready = False
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return True
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().clone()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+def _plain(row: dict[str, Any]) -> dict[str, Any]:
+    """History rows as plain Python values (``weights_only`` loading takes no numpy scalars)."""
+    out = {}
+    for key, value in row.items():
+        if isinstance(value, np.generic):
+            value = value.item()
+        out[str(key)] = value
+    return out

@@ -1,0 +1,257 @@
+"""fit() end to end on a real LocalCluster (2 worker processes x 1 thread) with real gloo process groups.
+
+The collection is tiny (32 px, 96 images) and learnable: label ``a`` is a bright square top left, ``b`` one bottom
+right. Worker processes import torch once per module (module-scoped cluster), so each fit costs a few seconds.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+import torch.nn.functional as F
+from distributed import Client, LocalCluster
+from PIL import Image
+
+import dask_dl
+from dask_dl import ClusterError, ConfigurationError, DatasetError, TrainingError
+from dask_dl.data.loader import ChunkLoader
+from dask_dl.data.schema import make_catalog
+from dask_dl.models import build_model
+from dask_dl.train.checkpoint import latest_checkpoint, load_checkpoint
+
+N_TRAIN, N_VAL, SIZE = 64, 32, 32
+
+
+def squares_collection(root: Path, *, n_train: int = N_TRAIN, n_val: int = N_VAL, seed: int = 0) -> pd.DataFrame:
+    """Write 64 px PNGs with a square per positive label and return their catalog (one patient per image)."""
+    rng = np.random.default_rng(seed)
+    (root / "images").mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i in range(n_train + n_val):
+        a, b = rng.random() < 0.5, rng.random() < 0.5
+        pixels = rng.normal(80, 20, (64, 64))
+        pixels[8:24, 8:24] += 120 * a
+        pixels[40:56, 40:56] += 120 * b
+        path = root / "images" / f"{i:04d}.png"
+        Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8)).save(path)
+        split = "train" if i < n_train else "val"
+        rows.append(dict(image_id=path.name, path=str(path), patient_id=f"p{i}", site="A", split=split, a=a, b=b))
+    frame = pd.DataFrame(rows).astype({"a": "uint8", "b": "uint8"})
+    return make_catalog(frame, ["a", "b"])
+
+
+@pytest.fixture(scope="module")
+def cluster_client():
+    with (
+        LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+    ):
+        yield client
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory, cluster_client) -> str:
+    root = tmp_path_factory.mktemp("squares")
+    path = str(root / "squares.zarr")
+    dask_dl.ingest(squares_collection(root), path, size=SIZE, chunk=8, shard=2, client=cluster_client, progress=False)
+    return path
+
+
+def trainer_keys(client: Client) -> list[str]:
+    """Keys of training actors the scheduler still holds."""
+    return client.run_on_scheduler(
+        lambda dask_scheduler: [str(k) for k in dask_scheduler.tasks if "dask-dl-trainer" in str(k)]
+    )
+
+
+def in_process_group(client: Client) -> list[bool]:
+    return list(client.run(lambda: torch.distributed.is_initialized()).values())
+
+
+def fit(store, client, **kwargs):
+    options = dict(model="small_cnn", model_kwargs={"width": 8}, epochs=1, batch_size=8, trainers=2, lr=0.05)
+    return dask_dl.fit(dask_dl.open_dataset(store), client=client, **{**options, **kwargs})
+
+
+# ---- 1. exactness: 2 trainers x batch b == one process with batch 2b ---------------------------------------
+
+
+def reference_weights(store, *, steps_seed: int, b: int, lr: float, trainers: int) -> dict[str, torch.Tensor]:
+    """Train the same model with plain torch in this process, on the batches the trainers' loaders yield.
+
+    Each step concatenates the ranks' batches into one batch of ``trainers * b``. BatchNorm is the one layer that
+    sees the per-rank batches in DDP (statistics of ``b`` images each; SyncBatchNorm needs CUDA), so the reference
+    normalizes each rank's part on its own ("ghost batch norm") and keeps rank 0's running statistics, which DDP
+    broadcasts to all ranks. Gradients are those of the mean loss over all ``trainers * b`` images.
+    """
+    ds = dask_dl.open_dataset(store)
+    samples = ds.sample.values[ds.split.values == "train"]
+    loaders = [
+        ChunkLoader(store, samples, batch_size=b, rank=r, world_size=trainers, seed=steps_seed, prefetch=0)
+        for r in range(trainers)
+    ]
+    torch.manual_seed(steps_seed)
+    model = build_model("small_cnn", num_outputs=2, width=8)
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    steps = 0
+    for batches in zip(*(loader.epoch(0) for loader in loaders), strict=True):
+        opt.zero_grad()
+        logits, rank0_buffers = [], None
+        for r, (x, _) in enumerate(batches):
+            logits.append(model(x))
+            if r == 0:
+                rank0_buffers = {k: v.clone() for k, v in model.named_buffers()}
+        y_all = torch.cat([y for _, y in batches])
+        F.binary_cross_entropy_with_logits(torch.cat(logits), y_all).backward()
+        with torch.no_grad():  # after backward: BatchNorm's backward checks its buffers were not modified
+            for k, v in model.named_buffers():
+                v.copy_(rank0_buffers[k])
+        opt.step()
+        steps += 1
+    assert steps == len(samples) // (b * trainers)
+    return model.state_dict()
+
+
+@pytest.mark.parametrize("trainers", [2, 1])
+def test_trainers_match_one_process(store, cluster_client, trainers):
+    b = 16 // trainers  # the same 16 images per step either way
+    run = fit(store, cluster_client, trainers=trainers, batch_size=b, seed=3, compression="none")
+    expected = reference_weights(store, steps_seed=3, b=b, lr=0.05, trainers=trainers)
+    got = run.checkpoint()["model"]
+    assert set(got) == set(expected)
+    initial = build_model("small_cnn", num_outputs=2, width=8).state_dict()
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-5, msg=name)
+    # and training moved the weights well beyond that tolerance
+    assert max(float((got[k] - initial[k]).abs().max()) for k in got if got[k].is_floating_point()) > 1e-2
+    row = run.history.iloc[0]
+    assert row["steps"] == N_TRAIN // 16
+    # the "none" compressor hands every gradient to all-reduce once per step: 4 bytes per parameter and rank
+    n_params = sum(p.numel() for p in run.model().parameters())
+    assert row["bytes_sent"] == (4 * n_params * (N_TRAIN // 16) * trainers if trainers > 1 else 0)
+
+
+# ---- history, model, checkpoint --------------------------------------------------------------------------
+
+
+def test_history_and_checkpoints(store, cluster_client, tmp_path):
+    run = fit(store, cluster_client, epochs=2, checkpoint_dir=str(tmp_path / "ck"), compression="fp16", warmup_steps=0)
+    h = run.history
+    assert list(h["epoch"]) == [0, 1]
+    for column in (
+        "train_loss",
+        "val_loss",
+        "val_auroc_mean",
+        "val_auroc_a",
+        "val_auroc_b",
+        "images_per_s",
+        "compute_s",
+        "comm_s",
+        "data_wait_s",
+        "bytes_sent",
+        "seconds",
+        "cost",
+        "event",
+    ):
+        assert column in h, column
+    assert (h["images_per_s"] > 0).all() and (h["compute_s"] > 0).all() and (h["comm_s"] > 0).all()
+    assert (h["data_wait_s"] >= 0).all() and (h["cost"] > 0).all()
+    # fp16 sends half the bytes of float32 gradients
+    n_params = sum(p.numel() for p in run.model().parameters())
+    assert list(h["bytes_sent"]) == [2 * n_params * (N_TRAIN // 16) * 2] * 2
+    assert h["val_auroc_mean"].iloc[-1] == pytest.approx((h["val_auroc_a"] + h["val_auroc_b"]).iloc[-1] / 2)
+    # the file is the contract's checkpoint and equals the in-memory one
+    path = latest_checkpoint(tmp_path / "ck")
+    assert path.endswith("epoch-0001.pt")
+    on_disk = torch.load(path, weights_only=True)
+    assert on_disk["epoch"] == 1 and on_disk["labels"] == ["a", "b"] and on_disk["input_size"] == SIZE
+    assert on_disk["task"] == "multilabel" and on_disk["in_channels"] == 1 and len(on_disk["compressor"]) == 2
+    assert [r["epoch"] for r in on_disk["history"]] == [0, 1]
+    for k, v in run.checkpoint()["model"].items():
+        assert torch.equal(on_disk["model"][k], v)
+    assert not any(k.startswith("module.") for k in on_disk["model"])
+    model = run.model()
+    x = torch.zeros(2, 1, SIZE, SIZE)
+    assert model(x).shape == (2, 2)
+    assert "val_auroc_mean" in repr(run) and "finished" in repr(run)
+    assert "AUROC" in run._repr_html_()
+
+
+# ---- 6. resume, stop, back to back, faults, bad input --------------------------------------------------------
+
+
+def test_resume_equals_uninterrupted(store, cluster_client, tmp_path):
+    # onebit with a short warm-up: the error-feedback residuals (different on each rank) must survive the resume
+    common = dict(compression="onebit", warmup_steps=2, seed=5)
+    straight = fit(store, cluster_client, epochs=3, **common)
+    fit(store, cluster_client, epochs=2, checkpoint_dir=str(tmp_path / "ck"), **common)
+    resumed = fit(store, cluster_client, epochs=3, checkpoint_dir=str(tmp_path / "ck"), resume=True, **common)
+    a, b = straight.checkpoint(), resumed.checkpoint()
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    assert list(resumed.history["epoch"]) == [0, 1, 2]
+    assert list(resumed.history["event"]) == ["", "", "resumed"]
+    assert resumed.history["train_loss"].iloc[2] == straight.history["train_loss"].iloc[2]
+    residual = a["compressor"][1]["residuals"]
+    assert residual and all(torch.equal(residual[k], b["compressor"][1]["residuals"][k]) for k in residual)
+
+
+def test_stop_frees_workers_and_fit_again(store, cluster_client):
+    run = fit(store, cluster_client, epochs=500, wait=False)
+    deadline = time.monotonic() + 60
+    while not len(run.history) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(run.history) >= 1, "no epoch finished within 60 s"
+    run.stop().wait()
+    assert run.status == "stopped"
+    assert set(run.history["event"]) <= {"", "stopped"}
+    assert len(run.history) < 500
+    assert run.checkpoint()["epoch"] == int(run.history.query("event != 'stopped'")["epoch"].max())
+    # process groups left, actors released: the cluster is free for the next run
+    assert in_process_group(cluster_client) == [False, False]
+    assert trainer_keys(cluster_client) == []
+    again = fit(store, cluster_client, epochs=1)
+    assert again.status == "finished" and np.isfinite(again.history["train_loss"]).all()
+    assert trainer_keys(cluster_client) == []
+
+
+def test_nonfinite_loss_keeps_last_good_checkpoint(store, cluster_client, tmp_path):
+    ck = str(tmp_path / "ck")
+    fit(store, cluster_client, epochs=1, checkpoint_dir=ck)
+    good = load_checkpoint(ck)
+    with pytest.raises(TrainingError, match=r"non-finite training loss at epoch 1 step \d+"):
+        fit(store, cluster_client, epochs=3, checkpoint_dir=ck, resume=True, lr=1e30)
+    kept = load_checkpoint(ck)
+    assert kept["epoch"] == 0
+    assert all(torch.equal(kept["model"][k], good["model"][k]) for k in good["model"])
+    assert in_process_group(cluster_client) == [False, False]
+    assert trainer_keys(cluster_client) == []
+
+
+def test_bad_input_fails_before_any_actor(store, cluster_client):
+    ds = dask_dl.open_dataset(store)
+    with pytest.raises(DatasetError, match="no 'val' samples"):
+        dask_dl.fit(dask_dl.open_dataset(store, split="train"), trainers=2, client=cluster_client)
+    unlabeled = ds.copy()
+    unlabeled.attrs = {"dask_dl": {**ds.attrs["dask_dl"], "labels": []}}
+    with pytest.raises(DatasetError, match="no labels"):
+        dask_dl.fit(unlabeled, client=cluster_client)
+    with pytest.raises(DatasetError, match=r"batch_size=40 is larger than one trainer's share .*= 32"):
+        dask_dl.fit(ds, batch_size=40, trainers=2, client=cluster_client)
+    with pytest.raises(ConfigurationError, match="small_cnn"):
+        dask_dl.fit(ds, model="resnet9", client=cluster_client)
+    with pytest.raises(ConfigurationError, match="onebit"):
+        dask_dl.fit(ds, compression="twobit", client=cluster_client)
+    with pytest.raises(ConfigurationError, match="optimizer"):
+        dask_dl.fit(ds, optimizer="lion", client=cluster_client)
+    with pytest.raises(ClusterError, match="only 2 workers"):
+        dask_dl.fit(ds, trainers=3, batch_size=8, client=cluster_client)
+    with pytest.raises(ConfigurationError, match="checkpoint_dir"):
+        dask_dl.fit(ds, resume=True, client=cluster_client)
+    assert trainer_keys(cluster_client) == []
