@@ -241,6 +241,88 @@ def summary_command(store) -> None:
     click.echo(table.T.to_string())
 
 
+# ---- train (training room: dask_dl.train.run) ---------------------------------------------------------------
+
+
+@cli.command("train")
+@click.argument("store")
+@click.option("--model", "-m", default=None, help="Model name: small_cnn, alexnet, resnet18, resnet50, densenet121.")
+@click.option("--epochs", "-e", type=int, default=None, help="Epochs in all (a resumed run continues up to it).")
+@click.option("--batch-size", "-b", type=int, default=None, help="Images per step on each trainer.")
+@click.option("--trainers", "-t", type=int, default=None, help="Data-parallel trainers, one per worker.")
+@click.option("--compression", "-c", default=None, help="none, fp16, bf16, powersgd, onebit or onebit2.")
+@click.option("--lr", type=float, default=None, help="Learning rate.")
+@click.option("--optimizer", type=click.Choice(["sgd", "adamw"]), default=None, help="Optimizer (default: config).")
+@click.option("--checkpoint-dir", default=None, help="Directory or fsspec URL for one checkpoint per epoch.")
+@click.option("--resume", is_flag=True, help="Continue from the latest checkpoint in --checkpoint-dir.")
+@click.option("--seed", type=int, default=None, help="Seed of weights, data order and augmentation.")
+@click.option("--augment", is_flag=True, help="Random affine and brightness/contrast augmentation.")
+@scheduler_option
+@quiet_option
+def train_command(
+    store, model, epochs, batch_size, trainers, compression, lr, optimizer, checkpoint_dir, resume, seed, augment,
+    scheduler, workers, quiet,
+) -> None:  # fmt: skip
+    """Train a model on the train split of STORE, validating on its val split after every epoch.
+
+    Prints one line per epoch and a final table; Ctrl-C stops the trainers after their current step and frees
+    the workers (the last completed epoch's checkpoint stays).
+    """
+    import time
+
+    from dask_dl import config
+    from dask_dl.cluster import close_client, get_client
+    from dask_dl.data.dataset import open_dataset
+    from dask_dl.train.run import fit
+
+    n_trainers = config.get("train.trainers", trainers)
+    dataset = open_dataset(store)
+    client = get_client(scheduler=scheduler, n_workers=workers or max(n_trainers, config.get("cluster.n-workers")))
+    interactive = not quiet and sys.stderr is not None and sys.stderr.isatty()
+    try:
+        run = fit(
+            dataset, model=model, epochs=epochs, batch_size=batch_size, trainers=n_trainers, compression=compression,
+            lr=lr, optimizer=optimizer, checkpoint_dir=checkpoint_dir, resume=resume, seed=seed, augment=augment,
+            view="terminal" if interactive else "none", client=client, wait=False,
+        )  # fmt: skip
+        shown = 0
+        try:
+            while not run.done:
+                time.sleep(0.5)
+                shown = _echo_epochs(run, shown, interactive)
+        except KeyboardInterrupt:
+            click.echo("stopping the trainers after their current step ...", err=True)
+            run.stop()
+            while not run.done:
+                time.sleep(0.2)
+        _echo_epochs(run, shown, interactive)
+        history = run.history
+        if len(history):
+            columns = [c for c in _TRAIN_COLUMNS if c in history] + [c for c in history if c.startswith("val_auroc_")]
+            click.echo(history[list(dict.fromkeys(columns))].to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+        click.echo(f"{run.run_id}: {run.status}")
+        run.wait()  # raises what made the run fail
+    finally:
+        if scheduler is not None:
+            client.close()
+        else:
+            close_client(client)
+
+
+_TRAIN_COLUMNS = ("epoch", "train_loss", "val_loss", "val_auroc_mean", "images_per_s", "data_wait_s", "bytes_sent")
+
+
+def _echo_epochs(run, shown: int, interactive: bool) -> int:
+    """Print the epochs finished since the last call (the terminal view prints its own); return how many."""
+    rows = run.history.to_dict("records")
+    if not interactive:
+        for row in rows[shown:]:
+            text = " ".join(f"{k}={row[k]:.4g}" if isinstance(row[k], float) else f"{k}={row[k]}" for k in
+                            _TRAIN_COLUMNS if k in row)  # fmt: skip
+            click.echo(f"{run.run_id} {text}" + (f" ({row['event']})" if row.get("event") else ""))
+    return len(rows)
+
+
 # ---- end of commands --------------------------------------------------------------------------------------
 
 main = cli
