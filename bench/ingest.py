@@ -1,0 +1,100 @@
+"""How well does ingest scale? dask_dl.ingest on W workers against a single-process loop, same images, same run.
+
+    python bench/ingest.py [--images 320 --size 224 --workers 2 --source-size 1024]
+
+Writes the source PNGs once (smooth random images with noise, NIH-sized, cached in the temp dir), then times
+(1) a plain loop in this process: load_image (decode, grayscale, resize) of every file and whole-shard writes
+into a Zarr store of the same layout, and (2) dask_dl.ingest on a LocalCluster of W single-threaded worker
+processes (cluster start-up not counted). Prints images/s of both and the parallel efficiency
+``(dask rate / loop rate) / W``; 1.0 would be perfect scaling. Each is the best of ``--repeat`` runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import zarr
+from PIL import Image
+
+import dask_dl
+from dask_dl.data.images import load_image
+from dask_dl.data.schema import make_catalog
+
+
+def write_sources(n: int, side: int) -> pd.DataFrame:
+    root = Path(tempfile.gettempdir()) / f"dask_dl_bench_ingest_{n}_{side}"
+    rng = np.random.default_rng(0)
+    rows = []
+    root.mkdir(exist_ok=True)
+    for i in range(n):
+        path = root / f"{i:05d}.png"
+        if not path.exists():
+            low = Image.fromarray(rng.integers(0, 256, (16, 16), dtype=np.uint8)).resize((side, side), Image.BICUBIC)
+            noisy = np.asarray(low, np.float32) + rng.normal(0, 4, (side, side))
+            Image.fromarray(np.clip(noisy, 0, 255).astype(np.uint8)).save(path.with_suffix(".tmp.png"))
+            os.replace(path.with_suffix(".tmp.png"), path)
+        rows.append({"image_id": path.name, "path": str(path), "patient_id": f"p{i}", "site": "bench",
+                     "split": "train", "Finding": i % 2})  # fmt: skip
+    return make_catalog(pd.DataFrame(rows), ["Finding"])
+
+
+def single_process(catalog: pd.DataFrame, store: str, *, size: int, chunk: int, shard: int) -> float:
+    """The baseline: the same decode + resize + whole-shard Zarr writes, one image after another, no Dask."""
+    shutil.rmtree(store, ignore_errors=True)
+    started = time.perf_counter()
+    n, rows = len(catalog), chunk * shard
+    image = zarr.create_array(
+        store, shape=(n, size, size), dtype="uint8", chunks=(chunk, size, size), shards=(rows, size, size),
+        compressors=zarr.codecs.ZstdCodec(level=3), dimension_names=("sample", "y", "x"),
+    )  # fmt: skip
+    for start in range(0, n, rows):
+        paths = catalog["path"].iloc[start : start + rows]
+        image[start : start + len(paths)] = np.stack([load_image(p, size=size) for p in paths])
+    return n / (time.perf_counter() - started)
+
+
+def with_dask(catalog: pd.DataFrame, store: str, *, size: int, chunk: int, shard: int, client) -> float:
+    shutil.rmtree(store, ignore_errors=True)
+    result = dask_dl.ingest(catalog, store, size=size, chunk=chunk, shard=shard, client=client, progress=False)
+    assert result.n_rejected == 0 and result.shards_written == -(-len(catalog) // (chunk * shard))
+    return len(catalog) / result.seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--images", type=int, default=320)
+    parser.add_argument("--size", type=int, default=224)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--source-size", type=int, default=1024)
+    parser.add_argument("--chunk", type=int, default=16)
+    parser.add_argument("--shard", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=2)
+    args = parser.parse_args()
+    from distributed import Client, LocalCluster
+
+    catalog = write_sources(args.images, args.source_size)
+    layout = {"size": args.size, "chunk": args.chunk, "shard": args.shard}
+    with tempfile.TemporaryDirectory() as tmp:
+        loop = max(single_process(catalog, f"{tmp}/loop.zarr", **layout) for _ in range(args.repeat))
+        with (
+            LocalCluster(n_workers=args.workers, threads_per_worker=1, dashboard_address=":0") as cluster,
+            Client(cluster) as client,
+        ):
+            parallel = max(with_dask(catalog, f"{tmp}/dask.zarr", **layout, client=client) for _ in range(args.repeat))
+    shards = -(-args.images // (args.chunk * args.shard))
+    print(f"{args.images} PNGs {args.source_size}x{args.source_size} -> {args.size}x{args.size}, {shards} shards")
+    print(f"single process loop      {loop:8.1f} images/s")
+    print(f"dask_dl.ingest, {args.workers} workers {parallel:8.1f} images/s")
+    speedup = parallel / loop
+    print(f"speed-up {speedup:.2f}x; parallel efficiency (speed-up / workers) {speedup / args.workers:.2f}")
+
+
+if __name__ == "__main__":
+    main()
