@@ -1,0 +1,127 @@
+"""Trainer placement and the TrainingActor protocol, driven by hand through Dask actors."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+from distributed import Client, LocalCluster, Scheduler, SpecCluster, Worker
+from test_fit import squares_collection
+
+import dask_dl
+from dask_dl import ClusterError
+from dask_dl.train.actor import TrainerSpec, TrainingActor
+from dask_dl.train.placement import place_trainers
+
+# ---- placement -----------------------------------------------------------------------------------------------
+
+
+def _spec_cluster(resources: list[dict]) -> SpecCluster:
+    workers = {f"w{i}": {"cls": Worker, "options": {"nthreads": 1, "resources": r}} for i, r in enumerate(resources)}
+    scheduler = {"cls": Scheduler, "options": {"dashboard_address": ":0"}}
+    return SpecCluster(workers=workers, scheduler=scheduler, asynchronous=False)
+
+
+def test_placement_prefers_gpu_workers():
+    with _spec_cluster([{}, {"GPU": 1}, {}, {"GPU": 1}]) as cluster, Client(cluster) as client:
+        info = client.scheduler_info()["workers"]
+        gpu = sorted(a for a, w in info.items() if w["resources"].get("GPU"))
+        assert place_trainers(client, 2) == gpu
+        assert place_trainers(client, 1) == gpu[:1]
+        with pytest.raises(ClusterError, match=r"only 2 workers with a 'GPU' resource.*trainers=2"):
+            place_trainers(client, 3)
+
+
+def test_placement_on_cpu_workers():
+    with _spec_cluster([{}, {}]) as cluster, Client(cluster) as client:
+        chosen = place_trainers(client, 2)
+        assert len(set(chosen)) == 2 and set(chosen) == set(client.scheduler_info()["workers"])
+        with pytest.raises(ClusterError, match=r"only 2 workers .*pass trainers=2.*scale\(5\)"):
+            place_trainers(client, 5)
+        with pytest.raises(ClusterError, match="positive integer"):
+            place_trainers(client, 0)
+
+
+# ---- the actor protocol ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def setup_client(tmp_path_factory):
+    with (
+        LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+    ):
+        root = tmp_path_factory.mktemp("squares")
+        store = str(root / "s.zarr")
+        dask_dl.ingest(squares_collection(root), store, size=32, chunk=8, shard=2, client=client, progress=False)
+        yield client, store
+
+
+def _spec(store: str, **kwargs) -> TrainerSpec:
+    ds = dask_dl.open_dataset(store)
+    split = ds.split.values
+    options = dict(
+        store=store,
+        train_samples=ds.sample.values[split == "train"],
+        val_samples=ds.sample.values[split == "val"],
+        labels=("a", "b"),
+        task="multilabel",
+        input_size=32,
+        model_name="small_cnn",
+        model_kwargs={"width": 4},
+        batch_size=1,
+        lr=0.01,
+    )
+    return TrainerSpec(**{**options, **kwargs})
+
+
+def test_actor_protocol(setup_client):
+    client, store = setup_client
+    workers = place_trainers(client, 2)
+    futures = [
+        client.submit(TrainingActor, actor=True, workers=[w], allow_other_workers=False, pure=False) for w in workers
+    ]
+    actors = [f.result() for f in futures]
+    try:
+        init = actors[0].free_address().result()
+        assert init.startswith("tcp://127.0.0.1:") and int(init.rsplit(":", 1)[1]) > 0
+        spec = _spec(store)
+        # the rendezvous: both setups in flight before either is awaited
+        infos = [f.result() for f in [a.setup(spec, init_method=init, rank=r, world_size=2) for r, a in
+                                      enumerate(actors)]]  # fmt: skip
+        assert [i["rank"] for i in infos] == [0, 1] and [i["address"] for i in infos] == workers
+        assert infos[0]["steps_per_epoch"] == infos[1]["steps_per_epoch"] == 32  # 64 images, 1 per rank and step
+        assert infos[0]["threads"] == 1 and infos[0]["device"] == "cpu"
+        assert client.run(lambda: torch.distributed.get_world_size()) == {w: 2 for w in workers}
+        with pytest.raises(ClusterError, match="already in a torch.distributed process group"):
+            actors[0].setup(spec, init_method=init, rank=0, world_size=2).result()
+
+        # stop asked of rank 1 alone, while the epoch runs: progress and request_stop are answered at once
+        # (async methods), and both ranks stop after the same step
+        epoch = [a.train_epoch(0) for a in actors]
+        deadline = time.monotonic() + 30
+        while actors[1].progress().result().get("step", 0) < 2 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert actors[1].request_stop().result() is True
+        results = [f.result() for f in epoch]
+        assert all(r["stopped"] for r in results)
+        assert results[0]["steps"] == results[1]["steps"] < 32
+        assert results[0]["bytes_sent"] > 0 and results[0]["comm_s"] > 0
+
+        # validation: the ranks together score every val sample exactly once
+        scored = [f.result() for f in [a.validate(0) for a in actors]]
+        samples = np.concatenate([s["samples"] for s in scored])
+        assert sorted(samples.tolist()) == sorted(spec.val_samples.tolist())
+        assert all(s["scores"].shape == (len(s["samples"]), 2) for s in scored)
+        assert all(((s["scores"] > 0) & (s["scores"] < 1)).all() for s in scored)
+
+        # checkpoint: rank 0 gathers both ranks' compressor and RNG states
+        ck = [f.result() for f in [a.checkpoint(0, history=[], directory=None) for a in actors]]
+        assert ck[1] is None and len(ck[0]["compressor"]) == 2 and len(ck[0]["rng"]) == 2
+        assert ck[0]["epoch"] == 0 and not any(k.startswith("module.") for k in ck[0]["model"])
+    finally:
+        for f in [a.teardown() for a in actors]:
+            f.result()
+    assert client.run(lambda: torch.distributed.is_initialized()) == {w: False for w in workers}
