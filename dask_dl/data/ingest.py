@@ -163,8 +163,8 @@ def ingest(
     client
         Dask client; default :func:`dask_dl.cluster.get_client` (the current client or a new local cluster).
     progress
-        Show a ``distributed.progress`` bar; ``False`` logs a line per 10 % instead (batch jobs). Default
-        ``dask-dl.ingest.progress``.
+        Show a ``distributed.progress`` bar; ``False`` logs a line per 10 % instead (batch jobs). Default: a bar
+        when ``dask-dl.ingest.progress`` is true and the session is interactive (a terminal or a notebook).
     rejects
         Also write the rejects table to this Parquet file (it is always in ``<store>/_dask_dl/rejects.parquet``).
 
@@ -197,9 +197,11 @@ def ingest(
     group = _prepare_store(url, catalog, layout, overwrite=overwrite)
     done = _finished_shards(group.store)
     jobs = [job for job in _jobs(catalog, layout) if job["shard"] not in done]
+    if progress is None:  # a bar where someone watches; log lines in batch jobs and CI logs
+        progress = bool(config.get("ingest.progress")) and _interactive()
     client_ = get_client(client)
     try:
-        tables = _run(client_, jobs, url, layout, progress=config.get("ingest.progress", progress))
+        tables = _run(client_, jobs, url, layout, progress=progress)
     finally:
         if client is None:
             close_client(client_)
@@ -228,6 +230,12 @@ def read_rejects(store: str | os.PathLike) -> pd.DataFrame:
             "run ingest again to finish it"
         )
     return pd.read_parquet(io.BytesIO(data))
+
+
+def _interactive() -> bool:
+    import sys
+
+    return sys.stdout.isatty() or "ipykernel" in sys.modules
 
 
 # ---- layout and store checks -------------------------------------------------------------------------------
@@ -310,9 +318,9 @@ def _prepare_store(url: str, catalog: pd.DataFrame, layout: dict[str, Any], *, o
             )
     group = zarr.open_group(store, mode="w" if fresh else "r+", zarr_format=3)
     group.attrs.update(_attrs(layout, complete=False))
-    if fresh:
+    if "image" not in group:  # also when a run was killed right after writing the attributes
         _create_image(group, layout)
-        group.create_group(META_GROUP)
+    group.require_group(META_GROUP)
     _write_table_arrays(group, catalog, layout)
     return group
 
