@@ -52,7 +52,7 @@ from zarr.storage import FsspecStore, LocalStore
 from dask_dl import config
 from dask_dl.data.images import ImageRejected, load_image
 from dask_dl.data.schema import labels_of, task_of, validate_catalog
-from dask_dl.errors import ConfigurationError, StoreError, StoreNotFoundError
+from dask_dl.errors import CatalogError, ConfigurationError, StoreError, StoreNotFoundError
 
 if TYPE_CHECKING:  # pragma: no cover
     from distributed import Client
@@ -191,7 +191,7 @@ def ingest(
     started = time.perf_counter()
     catalog = validate_catalog(catalog)
     if not len(catalog):
-        raise StoreError("the catalog has no rows: there is nothing to ingest")
+        raise CatalogError("the catalog has no rows: there is nothing to ingest")
     layout = _layout(catalog, size=size, chunk=chunk, shard=shard)
     url = os.fspath(store)
     group = _prepare_store(url, catalog, layout, overwrite=overwrite)
@@ -199,12 +199,14 @@ def ingest(
     jobs = [job for job in _jobs(catalog, layout) if job["shard"] not in done]
     if progress is None:  # a bar where someone watches; log lines in batch jobs and CI logs
         progress = bool(config.get("ingest.progress")) and _interactive()
-    client_ = get_client(client)
-    try:
-        tables = _run(client_, jobs, url, layout, progress=progress)
-    finally:
-        if client is None:
-            close_client(client_)
+    tables: list[pd.DataFrame] = []
+    if jobs:  # a finished store needs no cluster
+        client_ = get_client(client)
+        try:
+            tables = _run(client_, jobs, url, layout, progress=progress)
+        finally:
+            if client is None:
+                close_client(client_)
     status = _all_status(group.store, layout, new=tables)
     rejected = _finish(group, catalog, status, layout)
     if rejects is not None:
@@ -434,8 +436,6 @@ def _run(
     from distributed import as_completed
     from distributed import progress as progress_bar
 
-    if not jobs:
-        return []
     run = uuid.uuid4().hex
     futures = client.map(
         _ingest_shard,

@@ -194,7 +194,9 @@ def test_malformed_catalog_fails_before_any_work(tmp_path):
     leaking.loc[0, "split"] = "test"  # p000 now in train and test
     with pytest.raises(CatalogError, match="p000"):
         dask_dl.ingest(leaking, tmp_path / "leak.zarr", size=SIZE)
-    assert not (tmp_path / "dup.zarr").exists() and not (tmp_path / "leak.zarr").exists()
+    with pytest.raises(CatalogError, match="no rows"):
+        dask_dl.ingest(catalog.iloc[:0], tmp_path / "empty.zarr", size=SIZE)
+    assert not any((tmp_path / name).exists() for name in ("dup.zarr", "leak.zarr", "empty.zarr"))
 
 
 def test_bad_options_fail_before_any_work(tmp_path):
