@@ -401,6 +401,7 @@ class _Chest:
         self.grain = rng.standard_normal((size, size), dtype=np.float32)
         self.quantum = rng.standard_normal((out, out), dtype=np.float32)
         self.lucency = np.zeros((size, size), np.float32)
+        self.opacity = np.zeros((size, size), np.float32)  # what findings add; saturates, see expose()
         self.no_markings = np.zeros((size, size), np.float32)
 
     # -- geometry findings use ----------------------------------------------------------------------------
@@ -444,7 +445,10 @@ class _Chest:
         hx, hy, rx, ry = self.heart
         ct, st = np.cos(-0.6), np.sin(-0.6)
         hu, hv = (X - hx) * ct - (Y - hy) * st, (X - hx) * st + (Y - hy) * ct
-        heart = _ramp(1 - np.sqrt((hu / rx) ** 2 + (hv / ry) ** 2), 0.12)
+        # egg-shaped: taller and narrower above the centre, where the heart runs into the mediastinum
+        above = np.clip(-hv / (1.5 * ry), 0, 1)
+        ry_local = np.where(hv < 0, 1.5 * ry, ry)
+        heart = _ramp(1 - np.sqrt((hu / (rx * (1 - 0.3 * above))) ** 2 + (hv / ry_local) ** 2), 0.12)
         knob = _ramp(1 - np.hypot(X - self.midline - 0.1, Y + 0.28) / 0.06, 0.4)
         self.lung_behind_heart = lung
         self.lung = lung * (1 - heart) * (1 - knob)
@@ -452,11 +456,12 @@ class _Chest:
         shoulder = np.clip((-0.7 - Y) / 0.3, 0, None)
         body = _ramp(1.08 - 0.8 * shoulder**2 - a, 0.08)
         density = body * (0.4 + 0.12 * _ramp(0.35 - a, 0.6) + 0.12 * _ramp(Y - 0.6, 0.4))
-        density += 0.1 * _ramp(0.17 - a, 0.1) * _ramp(0.45 - Y, 0.3) * (1 - heart) + 0.07 * heart
-        density -= self.lung_depth * self.lung * (1 - 0.3 * t**2)
+        density += 0.1 * _ramp(0.17 - a, 0.1) * _ramp(0.45 - Y, 0.3) * (1 - heart) + 0.045 * heart
+        # the apices sit under the clavicles and first ribs, the bases under more soft tissue: both less dark
+        density -= self.lung_depth * self.lung * (1 - 0.3 * t**2) * (0.75 + 0.25 * _ramp(t - 0.12, 0.2))
         # spine with vertebral bodies, trachea, hila
         spine = _ramp(0.065 - a, 0.02)
-        density += spine * (0.05 + 0.025 * np.cos(np.pi * (Y + 1) / 0.09) ** 2) * _ramp(0.3 - Y, 0.6)
+        density += spine * (0.05 + 0.012 * np.cos(np.pi * (Y + 1) / 0.09) ** 2) * _ramp(0.3 - Y, 0.6)
         density -= 0.1 * _ramp(0.028 - a, 0.015) * _ramp(-0.3 - Y, 0.08)
         hila = _blob(self, self.midline - 0.2, -0.04, 0.08) + _blob(self, self.midline + 0.19, -0.07, 0.07)
         density += 0.12 * hila * self.lung
@@ -477,6 +482,7 @@ class _Chest:
         posterior = (0.5 + 0.5 * np.cos(2 * np.pi * (12 * (u / 1.5) ** 0.85 + self.rib_phase))) ** 3
         v = Y - 0.5 * a + 0.3 * a**2
         anterior = (0.5 + 0.5 * np.cos(2 * np.pi * (v + 0.2) / 0.14)) ** 4 * _ramp(a - 0.15, 0.1)
+        cage = cage * (1 - 0.7 * self.heart_mask)  # the dense heart hides the ribs behind it
         ribs = cage * (0.055 * posterior * (0.2 + 0.8 * _ramp(a - 0.15, 0.12)) + 0.025 * anterior)
         slope = 0.13 - 0.06 * self.ap
         s = np.clip((a - 0.06) / 0.55, 0, 1)
@@ -511,7 +517,11 @@ class _Chest:
         rng = self.rng
         gain *= np.exp(rng.normal(0, 0.07))
         gamma *= np.exp(rng.normal(0, 0.07))
-        density = self.density + 0.17 * self.markings_gain * self._markings() - self.lucency * self.lung
+        # overlapping opacities saturate towards a soft-tissue-like ceiling instead of adding up to bone white
+        ceiling = 0.45
+        opacity = ceiling * (1 - np.exp(-self.opacity / ceiling))
+        markings = 0.17 * self.markings_gain * self._markings()
+        density = self.density + opacity + markings - self.lucency * self.lung
         density = ndimage.gaussian_filter(np.clip(density, 0, None), max(0.5, self.px(0.005)))
         level = 1.3 * gain * (1 + self.heel * self.X) * density**gamma
         if self.out != self.size:
@@ -544,7 +554,7 @@ def _emphysema(chest: _Chest, rng, st) -> None:  # before the anatomy: hyperinfl
 def _nodule(chest: _Chest, rng, st) -> None:
     x, y, _ = chest.lung_point(rng)
     r = rng.uniform(0.022, 0.04)
-    chest.density += (0.1 + 0.2 * st) * _ramp(1 - np.hypot(chest.X - x, chest.Y - y) / r, 0.5)
+    chest.opacity += (0.1 + 0.2 * st) * _ramp(1 - np.hypot(chest.X - x, chest.Y - y) / r, 0.5)
 
 
 def _mass(chest: _Chest, rng, st) -> None:
@@ -553,7 +563,7 @@ def _mass(chest: _Chest, rng, st) -> None:
     dx, dy = chest.X - x, chest.Y - y
     theta, phase = np.arctan2(dy, dx), rng.uniform(0, 2 * np.pi, 2)
     lobes = 1 + 0.12 * np.sin(3 * theta + phase[0]) + 0.08 * np.sin(5 * theta + phase[1])
-    chest.density += (0.12 + 0.22 * st) * _ramp(1 - np.hypot(dx, dy) / (r * lobes), 0.35)
+    chest.opacity += (0.12 + 0.22 * st) * _ramp(1 - np.hypot(dx, dy) / (r * lobes), 0.35)
 
 
 def _sides(rng, both: float) -> list[int]:
@@ -568,7 +578,7 @@ def _effusion(chest: _Chest, rng, st) -> None:
         region = (chest.right == side) * _ramp(chest.q + 0.05, 0.1) * _ramp(1.03 - chest.q, 0.06)
         region = region * _ramp(chest.Y - level, 0.05) * _ramp(chest.base[side] + 0.02 - chest.Y, 0.04)
         fluid = (0.55 + 0.4 * st) * (0.7 + 0.3 * _ramp(chest.Y - level - 0.1, 0.2))
-        chest.density += chest.lung_depth * fluid * region * chest.lung
+        chest.opacity += chest.lung_depth * fluid * region * chest.lung
         chest.no_markings = np.maximum(chest.no_markings, region)
 
 
@@ -583,7 +593,7 @@ def _pneumothorax(chest: _Chest, rng, st) -> None:
     region = chest.lung * upper * _ramp(depth - edge, 0.01)
     chest.no_markings = np.maximum(chest.no_markings, region)
     chest.lucency += (0.05 + 0.08 * st) * region
-    chest.density += 0.06 * np.exp(-(((edge - depth) / 0.006) ** 2)) * chest.lung * upper
+    chest.opacity += 0.06 * np.exp(-(((edge - depth) / 0.006) ** 2)) * chest.lung * upper
 
 
 def _atelectasis(chest: _Chest, rng, st) -> None:
@@ -595,14 +605,14 @@ def _atelectasis(chest: _Chest, rng, st) -> None:
     along, across = dx * np.cos(angle) + dy * np.sin(angle), -dx * np.sin(angle) + dy * np.cos(angle)
     width = thick * (1 + wedge * np.clip(along / length + 0.5, 0, 1))
     band = np.exp(-((across / width) ** 2)) * _ramp(length / 2 - np.abs(along), 0.04)
-    chest.density += (0.14 + 0.2 * st) * band * (0.3 + 0.7 * chest.lung)
+    chest.opacity += (0.14 + 0.2 * st) * band * (0.3 + 0.7 * chest.lung)
 
 
 def _infiltration(chest: _Chest, rng, st) -> None:
     patches = _ramp(_smooth_noise(rng, chest.size, 14) - rng.uniform(0.4, 0.8), 0.6)
     zone = _ramp(chest.t - rng.uniform(0.1, 0.5), 0.3)
     lungs = sum(chest.side_mask(side) for side in _sides(rng, 0.5))
-    chest.density += (0.08 + 0.14 * st) * patches * zone * lungs
+    chest.opacity += (0.08 + 0.14 * st) * patches * zone * lungs
 
 
 def _consolidation(chest: _Chest, rng, st) -> None:
@@ -611,7 +621,7 @@ def _consolidation(chest: _Chest, rng, st) -> None:
     fissure = chest.top[side] + rng.uniform(0.4, 0.6) * (chest.base[side] - chest.top[side]) - 0.25 * (chest.q - 0.5)
     lobe = _ramp((fissure - chest.Y) if upper else (chest.Y - fissure), 0.06)
     texture = 0.8 + 0.2 * _smooth_noise(rng, chest.size, 10)
-    chest.density += (0.15 + 0.22 * st) * chest.side_mask(side) * lobe * texture
+    chest.opacity += (0.15 + 0.22 * st) * chest.side_mask(side) * lobe * texture
 
 
 def _edema(chest: _Chest, rng, st) -> None:
@@ -619,7 +629,7 @@ def _edema(chest: _Chest, rng, st) -> None:
     haze = np.exp(-(((chest.a - 0.24) / 0.22) ** 2) - ((chest.Y + 0.02) / 0.32) ** 2)
     kerley = (0.5 + 0.5 * np.cos(2 * np.pi * chest.Y / 0.035)) ** 8 * _ramp(chest.q - 0.82, 0.1)
     kerley = kerley * _ramp(chest.t - 0.6, 0.2)
-    chest.density += ((0.1 + 0.16 * st) * haze + 0.06 * st * kerley) * chest.lung
+    chest.opacity += ((0.1 + 0.16 * st) * haze + 0.06 * st * kerley) * chest.lung
 
 
 def _fibrosis(chest: _Chest, rng, st) -> None:
@@ -627,7 +637,7 @@ def _fibrosis(chest: _Chest, rng, st) -> None:
     field = ndimage.gaussian_filter(rng.standard_normal((chest.size, chest.size)), max(1.0, chest.px(0.022)))
     net = np.clip(1 - np.abs(field / (field.std() + 1e-9)) / 0.3, 0, 1) ** 2
     zone = _ramp(chest.q - 0.35, 0.4) * _ramp(chest.t - 0.3, 0.4)
-    chest.density += (0.1 + 0.14 * st) * net * zone * chest.lung
+    chest.opacity += (0.1 + 0.14 * st) * net * zone * chest.lung
 
 
 def _pleural_thickening(chest: _Chest, rng, st) -> None:
@@ -639,7 +649,7 @@ def _pleural_thickening(chest: _Chest, rng, st) -> None:
         thick = 0.018 + 0.025 * st
         along = _ramp(chest.t - t0, 0.1) * _ramp(t0 + 0.45 - chest.t, 0.1)
         rim = (chest.right == side) * _ramp(thick - inside, 0.012) * _ramp(inside + 0.01, 0.02) * along
-        chest.density += (0.12 + 0.2 * st) * rim * _ramp(chest.Y - chest.top[side] + 0.01, 0.03)
+        chest.opacity += (0.12 + 0.2 * st) * rim * _ramp(chest.Y - chest.top[side] + 0.01, 0.03)
 
 
 def _hernia(chest: _Chest, rng, st) -> None:
@@ -648,9 +658,9 @@ def _hernia(chest: _Chest, rng, st) -> None:
     y = chest.heart[1] + 0.6 * chest.heart[3]
     r = rng.uniform(0.08, 0.12) * (0.8 + 0.3 * st)
     disc = _ramp(1 - np.hypot(chest.X - x, chest.Y - y) / r, 0.25)
-    chest.density += (0.05 + 0.07 * st) * disc
+    chest.opacity += (0.04 + 0.05 * st) * disc
     if rng.random() < 0.6:
-        chest.density -= 0.06 * disc * _ramp(y - 0.25 * r - chest.Y, 0.02)
+        chest.density -= 0.05 * disc * _ramp(y - 0.25 * r - chest.Y, 0.02)
 
 
 def _pneumonia(chest: _Chest, rng, st) -> None:
@@ -660,7 +670,7 @@ def _pneumonia(chest: _Chest, rng, st) -> None:
     d = np.hypot(chest.X - x, chest.Y - y)
     haze = np.exp(-((d / r) ** 2)) * (0.75 + 0.25 * _smooth_noise(rng, chest.size, 16))
     core = _ramp(1 - d / (0.45 * r), 0.5)
-    chest.density += ((0.08 + 0.1 * st) * haze + (0.08 + 0.14 * st) * core) * (0.2 + 0.8 * chest.side_mask(side))
+    chest.opacity += ((0.08 + 0.1 * st) * haze + (0.08 + 0.14 * st) * core) * (0.2 + 0.8 * chest.side_mask(side))
 
 
 _FINDINGS = {
