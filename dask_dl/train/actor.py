@@ -22,6 +22,7 @@ Time accounting of an epoch (the ``*_s`` fields of :meth:`TrainingActor.train_ep
 
 from __future__ import annotations
 
+import gc
 import socket
 import threading
 import time
@@ -170,6 +171,7 @@ class TrainingActor:
             spec.compression, warmup_steps=spec.warmup_steps, **dict(spec.compression_options)
         )
         self.compressor.register(self.ddp)
+        del self.ddp.register_comm_hook  # drop the timing shim: it would keep ddp in a reference cycle
         if spec.optimizer == "adamw":
             self.optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay)
         else:
@@ -361,6 +363,8 @@ class TrainingActor:
                 close()
         for name in ("ddp", "optimizer", "compressor", "train_loader", "val_loader"):
             self.__dict__.pop(name, None)
+        # DDP's reducer holds the process group: free it before the group goes, not at interpreter exit
+        gc.collect()
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
         self._ready = False

@@ -255,3 +255,41 @@ def test_bad_input_fails_before_any_actor(store, cluster_client):
     with pytest.raises(ConfigurationError, match="checkpoint_dir"):
         dask_dl.fit(ds, resume=True, client=cluster_client)
     assert trainer_keys(cluster_client) == []
+
+
+# ---- 5. learning: every compressor learns the synthetic collection about as well as none ---------------------
+
+LEARN_LABELS = ["Effusion", "Infiltration", "Atelectasis", "Pneumothorax", "Mass", "Nodule"]
+
+
+@pytest.fixture(scope="module")
+def synthetic_store(tmp_path_factory, cluster_client) -> str:
+    """1000 synthetic NIH-like images (64 px drawn, 32 px stored), six common findings, a third for validation."""
+    from dask_dl.data.schema import NIH_LABELS
+
+    root = tmp_path_factory.mktemp("synthetic")
+    dask_dl.synthesize(root / "nih", n_images=1000, size=64, seed=0, client=cluster_client)
+    catalog = dask_dl.split_by_patient(dask_dl.read_nih(root / "nih"), val_fraction=0.35, test_fraction=0.05)
+    catalog = make_catalog(catalog.drop(columns=[k for k in NIH_LABELS if k not in LEARN_LABELS]), LEARN_LABELS)
+    store = str(root / "synthetic.zarr")
+    dask_dl.ingest(catalog, store, size=32, chunk=16, shard=2, client=cluster_client, progress=False)
+    return store
+
+
+@pytest.mark.slow
+def test_every_compressor_learns(synthetic_store, cluster_client):
+    """Measured on this setup (6 epochs, AdamW 3e-3, 2 x 16 images per step, ~580 train / ~370 val images):
+    mean val AUROC over the last three epochs none 0.713, fp16 0.704, bf16 0.716, onebit 0.696, onebit2 0.690,
+    powersgd (rank 1) 0.684. The half-precision casts stay within 0.02 of none; the 1-bit and rank-1 compressors
+    lag by up to 0.03 in a run this short (their loss curves trail by about 0.01), so their bar is 0.04."""
+    ds = dask_dl.open_dataset(synthetic_store)
+    scores = {}
+    for compression in ("none", "fp16", "bf16", "onebit", "onebit2", "powersgd"):
+        run = dask_dl.fit(ds, model="small_cnn", epochs=6, batch_size=16, trainers=2, lr=3e-3, optimizer="adamw",
+                          compression=compression, warmup_steps=5, client=cluster_client)  # fmt: skip
+        scores[compression] = float(run.history["val_auroc_mean"].iloc[-3:].mean())
+        assert run.history["bytes_sent"].iloc[-1] > 0
+    assert scores["none"] > 0.65, scores  # chance is 0.5
+    for compression, score in scores.items():
+        bar = 0.02 if compression in ("fp16", "bf16") else 0.04
+        assert score > 0.6 and abs(score - scores["none"]) <= bar, (compression, scores)
