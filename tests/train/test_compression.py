@@ -1,0 +1,492 @@
+"""Gradient compressors: packing, the two-mean quantizer, and every hook on real gloo process groups.
+
+The distributed checks run in two spawns (2 and 3 ranks) that each do many checks and save what they saw; the
+assertions are made here, against a NumPy simulation of the algorithms written independently of the hooks.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import socket
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from dask_dl.errors import ConfigurationError
+from dask_dl.train.compression import COMPRESSORS, make_compressor, pack_signs, unpack_signs
+from dask_dl.train.compression.quantize import ColumnLayout, encode, quantize
+
+SHAPES = [(6, 20), (5, 3, 3, 3), (7,), (), (4, 9)]  # linear, conv, bias, scalar, another matrix
+
+
+class Bucket:
+    """A stand-in for DDP's GradBucket (which Python cannot build): a flat buffer and its parameters."""
+
+    def __init__(self, shapes, values: torch.Tensor, index: int = 0):
+        self.shapes, self.values, self.idx = [tuple(s) for s in shapes], values, index
+        self.params = [torch.nn.Parameter(torch.zeros(s)) for s in self.shapes]
+
+    def buffer(self):
+        return self.values
+
+    def gradients(self):
+        out, offset = [], 0
+        for s in self.shapes:
+            k = math.prod(s)
+            out.append(self.values[offset : offset + k].view(s))
+            offset += k
+        return out
+
+    def parameters(self):
+        return self.params
+
+    def index(self):
+        return self.idx
+
+    def is_last(self):
+        return True
+
+
+def _numel(shapes):
+    return sum(math.prod(s) for s in shapes)
+
+
+def _run(compressor, shapes, values):
+    return compressor.hook(compressor.state, Bucket(shapes, values.clone())).wait().clone()
+
+
+# ---- the NumPy simulation ---------------------------------------------------------------------------------
+
+
+def sim_columns(shapes, flat):
+    """Bucket order -> list of columns (each a 1-D array), in column order."""
+    columns, offset = [], 0
+    for s in shapes:
+        k = math.prod(s)
+        rows = s[0] if s else 1
+        matrix = flat[offset : offset + k].reshape(rows, -1)
+        columns += [matrix[:, j] for j in range(matrix.shape[1])]
+        offset += k
+    return columns
+
+
+def sim_uncolumns(shapes, columns):
+    out, i = [], 0
+    for s in shapes:
+        rows = s[0] if s else 1
+        cols = math.prod(s) // rows
+        out.append(np.stack(columns[i : i + cols], axis=1).reshape(-1))
+        i += cols
+    return np.concatenate(out)
+
+
+def sim_q(column):
+    """The two-mean 1-bit quantizer of one column."""
+    pos = column > 0
+    mean_pos = column[pos].mean() if pos.any() else 0.0
+    mean_neg = column[~pos].mean() if (~pos).any() else 0.0
+    return np.where(pos, mean_pos, mean_neg).astype(column.dtype)
+
+
+def sim_onebit(shapes, grads, *, stages, stripes=None, error_feedback=True):
+    """grads[t][r]: flat float64 gradient of rank r at step t. Returns outputs, worker and server residuals."""
+    n_ranks = len(grads[0])
+    worker = [np.zeros(_numel(shapes)) for _ in range(n_ranks)]
+    server = [np.zeros(_numel(shapes))]  # in column order, concatenated
+    outputs = []
+    starts = np.concatenate([[0], np.cumsum([len(c) for c in sim_columns(shapes, server[0])])])
+    for step in grads:
+        quantized = []
+        for r, g in enumerate(step):
+            x = sim_columns(shapes, g + worker[r])
+            q = [sim_q(c) for c in x]
+            if error_feedback:
+                worker[r] = sim_uncolumns(shapes, [a - b for a, b in zip(x, q, strict=True)])
+            quantized.append(q)
+        mean = [sum(qs[j] for qs in quantized) / n_ranks for j in range(len(quantized[0]))]
+        if stages == 1:
+            outputs.append(sim_uncolumns(shapes, mean))
+            continue
+        starts = np.concatenate([[0], np.cumsum([len(c) for c in mean])])
+        res = server[0]
+        out = []
+        for a, b in stripes:  # server side: each stripe re-quantized with its residual
+            for j in range(a, b):
+                y = mean[j] + res[starts[j] : starts[j + 1]]
+                q2 = sim_q(y)
+                if error_feedback:
+                    res[starts[j] : starts[j + 1]] = y - q2
+                out.append(q2)
+        outputs.append(sim_uncolumns(shapes, out))
+    server_flat = sim_uncolumns(shapes, [server[0][a:b] for a, b in zip(starts[:-1], starts[1:], strict=True)])
+    return outputs, worker, server_flat
+
+
+def _gradients(seed, steps, n_ranks, shapes):
+    rng = np.random.default_rng(seed)
+    return [[rng.standard_normal(_numel(shapes)).astype(np.float32) for _ in range(n_ranks)] for _ in range(steps)]
+
+
+# ---- single process ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 64, 1001])
+def test_pack_signs_equals_numpy_packbits(n):
+    bits = np.random.default_rng(n).random(n) > 0.5
+    packed = pack_signs(torch.from_numpy(bits))
+    assert packed.dtype == torch.uint8
+    np.testing.assert_array_equal(packed.numpy(), np.packbits(bits))  # bitorder="big", byte for byte
+    np.testing.assert_array_equal(unpack_signs(packed, n).numpy(), bits)
+
+
+def test_message_is_scales_then_numpy_packbits_of_signs():
+    layout = ColumnLayout(tuple(SHAPES))
+    values = torch.randn(layout.numel)
+    bits, scales = quantize(values, layout.runs())
+    message = encode(bits, scales).numpy()
+    np.testing.assert_array_equal(message[8 * layout.n_columns :], np.packbits(values.numpy() > 0))
+    np.testing.assert_array_equal(message[: 8 * layout.n_columns].view(np.float32), scales.numpy().reshape(-1))
+
+
+def test_two_mean_quantizer_keeps_column_sums_and_uses_the_two_means():
+    layout = ColumnLayout(tuple(SHAPES))
+    flat = torch.randn(layout.numel) * 3
+    columns = layout.to_columns(flat)
+    bits, scales = quantize(columns, layout.runs())
+    rebuilt = np.concatenate([sim_q(c) for c in sim_columns(SHAPES, flat.numpy())])
+    from dask_dl.train.compression.quantize import dequantize
+
+    got = dequantize(bits, scales, layout.runs())
+    np.testing.assert_allclose(got.numpy(), rebuilt, rtol=1e-6, atol=1e-6)
+    residual = (columns - got).numpy()
+    starts = layout.column_starts
+    sums = np.add.reduceat(residual, starts[:-1])
+    assert layout.n_columns == 20 + 27 + 1 + 1 + 9
+    np.testing.assert_allclose(sums, 0, atol=1e-5)
+    assert np.abs(residual).max() > 0.1  # it is a real quantization, not the identity
+
+
+@pytest.mark.parametrize("name", ["onebit", "onebit2"])
+def test_one_rank_degrades_to_the_algorithm(name):
+    """Without a process group (N=1) no communication happens and the result is the algorithm's for N=1."""
+    compressor = make_compressor(name)
+    grads = _gradients(1, 3, 1, SHAPES)
+    layout = ColumnLayout(tuple(SHAPES))
+    stripes = layout.stripes(1)
+    expected, worker, server = sim_onebit(SHAPES, grads, stages=1 if name == "onebit" else 2, stripes=stripes)
+    for t, step in enumerate(grads):
+        out = _run(compressor, SHAPES, torch.from_numpy(step[0]))
+        np.testing.assert_allclose(out.numpy(), expected[t], rtol=1e-5, atol=1e-5)
+    assert compressor.bytes_sent == 0 and compressor.step == 3
+    residual = torch.cat([compressor.state.residuals[f"0.{i}"].reshape(-1) for i in range(len(SHAPES))])
+    np.testing.assert_allclose(residual.numpy(), worker[0], atol=1e-5)
+    if name == "onebit2":
+        srv = torch.cat([compressor.state.server_residuals[f"0.{i}"].reshape(-1) for i in range(len(SHAPES))])
+        np.testing.assert_allclose(srv.numpy(), server, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["onebit", "onebit2"])
+def test_all_zero_bucket_stays_zero(name):
+    compressor = make_compressor(name)
+    out = _run(compressor, SHAPES, torch.zeros(_numel(SHAPES)))
+    assert torch.equal(out, torch.zeros(_numel(SHAPES)))
+    assert all(torch.count_nonzero(r) == 0 for r in compressor.state.residuals.values())
+
+
+@pytest.fixture
+def one_rank_group():
+    """A real one-rank gloo group (torch's PowerSGD hook needs a group even alone)."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name", COMPRESSORS)
+def test_warmup_steps_are_plain_and_state_dict_loads_weights_only(name, request):
+    if name == "powersgd":
+        request.getfixturevalue("one_rank_group")
+    warmup = 2
+    compressor = make_compressor(name, warmup_steps=warmup)
+    shapes = SHAPES[:3]  # torch's PowerSGD hook cannot take 0-d parameters
+    g = torch.randn(_numel(shapes))
+    for _ in range(warmup):
+        assert torch.equal(_run(compressor, shapes, g), g)  # one rank: the mean is the gradient itself
+    assert compressor.step == warmup
+    buffer = io.BytesIO()
+    torch.save(compressor.state_dict(), buffer)
+    buffer.seek(0)
+    state = torch.load(buffer, weights_only=True)
+    again = make_compressor(name, warmup_steps=warmup)
+    again.load_state_dict(state)
+    assert again.step == warmup and again.state_dict()["name"] == name
+
+
+def test_bad_names_and_options_raise_clear_errors():
+    with pytest.raises(ConfigurationError, match="unknown compressor 'onebit3'.*none, fp16, bf16"):
+        make_compressor("onebit3")
+    with pytest.raises(ConfigurationError, match="unknown option.*rank.*'onebit'.*error_feedback"):
+        make_compressor("onebit", rank=2)
+    with pytest.raises(ConfigurationError, match="warmup_steps must be an integer >= 0, got -1"):
+        make_compressor("none", warmup_steps=-1)
+    with pytest.raises(ConfigurationError, match="warmup_steps >= 2, got 0"):
+        make_compressor("powersgd")
+    with pytest.raises(ConfigurationError, match="needs a torch.distributed process group"):
+        _run(make_compressor("powersgd", warmup_steps=2), SHAPES, torch.ones(_numel(SHAPES)))
+    with pytest.raises(ConfigurationError, match="saved by 'onebit', not 'onebit2'"):
+        make_compressor("onebit2").load_state_dict(make_compressor("onebit").state_dict())
+
+
+def test_stripes_cut_on_column_boundaries_and_balance():
+    layout = ColumnLayout(((256, 100), (256,), (64, 3, 3, 3)))
+    for n in (1, 2, 3, 4):
+        stripes = layout.stripes(n)
+        assert stripes[0][0] == 0 and stripes[-1][1] == layout.n_columns
+        assert all(a1 == b0 for (_, a1), (b0, _) in zip(stripes[:-1], stripes[1:], strict=True))
+        sizes = [layout.column_starts[b] - layout.column_starts[a] for a, b in stripes]
+        assert max(sizes) - min(sizes) <= 2 * 256
+
+
+# ---- real gloo process groups -----------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world, port, outdir, checks):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        results = {name: globals()[name](rank, world) for name in checks}
+    finally:
+        dist.destroy_process_group()
+    torch.save(results, Path(outdir) / f"rank{rank}.pt")
+
+
+def _spawn(world, tmp_path, checks):
+    mp.spawn(_entry, args=(world, _free_port(), str(tmp_path), checks), nprocs=world, join=True)
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(world)]
+
+
+def check_simulation(rank, world):
+    """Drive onebit and onebit2 with known per-rank gradients; record outputs, residuals and bytes."""
+    grads = _gradients(7, 5, world, SHAPES)
+    results = {}
+    for name in ("onebit", "onebit2"):
+        compressor = make_compressor(name, warmup_steps=1)
+        outputs, sent = [], []
+        for step in grads:
+            before = compressor.bytes_sent
+            outputs.append(_run(compressor, SHAPES, torch.from_numpy(step[rank])))
+            sent.append(compressor.bytes_sent - before)
+        zero = _run(compressor, SHAPES, torch.zeros(_numel(SHAPES)))
+        results[name] = {
+            "outputs": outputs,
+            "sent": sent,
+            "state": compressor.state_dict(),
+            "zero_plus_residual_step": zero,
+        }
+    return results
+
+
+LARGE = [(512, 1024), (512,)]  # a layer big enough that 1-bit's scales are small beside its signs
+
+
+def check_bytes(rank, world):
+    g = torch.randn(_numel(LARGE), generator=torch.Generator().manual_seed(rank))
+    sent = {}
+    for name in COMPRESSORS:
+        options = {"rank": 2} if name == "powersgd" else {}
+        compressor = make_compressor(name, warmup_steps=2, **options)
+        per_step = []
+        for _ in range(4):
+            before = compressor.bytes_sent
+            _run(compressor, LARGE, g)
+            per_step.append(compressor.bytes_sent - before)
+        sent[name] = per_step
+    return sent
+
+
+def check_convergence(rank, world):
+    """SGD on sum_r ||X_r W^T - Y_r||^2 / 2k with the compressed mean gradient; ranks hold different data."""
+    k, d, m, delta = 64, 32, 16, 0.35
+    gen = torch.Generator().manual_seed(3)
+    xs = [torch.linalg.qr(torch.randn(k, d, generator=gen, dtype=torch.float64)).Q * k**0.5 for _ in range(world)]
+    w0 = torch.randn(m, d, generator=gen, dtype=torch.float64)
+    ys = [x @ (w0 + delta * torch.randn(m, d, generator=gen, dtype=torch.float64)).T for x in xs]
+    optimum = torch.linalg.lstsq(torch.cat(xs), torch.cat(ys)).solution.T
+    x, y = xs[rank], ys[rank]
+    distance = {}
+    for name in ("onebit", "onebit2"):
+        for error_feedback in (True, False):
+            compressor = make_compressor(name, error_feedback=error_feedback)
+            w = torch.zeros(m, d, dtype=torch.float64)
+            for t in range(1200 if error_feedback else 300):  # without, it has stalled long before 300
+                grad = ((x @ w.T - y).T @ x / k).float().reshape(-1)
+                mean = _run(compressor, [(m, d)], grad)
+                w -= 0.5 / (1 + t / 10) * mean.double().view(m, d)  # a decaying rate, as error feedback needs
+            distance[f"{name}-{error_feedback}"] = float((w - optimum).norm() / optimum.norm())
+    return distance
+
+
+def _ddp_model(bias: bool):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(20, 32, bias=bias), torch.nn.Tanh(), torch.nn.Linear(32, 4, bias=bias))
+    return torch.nn.parallel.DistributedDataParallel(model)
+
+
+def _train(ddp, optimizer, compressor, batches):
+    losses = []
+    for x, y in batches:
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(ddp(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def check_ddp_training(rank, world):
+    """A real DDP model trained with each compressor; then a resume from a state_dict checkpoint."""
+    gen = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(32, 20, generator=gen)
+    y = torch.tanh(x[:, :4] * 2)
+    batches = [(x, y)] * 12
+    results = {}
+    for name in COMPRESSORS:
+        for bias in (True, False) if name == "powersgd" else (True,):
+            # without biases every matrix is compressed: torch's hook allreduces an empty tensor (issue 58467)
+            options = {"rank": 2, "min_compression_rate": 1.0 if not bias else 2.0} if name == "powersgd" else {}
+
+            def fresh(name=name, bias=bias, options=options):
+                ddp = _ddp_model(bias)
+                compressor = make_compressor(name, warmup_steps=2, **options)
+                compressor.register(ddp)
+                return ddp, torch.optim.SGD(ddp.parameters(), lr=0.2, momentum=0.5), compressor
+
+            ddp, optimizer, compressor = fresh()
+            losses = _train(ddp, optimizer, compressor, batches[:8])
+            saved = io.BytesIO()
+            torch.save({"model": ddp.module.state_dict(), "optimizer": optimizer.state_dict(),
+                        "compressor": compressor.state_dict()}, saved)  # fmt: skip
+            _train(ddp, optimizer, compressor, batches[8:])
+            straight = torch.cat([p.detach().reshape(-1) for p in ddp.module.parameters()])
+            saved.seek(0)
+            checkpoint = torch.load(saved, weights_only=True)
+            ddp, optimizer, compressor = fresh()
+            ddp.module.load_state_dict(checkpoint["model"])
+            optimizer.load_state_dict(checkpoint["optimizer"])
+            compressor.load_state_dict(checkpoint["compressor"])
+            _train(ddp, optimizer, compressor, batches[8:])
+            resumed = torch.cat([p.detach().reshape(-1) for p in ddp.module.parameters()])
+            results[f"{name}-bias{bias}"] = {
+                "losses": losses,
+                "weights": straight,
+                "resumed": resumed,
+                "bytes": compressor.bytes_sent,
+            }
+    return results
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    checks = ["check_simulation", "check_bytes", "check_convergence", "check_ddp_training"]
+    return _spawn(2, tmp_path_factory.mktemp("gloo2"), checks)
+
+
+@pytest.fixture(scope="module")
+def three_ranks(tmp_path_factory):
+    return _spawn(3, tmp_path_factory.mktemp("gloo3"), ["check_simulation"])
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("name", ["onebit", "onebit2"])
+def test_distributed_equals_simulation(world, name, two_ranks, three_ranks):
+    results = two_ranks if world == 2 else three_ranks
+    results = [r["check_simulation"] for r in results]
+    grads = _gradients(7, 5, world, SHAPES)
+    stripes = ColumnLayout(tuple(SHAPES)).stripes(world)
+    zeros = [np.zeros(_numel(SHAPES), np.float32)] * world
+    stages = 1 if name == "onebit" else 2
+    expected, worker, server = sim_onebit(SHAPES, grads[1:] + [zeros], stages=stages, stripes=stripes)
+    warm = np.mean(grads[0], axis=0)
+    for r in range(world):
+        got = results[r][name]["outputs"] + [results[r][name]["zero_plus_residual_step"]]
+        np.testing.assert_allclose(got[0].numpy(), warm, rtol=1e-6, atol=1e-6)  # warm-up: the exact mean
+        reference = results[0][name]["outputs"] + [results[0][name]["zero_plus_residual_step"]]
+        for t in range(1, len(got)):
+            assert torch.equal(got[t], reference[t])  # every rank holds the same bits
+            np.testing.assert_allclose(got[t].numpy(), expected[t - 1], rtol=1e-5, atol=1e-5)
+        state = results[r][name]["state"]
+        residual = torch.cat([state["residuals"][f"0.{i}"].reshape(-1) for i in range(len(SHAPES))])
+        np.testing.assert_allclose(residual.numpy(), worker[r], atol=1e-5)
+    if name == "onebit2":
+        total = sum(
+            torch.cat([res[name]["state"]["server_residuals"][f"0.{i}"].reshape(-1) for i in range(len(SHAPES))])
+            for res in results
+        )
+        np.testing.assert_allclose(total.numpy(), server, atol=1e-5)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_onebit2_telescoping_identity(world, two_ranks, three_ranks):
+    """sum_t out_t + (sum_r worker residual_r) / N + server residual == sum_t mean_r g_r,t (after warm-up)."""
+    results = [r["check_simulation"]["onebit2"] for r in (two_ranks if world == 2 else three_ranks)]
+    grads = _gradients(7, 5, world, SHAPES)
+    n = len(SHAPES)
+    target = sum(np.mean(step, axis=0) for step in grads[1:])  # zero gradients in the last step add nothing
+    outputs = sum(o.numpy() for o in results[0]["outputs"][1:]) + results[0]["zero_plus_residual_step"].numpy()
+    worker = sum(torch.cat([r["state"]["residuals"][f"0.{i}"].reshape(-1) for i in range(n)]) for r in results)
+    server = sum(torch.cat([r["state"]["server_residuals"][f"0.{i}"].reshape(-1) for i in range(n)]) for r in results)
+    np.testing.assert_allclose(outputs + worker.numpy() / world + server.numpy(), target, rtol=1e-5, atol=2e-6)
+    assert np.abs(server.numpy()).max() > 1e-3  # the server residual is really in play
+
+
+def test_bytes_per_step_match_the_formulas(two_ranks):
+    world, n = 2, _numel(LARGE)
+    layout = ColumnLayout(tuple(LARGE))
+    columns = layout.n_columns
+    stripes = layout.stripes(world)
+    stripe_message = max(
+        8 * (b - a) + (int(layout.column_starts[b] - layout.column_starts[a]) + 7) // 8 for a, b in stripes
+    )
+    compressed = {
+        "none": 4 * n,
+        "fp16": 2 * n,
+        "bf16": 2 * n,
+        "powersgd": 4 * ((512 + 1024) * 2 + 512),  # rank-2 P and Q of the matrix; the bias uncompressed
+        "onebit": 8 * columns + (n + 7) // 8,
+        "onebit2": world * stripe_message + stripe_message,  # all-to-all input, then all-gather input
+    }
+    for rank in range(world):
+        sent = two_ranks[rank]["check_bytes"]
+        for name, per_step in sent.items():
+            assert per_step == [4 * n, 4 * n, compressed[name], compressed[name]], name
+    assert compressed["onebit"] < 4 * n / 25 and compressed["onebit2"] < 2 * 4 * n / 25
+
+
+def test_error_feedback_converges_and_without_it_stalls(two_ranks):
+    for rank in range(2):
+        distance = two_ranks[rank]["check_convergence"]
+        for name in ("onebit", "onebit2"):
+            assert distance[f"{name}-True"] < 1e-3, distance
+            assert distance[f"{name}-False"] > 0.1, distance
+
+
+def test_ddp_ranks_stay_identical_loss_falls_and_resume_is_exact(two_ranks):
+    results = [r["check_ddp_training"] for r in two_ranks]
+    assert set(results[0]) == {f"{c}-biasTrue" for c in COMPRESSORS} | {"powersgd-biasFalse"}
+    for key, first in results[0].items():
+        second = results[1][key]
+        assert torch.equal(first["weights"], second["weights"]), key  # bitwise the same model on both ranks
+        assert torch.equal(first["resumed"], first["weights"]), key  # resuming from the state_dict is exact
+        assert torch.equal(second["resumed"], second["weights"]), key
+        assert first["losses"][-1] < 0.8 * first["losses"][0], (key, first["losses"])
+        assert first["bytes"] > 0
