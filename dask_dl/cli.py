@@ -323,6 +323,95 @@ def _echo_epochs(run, shown: int, interactive: bool) -> int:
     return len(rows)
 
 
+# ---- export and predict (exchange room: dask_dl.export, dask_dl.inference) ---------------------------------
+
+
+@cli.command("export")
+@click.argument("checkpoint")
+@click.argument("out", type=click.Path(dir_okay=False))
+@click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
+@click.option("--opset", type=int, default=None, help="ONNX opset (default: the torch exporter's).")
+def export_command(checkpoint, out, overwrite, opset) -> None:
+    """Write the model of CHECKPOINT (an epoch-NNNN.pt file or a checkpoint directory) as ONNX file OUT.
+
+    The graph takes float32 pixels 0-255 (batch, 1, S, S) and returns probabilities; labels, input size and
+    normalization are in its metadata. onnxruntime's output is checked against torch before OUT is written.
+    """
+    from dask_dl.export import export_onnx, read_model_info
+
+    path = export_onnx(checkpoint, out, overwrite=overwrite, opset=opset)
+    info = read_model_info(path)
+    click.echo(
+        f"wrote {path}: {info.model_name}, {info.input_size} px, {len(info.labels)} labels ({info.task}, "
+        f"{info.activation}), parity with torch checked"
+    )
+
+
+@cli.command("predict")
+@click.argument("store")
+@click.argument("model", type=click.Path(exists=True, dir_okay=False))
+@click.option(
+    "--out", "-o", required=True,
+    help="Where to write the scores: a .parquet table (ids, split, site, p_<label>, true labels) or a .zarr store.",
+)  # fmt: skip
+@click.option("--split", default=None, help="Score only this split (train, val or test). Default: every image.")
+@click.option("--batch-size", type=int, default=None, help="Images per onnxruntime call (default from config).")
+@click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
+@scheduler_option
+def predict_command(store, model, out, split, batch_size, overwrite, scheduler, workers) -> None:
+    """Score the images of STORE (from dask-dl ingest) with MODEL (.onnx); print AUROC per label when known."""
+    import os
+
+    import numpy as np
+
+    from dask_dl.cluster import close_client, get_client
+    from dask_dl.data.dataset import open_dataset
+    from dask_dl.errors import StoreError
+    from dask_dl.export import read_model_info
+    from dask_dl.inference import evaluate, predict, scores_table
+
+    kind = "zarr" if out.rstrip("/").endswith(".zarr") else "parquet" if out.endswith(".parquet") else None
+    if kind is None:
+        raise StoreError(f"--out {out!r} must end in .parquet (a table) or .zarr (a store)")
+    if os.path.exists(out) and not overwrite:
+        raise StoreError(f"{out!r} exists already; pass --overwrite to replace it")
+    info = read_model_info(model)
+    ds = open_dataset(store, split=split)
+    client = get_client(scheduler=scheduler, n_workers=workers)
+    try:
+        probs = client.compute(predict(ds, model, batch_size=batch_size)).result()
+    finally:
+        if scheduler is not None:  # the client made for --scheduler is ours (close_client closes only clusters)
+            client.close()
+        else:
+            close_client(client)
+    table = scores_table(ds, probs, labels=list(info.labels))
+    if kind == "parquet":
+        table.to_parquet(out, index=False)
+    else:
+        _write_scores_zarr(table, list(info.labels), out, overwrite=overwrite)
+    click.echo(f"wrote {len(table)} scores of {len(info.labels)} labels to {out}")
+    truth = [label for label in info.labels if label in table.columns]
+    if truth:
+        result = evaluate(table, labels=truth)
+        for label, value in result.items():
+            click.echo(f"  AUROC {label:24s} {value:.4f}")
+        click.echo(f"  AUROC {'mean':24s} {np.nanmean(result.to_numpy()):.4f}")
+
+
+def _write_scores_zarr(table, labels: list[str], out: str, *, overwrite: bool) -> None:
+    """Scores as a Zarr store: ``probability(sample, label)`` with the table's id columns as coordinates."""
+    import numpy as np
+    import xarray as xr
+
+    probs = table[[f"p_{label}" for label in labels]].to_numpy()
+    # object arrays of str become Zarr 3 variable-length strings (numpy's fixed-width '<U' has no Zarr 3 spec)
+    coords = {"sample": table["sample"].to_numpy(), "label": np.array(labels, dtype=object)}
+    coords |= {c: ("sample", table[c].to_numpy(dtype=object)) for c in ("image_id", "patient_id", "split", "site")}
+    ds = xr.Dataset({"probability": (("sample", "label"), probs)}, coords=coords)
+    ds.to_zarr(out, mode="w" if overwrite else "w-", consolidated=False, zarr_format=3)
+
+
 # ---- end of commands --------------------------------------------------------------------------------------
 
 main = cli

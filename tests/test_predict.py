@@ -1,0 +1,257 @@
+"""predict() over a real ingested store on a real LocalCluster, the session cache, scores tables, the CLI."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pandas as pd
+import pytest
+import torch
+from click.testing import CliRunner
+from distributed import Client, LocalCluster
+
+import dask_dl
+from dask_dl import DatasetError, ExportError, StoreNotFoundError
+from dask_dl.cli import cli
+from dask_dl.export import INPUT_NAME, OUTPUT_NAME, export_onnx
+from dask_dl.inference import evaluate, predict, scores_table
+from dask_dl.metrics import auroc
+from dask_dl.models import build_model, normalize
+
+SIZE, CHUNK, BATCH = 64, 8, 4
+
+
+@pytest.fixture(scope="module")
+def client():
+    """A real LocalCluster of 2 worker processes x 1 thread, shared by this module's tests.
+
+    Not distributed's ``client`` fixture: that one fails a test for the threads zarr's event loop starts in this
+    process when a test reads a store, and starting a cluster per test would double this module's time.
+    """
+    cluster = LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0")
+    with cluster, Client(cluster) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory, client):
+    """A synthetic NIH-layout collection with a few corrupt files, ingested at 64 px in chunks of 8."""
+    from dask_dl.data.catalog import read_nih
+    from dask_dl.data.synthetic import synthesize
+
+    root = tmp_path_factory.mktemp("collection")
+    synthesize(root / "nih", n_images=60, size=SIZE, seed=3, corrupt_fraction=0.1)
+    catalog = read_nih(root / "nih")
+    result = dask_dl.ingest(catalog, root / "cxr.zarr", size=SIZE, chunk=CHUNK, shard=2, client=client, progress=False)
+    assert result.n_rejected > 0  # rejected rows make gaps in the sample numbers the scores must follow
+    return root / "cxr.zarr"
+
+
+@pytest.fixture(scope="module")
+def model(store, tmp_path_factory):
+    """A small CNN with BatchNorm statistics from real images, exported; returns (torch model, onnx path)."""
+    ds = dask_dl.open_dataset(store)
+    torch.manual_seed(0)
+    net = build_model("small_cnn", num_outputs=ds.sizes["finding"], width=8)
+    with torch.no_grad():
+        net(normalize(ds.image[:16].values))  # train mode: updates the running statistics
+    net.eval()
+    path = tmp_path_factory.mktemp("model") / "cxr.onnx"
+    export_onnx(net, path, labels=list(ds.finding.values), input_size=SIZE)
+    return net, path
+
+
+def _reference(path, images: np.ndarray, chunks: tuple[int, ...], batch: int) -> np.ndarray:
+    """One onnxruntime session in this process over the same chunk and batch boundaries as predict."""
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    session = ort.InferenceSession(str(path), sess_options=options, providers=["CPUExecutionProvider"])
+    out, start = [], 0
+    for size in chunks:
+        block = images[start : start + size]
+        for b in range(0, size, batch):
+            x = block[b : b + batch, None].astype(np.float32)
+            out.append(session.run([OUTPUT_NAME], {INPUT_NAME: x})[0])
+        start += size
+    return np.concatenate(out)
+
+
+def _sessions(client) -> dict[str, int]:
+    def count():
+        import dask_dl.inference
+
+        return dask_dl.inference.SESSIONS_CREATED
+
+    return client.run(count)
+
+
+def test_predict_on_cluster_equals_single_process_and_torch(client, store, model):
+    net, path = model
+    ds = dask_dl.open_dataset(store)
+    assert ds.sizes["sample"] < 60 and ds.sample.values[-1] == 59  # rejected rows dropped, numbers kept
+    probs = predict(ds, path, batch_size=BATCH)
+    assert probs.shape == (ds.sizes["sample"], ds.sizes["finding"]) and probs.dtype == np.float32
+    assert probs.chunks[0] == ds.image.data.chunks[0] and len(probs.chunks[0]) >= 6
+    got = probs.compute()
+    images = ds.image.values
+    np.testing.assert_array_equal(got, _reference(path, images, probs.chunks[0], BATCH))
+    with torch.no_grad():
+        want = torch.sigmoid(net(normalize(images))).numpy()
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
+
+    # one session per worker process for all those chunks, and none more for a second computation
+    counts = _sessions(client)
+    assert set(counts.values()) <= {0, 1} and sum(counts.values()) >= 1, counts
+    again = predict(ds.isel(sample=slice(0, 20)), path, batch_size=BATCH).compute()
+    np.testing.assert_array_equal(again, got[:20])
+    assert _sessions(client) == counts
+
+    # with client=: computed on that cluster at once, same numbers
+    persisted = predict(ds, path, batch_size=BATCH, client=client)
+    np.testing.assert_array_equal(persisted.compute(), got)
+
+
+def test_numpy_and_float_inputs(store, model):
+    _, path = model
+    ds = dask_dl.open_dataset(store)
+    expected = predict(ds, path, batch_size=BATCH).compute(scheduler="threads")
+    images = ds.image.values
+    # NumPy uint8 (n, S, S) and float (n, 1, S, S): chunks of 256, batch boundaries at the same multiples of 4
+    np.testing.assert_array_equal(predict(images, path, batch_size=BATCH).compute(), expected)
+    as_float = images[:, None].astype(np.float64)
+    np.testing.assert_array_equal(predict(as_float, path, batch_size=BATCH).compute(), expected)
+    # a bare DataArray
+    np.testing.assert_array_equal(predict(ds.image, path, batch_size=BATCH).compute(), expected)
+
+
+def test_wrong_shapes_refused(store, model):
+    _, path = model
+    with pytest.raises(ExportError, match=r"takes images of shape \(1, 64, 64\).*data has images of shape \(32, 32\)"):
+        predict(np.zeros((4, 32, 32), np.uint8), path)
+    with pytest.raises(ExportError, match=r"\(1, 64, 64\).*\(3, 64, 64\)"):
+        predict(np.zeros((4, 3, 64, 64), np.uint8), path)
+    with pytest.raises(ExportError, match=r"\(1, 64, 64\).*\(64,\)"):
+        predict(np.zeros((4, 64), np.uint8), path)
+    with pytest.raises(DatasetError, match="uint8 or float.*bool"):
+        predict(np.zeros((4, 64, 64), bool), path)
+    with pytest.raises(DatasetError, match="batch_size must be a positive integer; got 0"):
+        predict(np.zeros((4, 64, 64), np.uint8), path, batch_size=0)
+
+
+def test_not_onnx_and_missing_metadata(tmp_path, store, model):
+    net, path = model
+    ds = dask_dl.open_dataset(store)
+    junk = tmp_path / "junk.onnx"
+    junk.write_bytes(b"PK\x03\x04 a zip file, not a model" * 10)
+    with pytest.raises(ExportError, match="is not an ONNX model"):
+        predict(ds, junk)
+    with pytest.raises(StoreNotFoundError, match="no ONNX model file"):
+        predict(ds, tmp_path / "absent.onnx")
+
+    proto = onnx.load(str(path))
+    del proto.metadata_props[:]
+    bare = tmp_path / "bare.onnx"
+    onnx.save(proto, str(bare))
+    with pytest.raises(ExportError, match="no dask_dl metadata"):
+        predict(ds, bare)
+    labels = list(ds.finding.values)
+    got = predict(ds, bare, input_size=SIZE, labels=labels, batch_size=BATCH).compute(scheduler="threads")
+    np.testing.assert_array_equal(got, predict(ds, path, batch_size=BATCH).compute(scheduler="threads"))
+    with pytest.raises(ExportError, match="predicts"):
+        predict(ds, path, labels=labels[:3])
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # torch's exporter, called directly here
+def test_metadata_less_model_with_outside_normalization(tmp_path, model):
+    net, _ = model
+    path = tmp_path / "plain.onnx"
+    # a model exported by someone else: takes normalized float input, returns logits, no metadata
+    torch.onnx.export(net, (torch.zeros(2, 1, SIZE, SIZE),), str(path), dynamo=True, input_names=["x"],
+                      dynamic_shapes={"x": {0: torch.export.Dim("batch", min=1)}})  # fmt: skip
+    images = np.random.default_rng(0).integers(0, 256, (10, SIZE, SIZE), dtype=np.uint8)
+    labels = [f"l{i}" for i in range(net.fc.out_features)]
+    got = predict(images, path, input_size=SIZE, labels=labels, normalization={"mean": 0.5, "std": 0.25}).compute()
+    with torch.no_grad():
+        want = net(normalize(images)).numpy()
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
+
+
+def test_scores_table_round_trips_through_parquet(tmp_path, store, model):
+    _, path = model
+    ds = dask_dl.open_dataset(store, split="train")
+    probs = predict(ds, path, batch_size=BATCH)
+    table = scores_table(ds, probs)
+    labels = list(ds.finding.values)
+    assert list(table.columns[:5]) == ["sample", "image_id", "patient_id", "split", "site"]
+    assert list(table.columns[5 : 5 + len(labels)]) == [f"p_{label}" for label in labels]
+    assert list(table.columns[5 + len(labels) :]) == labels
+    np.testing.assert_array_equal(table["sample"], ds.sample.values)
+    np.testing.assert_array_equal(table["image_id"], ds.image_id.values)
+    assert (table["split"] == "train").all()
+    values = probs.compute(scheduler="threads")
+    np.testing.assert_array_equal(table[[f"p_{label}" for label in labels]].to_numpy(), values)
+    np.testing.assert_array_equal(table[labels].to_numpy(), ds.label.values)
+
+    table.to_parquet(tmp_path / "scores.parquet", index=False)
+    back = pd.read_parquet(tmp_path / "scores.parquet")
+    pd.testing.assert_frame_equal(back, table, check_dtype=False)
+    assert [str(back[c].dtype) for c in ("sample", "p_Mass", "Mass")] == ["int64", "float32", "uint8"]
+    result = evaluate(back)
+    assert list(result.index) == labels
+    np.testing.assert_array_equal(result.to_numpy(), auroc(ds.label.values, values))
+    assert np.isfinite(result.to_numpy()).sum() >= 3
+
+    with pytest.raises(DatasetError, match="pass labels="):
+        scores_table(ds, values[:, :3])
+    partial = scores_table(ds, values[:, :3], labels=labels[:3])
+    assert list(evaluate(partial).index) == labels[:3]
+    with pytest.raises(DatasetError, match="lacks score or truth columns"):
+        evaluate(partial.drop(columns=labels[:3]))
+
+
+def test_cli_export_and_predict(tmp_path, client, store, model):
+    net, _ = model
+    ds = dask_dl.open_dataset(store)
+    ckdir = tmp_path / "ck"
+    ckdir.mkdir()
+    checkpoint = {
+        "format": 1, "model_name": "small_cnn", "model_kwargs": {"width": 8}, "model": net.state_dict(),
+        "labels": [str(v) for v in ds.finding.values], "task": "multilabel", "input_size": SIZE, "in_channels": 1,
+        "normalization": {"mean": 0.5, "std": 0.25}, "epoch": 2, "optimizer": {}, "compressor": [], "rng": [],
+        "history": [],
+    }  # fmt: skip
+    torch.save(checkpoint, ckdir / "epoch-0002.pt")
+    runner = CliRunner()
+    onnx_path = tmp_path / "m.onnx"
+    result = runner.invoke(cli, ["export", str(ckdir), str(onnx_path)])
+    assert result.exit_code == 0, result.output
+    assert "parity with torch checked" in result.output
+    result = runner.invoke(cli, ["export", str(ckdir), str(onnx_path)])
+    assert result.exit_code == 1 and "exists already" in result.output
+
+    out = tmp_path / "scores.parquet"
+    args = ["predict", str(store), str(onnx_path), "--out", str(out), "--split", "test"]
+    args += ["--scheduler", client.scheduler.address]
+    result = runner.invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    test = dask_dl.open_dataset(store, split="test")
+    table = pd.read_parquet(out)
+    expected = scores_table(test, predict(test, onnx_path).compute(scheduler="threads"))
+    np.testing.assert_allclose(table.filter(like="p_").to_numpy(), expected.filter(like="p_").to_numpy(), atol=0)
+    for label, value in evaluate(expected).items():
+        if np.isfinite(value):
+            assert f"AUROC {label:24s} {value:.4f}" in result.output
+    result = runner.invoke(cli, args)
+    assert result.exit_code == 1 and "exists already; pass --overwrite" in result.output
+    assert runner.invoke(cli, [*args, "--overwrite"]).exit_code == 0
+
+    zarr_out = tmp_path / "scores.zarr"
+    result = runner.invoke(cli, [*args[:4], str(zarr_out), *args[5:]])
+    assert result.exit_code == 0, result.output
+    import xarray as xr
+
+    scores = xr.open_zarr(zarr_out, consolidated=False)
+    np.testing.assert_array_equal(scores.sample.values, test.sample.values)
+    np.testing.assert_array_equal(scores.probability.values, expected.filter(like="p_").to_numpy())
+    assert list(scores.label.values) == list(test.finding.values)
