@@ -383,7 +383,7 @@ class _Chest:
         self.base = 0.6 + rng.normal(0, 0.03, 2) - np.array([0.03, 0.0]) - 0.07 * self.ap
         self.dome = rng.uniform(0.15, 0.21)
         self.width = rng.uniform(0.8, 0.88) + 0.03 * self.ap
-        # heart: centre, radii, tilt; AP magnifies it (the heart is far from the detector)
+        # heart: centre x, y and radii; AP magnifies it (the heart is far from the detector)
         self.heart = [self.midline + rng.uniform(0.05, 0.09), rng.uniform(0.25, 0.29), rng.uniform(0.3, 0.34),
                       rng.uniform(0.2, 0.23)]  # fmt: skip
         if self.ap:
