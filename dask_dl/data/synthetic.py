@@ -911,8 +911,12 @@ def synthesize(
     _check_options(n_images, size, n_patients, rgba_fraction, corrupt_fraction)
     root = os.path.abspath(os.fspath(root))
     names = _site_names(sites)
-    if n_images < len(names or [None]) or (n_patients is not None and n_patients < len(names or [None])):
-        raise ConfigurationError(f"{n_images} images or {n_patients} patients cannot fill {len(names)} sites")
+    n_sites = len(names or [None])
+    if n_images < n_sites or (n_patients is not None and n_patients < n_sites):
+        raise ConfigurationError(
+            f"n_images={n_images} and n_patients={n_patients} cannot fill {n_sites} sites: every site needs "
+            f"an image and a patient; ask for at least {n_sites} of each or for fewer sites"
+        )
     table = _plan(
         root, n_images, seed=seed, n_patients=n_patients, label_source=label_source, sites=names,
         rgba_fraction=rgba_fraction, corrupt_fraction=corrupt_fraction,

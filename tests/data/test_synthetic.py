@@ -485,6 +485,7 @@ def test_any_size_from_64(size):
         ({"sites": ["A", "A"]}, "distinct"),
         ({"sites": 0}, "sites=0"),
         ({"sites": 20}, "cannot fill 20 sites"),
+        ({"sites": 3, "n_patients": 2}, "n_patients=2 cannot fill 3 sites"),
     ],
 )
 def test_bad_options_say_what_to_do(tmp_path, options, match):
