@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
+import dask.array as da
 import numpy as np
 import pandas as pd
 import xarray as xr
@@ -120,17 +121,41 @@ def open_dataset(
         {name: ("sample", _plain_str(ds[name].values)) for name in _COORDS}
         | {"finding": ("finding", _plain_str(ds["finding"].values))}
     )
-    # label/valid are stored in few large chunks; split them like the images so a chunk of samples is one task
-    for name in ("label", "valid"):
-        ds[name] = ds[name].chunk({"sample": meta["chunk"]})
     keep = _select(ds, "split", split) & _select(ds, "site", site)
     if not include_rejected:
-        keep &= ds["valid"].values
-    if not keep.all():
-        ds = ds.isel(sample=np.flatnonzero(keep))
+        keep &= ds["valid"].values.astype(bool)
+    image = ds["image"].data if keep.all() else _keep_rows(ds["image"].data, keep)
+    # label/valid are small (n x labels bytes) and stored in few large chunks: read them once and hand them out as
+    # dask arrays chunked like the images, so that all variables share one chunking and reading every label does
+    # not decode a large chunk once per image chunk
+    small = {name: (ds[name].dims, ds[name].values[keep], ds[name].attrs) for name in ("label", "valid")}
+    ds = ds.drop_vars(["image", "label", "valid"]).isel(sample=np.flatnonzero(keep))
+    ds["image"] = (("sample", "y", "x"), image, {})
+    for name, (dims, values, var_attrs) in small.items():
+        ds[name] = (dims, da.from_array(values, chunks=(image.chunks[0], *values.shape[1:])), var_attrs)
     ds.attrs = {"dask_dl": meta}
     ds.encoding["source"] = url
     return ds
+
+
+def _keep_rows(array: da.Array, keep: np.ndarray) -> da.Array:
+    """``array[keep]`` along axis 0, with one output chunk per input chunk that keeps a row.
+
+    Dask's own fancy indexing regroups rows into new chunks that straddle the Zarr chunks, so that reading one
+    would decode two; selecting inside each chunk keeps every dask chunk within one Zarr chunk.
+    """
+    mask = da.from_array(keep, chunks=(array.chunks[0],))
+    sizes = np.array([int(block.sum()) for block in np.split(keep, np.cumsum(array.chunks[0])[:-1])])
+    blocks = np.flatnonzero(sizes)
+    array = array.blocks[blocks]
+    mask = mask.blocks[blocks][(slice(None),) + (None,) * (array.ndim - 1)]  # (n, 1, 1): broadcasts like array
+    return da.map_blocks(
+        _pick, array, mask, chunks=(tuple(sizes[blocks].tolist()), *array.chunks[1:]), dtype=array.dtype
+    )
+
+
+def _pick(block: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    return block[mask.reshape(-1)]
 
 
 def summary(store_or_dataset: str | os.PathLike | xr.Dataset) -> pd.DataFrame:

@@ -94,8 +94,15 @@ def test_open_dataset_contract(ingested):
         "complete": True,
     }  # fmt: skip
     assert ds.encoding["source"] == str(store)
-    # lazy, and chunked like the Zarr chunks along sample (2 images) for every variable
+    # lazy, every variable chunked alike, and no dask chunk straddles two Zarr chunks (of 2 images)
     assert ds.image.chunks is not None and ds.label.chunks is not None
+    assert ds.chunks["sample"] == ds.image.data.chunks[0] == (2, 2, 1, *[2] * 5, 1, 2, 2, 2)
+    bounds = np.cumsum((0, *ds.image.data.chunks[0]))
+    for start, stop in zip(bounds[:-1], bounds[1:], strict=True):
+        assert len(set(ds.sample.values[start:stop] // 2)) == 1
+    train = open_dataset(store, split="train")
+    np.testing.assert_array_equal(train.image.values[:, 0, 0], train.sample.values * 10)
+    np.testing.assert_array_equal(train.label.values, catalog[LABELS].to_numpy(np.uint8)[train.sample.values])
     full = open_dataset(store, include_rejected=True)
     assert full.image.data.chunks[0] == (2,) * (N // 2) and full.label.data.chunks[0] == (2,) * (N // 2)
     assert not full.valid.values[[5, 17]].any() and full.valid.values.sum() == N - 2
