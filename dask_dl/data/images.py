@@ -44,9 +44,6 @@ from dask_dl.errors import CatalogError, DaskDLError
 RejectReason = Literal["missing", "unreadable", "undecodable", "truncated", "too_small", "unsupported"]
 REJECT_REASONS: tuple[str, ...] = ("missing", "unreadable", "undecodable", "truncated", "too_small", "unsupported")
 
-# Pillow raises for huge images; radiographs are large but never this large.
-Image.MAX_IMAGE_PIXELS = 50_000 * 50_000
-
 _DICOM_SUFFIXES = (".dcm", ".dicom")
 
 
@@ -133,6 +130,8 @@ def _check_size(path: str, width: int, height: int, min_size: int) -> None:
 def _decode_raster(path: str, data: bytes, min_size: int) -> np.ndarray:
     try:
         image = Image.open(io.BytesIO(data))
+    except Image.DecompressionBombError as exc:  # over Image.MAX_IMAGE_PIXELS: raise that limit to read it
+        raise ImageRejected("unsupported", path, str(exc)) from None
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
         # Pillow's message names the BytesIO object (a memory address): keep status files deterministic
         raise ImageRejected(
