@@ -151,7 +151,6 @@ class TrainingActor:
         worker = get_worker()
         torch.set_num_threads(max(1, worker.state.nthreads))
         self.spec, self.rank, self.world_size = spec, rank, world_size
-        self._stop.clear()
         cuda = torch.cuda.is_available()
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         dist.init_process_group(

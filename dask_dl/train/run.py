@@ -408,17 +408,30 @@ class TrainingRun:
         """Results of actor calls; raises the first error at once instead of waiting for the other ranks."""
         last_poll = 0.0
         while True:
+            for rank, f in enumerate(futures):
+                if f.done():
+                    self._result(rank, f)  # raises the rank's error now; the others time out in their collectives
             if all(f.done() for f in futures):
                 return [f.result() for f in futures]
-            for f in futures:
-                if f.done():
-                    f.result()  # raises the rank's error now; the others time out in their collectives
             if live and time.monotonic() - last_poll > 1.0:
                 last_poll = time.monotonic()
                 with contextlib.suppress(Exception):
                     self._live = self._actors[0].progress().result(timeout=5)
                     self._view.update(self.snapshot())
+                    self._publish()
             time.sleep(_POLL_S)
+
+    def _result(self, rank: int, future: Any) -> Any:
+        try:
+            return future.result()
+        except TrainingError:
+            raise
+        except Exception as exc:
+            raise TrainingError(
+                f"{self.run_id}: trainer {rank} on {self.workers[rank]} failed in epoch {self._epoch}: "
+                f"{type(exc).__name__}: {exc}. Every trainer was stopped; the checkpoint of the last completed "
+                "epoch is kept, and fit(..., checkpoint_dir=..., resume=True) continues from it"
+            ) from exc
 
     def _row(self, epoch: int, trained: list[dict], scored: list[dict] | None, seconds: float, *, event: str) -> dict:
         from dask_dl.metrics import auroc

@@ -234,6 +234,24 @@ def test_nonfinite_loss_keeps_last_good_checkpoint(store, cluster_client, tmp_pa
     assert trainer_keys(cluster_client) == []
 
 
+def test_dead_trainer_fails_fast_and_cluster_recovers(store, cluster_client):
+    import os
+    import signal
+
+    run = fit(store, cluster_client, epochs=500, batch_size=1, wait=False)
+    deadline = time.monotonic() + 60
+    while not len(run.history) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    victim = run.workers[1]
+    os.kill(cluster_client.run(os.getpid, workers=[victim])[victim], signal.SIGKILL)
+    # the survivor's all-reduce fails as the peer's socket closes (or after dask-dl.train.timeout at worst)
+    with pytest.raises(TrainingError, match=r"trainer \d on tcp://.* failed in epoch \d+"):
+        run.wait(timeout=60)
+    assert run.status == "failed" and run.checkpoint()["epoch"] >= 0
+    cluster_client.wait_for_workers(2, timeout=60)  # the nanny restarts the killed worker
+    assert fit(store, cluster_client, epochs=1).status == "finished"
+
+
 def test_bad_input_fails_before_any_actor(store, cluster_client):
     ds = dask_dl.open_dataset(store)
     with pytest.raises(DatasetError, match="no 'val' samples"):
