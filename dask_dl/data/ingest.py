@@ -304,9 +304,12 @@ def _prepare_store(url: str, catalog: pd.DataFrame, layout: dict[str, Any], *, o
     fresh = overwrite or sync(store.is_empty(""))
     if not fresh:
         try:
-            attrs = dict(zarr.open_group(store, mode="r").attrs)
+            existing = zarr.open_group(store, mode="r")
+            attrs = dict(existing.attrs)
+            fresh = not attrs and not list(existing.keys())  # a run killed right after creating the group
         except (FileNotFoundError, ValueError, TypeError):
             attrs = {}
+    if not fresh:
         if "dask_dl" not in attrs:
             raise StoreError(
                 f"{url!r} exists and is not a dask_dl store; choose another path, or pass overwrite=True "

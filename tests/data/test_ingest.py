@@ -238,6 +238,13 @@ def test_other_store_refused_unless_overwrite(client, tmp_path):
     assert (folder / "notes.txt").exists()
 
 
+def test_store_left_empty_by_a_killed_run_is_used(client, tmp_path):
+    catalog = make_collection(tmp_path / "images", n=8)
+    zarr.open_group(tmp_path / "s.zarr", mode="w")  # killed before anything but the group was written
+    result = run_ingest(catalog, tmp_path / "s.zarr", client)
+    assert (result.shards_written, result.n_written) == (1, 8)
+
+
 def test_second_run_on_finished_store_writes_nothing(client, tmp_path):
     catalog = make_collection(tmp_path / "images", n=20)
     store = tmp_path / "s.zarr"
