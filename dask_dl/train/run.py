@@ -211,6 +211,7 @@ class TrainingRun:
         self._live: dict[str, Any] = {}
         self._checkpoint: dict[str, Any] | None = None
         self._stop_requested = threading.Event()
+        self._finished = threading.Event()
         self._actor_futures: list[Any] = []
         self._actors: list[Any] = []
         self._lock = threading.Lock()
@@ -228,7 +229,7 @@ class TrainingRun:
     @property
     def done(self) -> bool:
         """True once the run has finished, stopped or failed and released its workers."""
-        return self._thread.ident is not None and not self._thread.is_alive()
+        return self._finished.is_set()
 
     def stop(self) -> TrainingRun:
         """Ask every trainer to stop after its current step; returns at once (``wait()`` to block until free).
@@ -252,18 +253,26 @@ class TrainingRun:
             When ``timeout`` seconds passed and the run still goes on.
         """
         try:
-            self._thread.join(timeout)
+            self._wait_finished(timeout)
         except KeyboardInterrupt:
             self.stop()
-            self._thread.join()
+            self._wait_finished(None)
             raise
-        if self._thread.is_alive():
+        if not self._finished.is_set():
             raise TimeoutError(f"{self.run_id} still runs after {timeout} s (epoch {self._epoch + 1}/{self.epochs})")
         if self.error is not None:
             if isinstance(self.error, TrainingError):
                 raise self.error
             raise TrainingError(f"{self.run_id} failed: {type(self.error).__name__}: {self.error}") from self.error
         return self
+
+    def _wait_finished(self, timeout: float | None) -> None:
+        # an Event polled in short waits, not Thread.join: a KeyboardInterrupt inside join() marks a running
+        # thread as finished on Python 3.11 (bpo-45274's fix), and short waits let Ctrl-C in on every platform
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._finished.wait(0.2):
+            if deadline is not None and time.monotonic() >= deadline:
+                return
 
     def checkpoint(self) -> dict[str, Any]:
         """Return the latest checkpoint (the contract's dict) of this run, from memory or ``checkpoint_dir``."""
@@ -344,10 +353,13 @@ class TrainingRun:
         except BaseException as exc:  # handed to wait(); the thread must not die silently
             self.status, self.error = "failed", exc
         finally:
-            self._release()
-            self._publish()
-            self._view.update(self.snapshot())
-            self._view.close()
+            try:
+                self._release()
+                self._publish()
+                self._view.update(self.snapshot())
+                self._view.close()
+            finally:
+                self._finished.set()
 
     def _form_group(self) -> None:
         from dask_dl.train.actor import TrainingActor

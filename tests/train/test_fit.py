@@ -221,6 +221,47 @@ def test_stop_frees_workers_and_fit_again(store, cluster_client):
     assert trainer_keys(cluster_client) == []
 
 
+def test_keyboard_interrupt_in_wait_stops_the_run(store, cluster_client):
+    import os
+    import signal
+    import threading
+
+    run = fit(store, cluster_client, epochs=500, wait=False)
+
+    def interrupt_after_first_epoch():
+        deadline = time.monotonic() + 60
+        while not len(run.history) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)  # what Ctrl-C (or a notebook's interrupt) sends
+
+    threading.Thread(target=interrupt_after_first_epoch, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        run.wait()
+    assert run.status == "stopped" and run.done
+    assert in_process_group(cluster_client) == [False, False]
+    assert trainer_keys(cluster_client) == []
+
+
+def test_multiclass_uses_cross_entropy_and_reports_accuracy(tmp_path, cluster_client):
+    catalog = squares_collection(tmp_path, n_train=32, n_val=16, seed=1)
+    # three classes: no square, square a only, both squares (one label per row)
+    frame = pd.DataFrame(catalog)
+    none, only_a, both = (frame.a + frame.b == 0), (frame.a == 1) & (frame.b == 0), (frame.a + frame.b == 2)
+    frame = frame[none | only_a | both].assign(
+        empty=none.astype("uint8"), only_a=only_a.astype("uint8"), both=both.astype("uint8")
+    )
+    catalog = make_catalog(frame.drop(columns=["a", "b"]), ["empty", "only_a", "both"], task="multiclass")
+    store = str(tmp_path / "classes.zarr")
+    dask_dl.ingest(catalog, store, size=SIZE, chunk=8, shard=2, client=cluster_client, progress=False)
+    run = fit(store, cluster_client, batch_size=4, epochs=2)
+    h = run.history
+    assert {"val_accuracy", "val_auroc_empty", "val_auroc_only_a", "val_auroc_both"} <= set(h.columns)
+    assert ((h["val_accuracy"] >= 0) & (h["val_accuracy"] <= 1)).all()
+    # cross-entropy of 3 classes starts near log(3); a BCE over 3 outputs would start near log(2)
+    assert h["train_loss"].iloc[0] > 0.8
+    assert run.checkpoint()["task"] == "multiclass"
+
+
 def test_nonfinite_loss_keeps_last_good_checkpoint(store, cluster_client, tmp_path):
     ck = str(tmp_path / "ck")
     fit(store, cluster_client, epochs=1, checkpoint_dir=ck)
