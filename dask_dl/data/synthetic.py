@@ -384,12 +384,12 @@ class _Chest:
         self.dome = rng.uniform(0.15, 0.21)
         self.width = rng.uniform(0.8, 0.88) + 0.03 * self.ap
         # heart: centre x, y and radii; AP magnifies it (the heart is far from the detector)
-        self.heart = [self.midline + rng.uniform(0.05, 0.09), rng.uniform(0.25, 0.29), rng.uniform(0.3, 0.34),
+        self.heart = [self.midline + rng.uniform(0.05, 0.09), rng.uniform(0.25, 0.29), rng.uniform(0.28, 0.35),
                       rng.uniform(0.2, 0.23)]  # fmt: skip
         if self.ap:
             self.heart[2:] = [r * 1.12 for r in self.heart[2:]]
             self.heart[1] -= 0.03
-        self.lung_depth = rng.uniform(0.28, 0.36)
+        self.lung_depth = rng.uniform(0.26, 0.38)
         self.markings_gain = 1.0
         self.rib_phase = rng.uniform(-0.15, 0.15)
         self.clavicle = -0.6 + rng.normal(0, 0.02) - 0.07 * self.ap
@@ -539,22 +539,22 @@ def _smooth_noise(rng: np.random.Generator, size: int, cells: int) -> np.ndarray
 
 
 def _cardiomegaly(chest: _Chest, rng, st) -> None:  # before the anatomy: the heart itself grows
-    chest.heart[2] *= 1.25 + 0.3 * st
-    chest.heart[3] *= 1.08 + 0.12 * st
+    chest.heart[2] *= 1.12 + 0.35 * st
+    chest.heart[3] *= 1.04 + 0.14 * st
     chest.heart[0] += 0.03 * st
 
 
 def _emphysema(chest: _Chest, rng, st) -> None:  # before the anatomy: hyperinflated, hyperlucent, flat domes
-    chest.lung_depth *= 1.2 + 0.25 * st
-    chest.markings_gain *= 0.7 - 0.4 * st
+    chest.lung_depth *= 1.1 + 0.3 * st
+    chest.markings_gain *= 0.8 - 0.5 * st
     chest.base = chest.base + 0.06 * st
-    chest.dome *= 0.5
+    chest.dome *= 0.8 - 0.4 * st
 
 
 def _nodule(chest: _Chest, rng, st) -> None:
     x, y, _ = chest.lung_point(rng)
     r = rng.uniform(0.022, 0.04)
-    chest.opacity += (0.1 + 0.2 * st) * _ramp(1 - np.hypot(chest.X - x, chest.Y - y) / r, 0.5)
+    chest.opacity += (0.06 + 0.24 * st) * _ramp(1 - np.hypot(chest.X - x, chest.Y - y) / r, 0.5)
 
 
 def _mass(chest: _Chest, rng, st) -> None:
@@ -563,7 +563,7 @@ def _mass(chest: _Chest, rng, st) -> None:
     dx, dy = chest.X - x, chest.Y - y
     theta, phase = np.arctan2(dy, dx), rng.uniform(0, 2 * np.pi, 2)
     lobes = 1 + 0.12 * np.sin(3 * theta + phase[0]) + 0.08 * np.sin(5 * theta + phase[1])
-    chest.opacity += (0.12 + 0.22 * st) * _ramp(1 - np.hypot(dx, dy) / (r * lobes), 0.35)
+    chest.opacity += (0.08 + 0.26 * st) * _ramp(1 - np.hypot(dx, dy) / (r * lobes), 0.35)
 
 
 def _sides(rng, both: float) -> list[int]:
@@ -573,11 +573,11 @@ def _sides(rng, both: float) -> list[int]:
 def _effusion(chest: _Chest, rng, st) -> None:
     """Fluid at the base, its surface rising against the chest wall (meniscus), blunting the angle."""
     for side in _sides(rng, 0.4):
-        height = (0.1 + 0.25 * st * rng.uniform(0.6, 1.0)) * (chest.base[side] - chest.top[side])
+        height = (0.04 + 0.3 * st * rng.uniform(0.6, 1.0)) * (chest.base[side] - chest.top[side])
         level = chest.base[side] - height - 0.14 * np.clip(chest.q, 0, 1) ** 2
         region = (chest.right == side) * _ramp(chest.q + 0.05, 0.1) * _ramp(1.03 - chest.q, 0.06)
         region = region * _ramp(chest.Y - level, 0.05) * _ramp(chest.base[side] + 0.02 - chest.Y, 0.04)
-        fluid = (0.55 + 0.4 * st) * (0.7 + 0.3 * _ramp(chest.Y - level - 0.1, 0.2))
+        fluid = (0.4 + 0.55 * st) * (0.7 + 0.3 * _ramp(chest.Y - level - 0.1, 0.2))
         chest.opacity += chest.lung_depth * fluid * region * chest.lung
         chest.no_markings = np.maximum(chest.no_markings, region)
 
@@ -585,14 +585,14 @@ def _effusion(chest: _Chest, rng, st) -> None:
 def _pneumothorax(chest: _Chest, rng, st) -> None:
     """Air between lung and chest wall at the apex and side: darker, no vessels, a thin visceral pleural line."""
     side = int(rng.integers(2))
-    depth = 0.05 + 0.1 * st
+    depth = 0.03 + 0.11 * st
     span = chest.lung_shape(chest.t)[1] - chest.lung_shape(chest.t)[0]
     top = chest.top[side]
     edge = np.minimum((1 - chest.q) * span, (chest.Y - top) * 0.8)
     upper = (chest.right == side) * _ramp(0.75 - chest.t, 0.2)
     region = chest.lung * upper * _ramp(depth - edge, 0.01)
     chest.no_markings = np.maximum(chest.no_markings, region)
-    chest.lucency += (0.05 + 0.08 * st) * region
+    chest.lucency += (0.03 + 0.1 * st) * region
     chest.opacity += 0.06 * np.exp(-(((edge - depth) / 0.006) ** 2)) * chest.lung * upper
 
 
@@ -605,14 +605,14 @@ def _atelectasis(chest: _Chest, rng, st) -> None:
     along, across = dx * np.cos(angle) + dy * np.sin(angle), -dx * np.sin(angle) + dy * np.cos(angle)
     width = thick * (1 + wedge * np.clip(along / length + 0.5, 0, 1))
     band = np.exp(-((across / width) ** 2)) * _ramp(length / 2 - np.abs(along), 0.04)
-    chest.opacity += (0.14 + 0.2 * st) * band * (0.3 + 0.7 * chest.lung)
+    chest.opacity += (0.08 + 0.24 * st) * band * (0.3 + 0.7 * chest.lung)
 
 
 def _infiltration(chest: _Chest, rng, st) -> None:
     patches = _ramp(_smooth_noise(rng, chest.size, 14) - rng.uniform(0.4, 0.8), 0.6)
     zone = _ramp(chest.t - rng.uniform(0.1, 0.5), 0.3)
     lungs = sum(chest.side_mask(side) for side in _sides(rng, 0.5))
-    chest.opacity += (0.08 + 0.14 * st) * patches * zone * lungs
+    chest.opacity += (0.05 + 0.17 * st) * patches * zone * lungs
 
 
 def _consolidation(chest: _Chest, rng, st) -> None:
@@ -621,7 +621,7 @@ def _consolidation(chest: _Chest, rng, st) -> None:
     fissure = chest.top[side] + rng.uniform(0.4, 0.6) * (chest.base[side] - chest.top[side]) - 0.25 * (chest.q - 0.5)
     lobe = _ramp((fissure - chest.Y) if upper else (chest.Y - fissure), 0.06)
     texture = 0.8 + 0.2 * _smooth_noise(rng, chest.size, 10)
-    chest.opacity += (0.15 + 0.22 * st) * chest.side_mask(side) * lobe * texture
+    chest.opacity += (0.08 + 0.3 * st) * chest.side_mask(side) * lobe * texture
 
 
 def _edema(chest: _Chest, rng, st) -> None:
@@ -629,7 +629,7 @@ def _edema(chest: _Chest, rng, st) -> None:
     haze = np.exp(-(((chest.a - 0.24) / 0.22) ** 2) - ((chest.Y + 0.02) / 0.32) ** 2)
     kerley = (0.5 + 0.5 * np.cos(2 * np.pi * chest.Y / 0.035)) ** 8 * _ramp(chest.q - 0.82, 0.1)
     kerley = kerley * _ramp(chest.t - 0.6, 0.2)
-    chest.opacity += ((0.1 + 0.16 * st) * haze + 0.06 * st * kerley) * chest.lung
+    chest.opacity += ((0.05 + 0.2 * st) * haze + 0.06 * st * kerley) * chest.lung
 
 
 def _fibrosis(chest: _Chest, rng, st) -> None:
@@ -637,7 +637,7 @@ def _fibrosis(chest: _Chest, rng, st) -> None:
     field = ndimage.gaussian_filter(rng.standard_normal((chest.size, chest.size)), max(1.0, chest.px(0.022)))
     net = np.clip(1 - np.abs(field / (field.std() + 1e-9)) / 0.3, 0, 1) ** 2
     zone = _ramp(chest.q - 0.35, 0.4) * _ramp(chest.t - 0.3, 0.4)
-    chest.opacity += (0.1 + 0.14 * st) * net * zone * chest.lung
+    chest.opacity += (0.06 + 0.16 * st) * net * zone * chest.lung
 
 
 def _pleural_thickening(chest: _Chest, rng, st) -> None:
@@ -649,7 +649,7 @@ def _pleural_thickening(chest: _Chest, rng, st) -> None:
         thick = 0.018 + 0.025 * st
         along = _ramp(chest.t - t0, 0.1) * _ramp(t0 + 0.45 - chest.t, 0.1)
         rim = (chest.right == side) * _ramp(thick - inside, 0.012) * _ramp(inside + 0.01, 0.02) * along
-        chest.opacity += (0.12 + 0.2 * st) * rim * _ramp(chest.Y - chest.top[side] + 0.01, 0.03)
+        chest.opacity += (0.07 + 0.23 * st) * rim * _ramp(chest.Y - chest.top[side] + 0.01, 0.03)
 
 
 def _hernia(chest: _Chest, rng, st) -> None:
@@ -670,7 +670,7 @@ def _pneumonia(chest: _Chest, rng, st) -> None:
     d = np.hypot(chest.X - x, chest.Y - y)
     haze = np.exp(-((d / r) ** 2)) * (0.75 + 0.25 * _smooth_noise(rng, chest.size, 16))
     core = _ramp(1 - d / (0.45 * r), 0.5)
-    chest.opacity += ((0.08 + 0.1 * st) * haze + (0.08 + 0.14 * st) * core) * (0.2 + 0.8 * chest.side_mask(side))
+    chest.opacity += ((0.05 + 0.12 * st) * haze + (0.05 + 0.16 * st) * core) * (0.2 + 0.8 * chest.side_mask(side))
 
 
 _FINDINGS = {
@@ -702,11 +702,13 @@ def _draw(
     gain: float = 1.0,
     gamma: float = 1.0,
     noise: float = 1.0,
+    strength: float | None = None,
 ) -> np.ndarray:
     """Draw one radiograph ``(size, size) uint8`` with the given findings (a 0/1 row or a list of names).
 
     The background comes from ``SeedSequence(seed, spawn_key=(*key, 0))`` and finding ``j`` from
-    ``(*key, 1 + j)``, so the same seed and key give the same chest with or without any finding.
+    ``(*key, 1 + j)``, so the same seed and key give the same chest with or without any finding. Each
+    finding's strength is uniform in [0, 1] (faint to obvious) unless ``strength`` fixes it.
     """
     names = labels if not isinstance(labels, np.ndarray) else [n for n, v in zip(NIH_LABELS, labels, strict=True) if v]
     present = [name in names for name in NIH_LABELS]
@@ -715,7 +717,8 @@ def _draw(
     for j, name in enumerate(NIH_LABELS):
         if present[j]:
             rng = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(*key, 1 + j)))
-            findings.append((name, rng, rng.uniform(0.35, 1.0)))
+            st = rng.uniform(0.0, 1.0)
+            findings.append((name, rng, st if strength is None else strength))
     for name, rng, strength in findings:
         if name in _SHAPE_FINDINGS:
             _FINDINGS[name](chest, rng, strength)

@@ -273,13 +273,27 @@ SIZE = 120  # under 128 the anatomy is drawn at full resolution, so its masks li
 def _pair(name: str, key: int, view: str = "PA") -> tuple[np.ndarray, _Chest, np.ndarray, np.ndarray]:
     """Pixel difference (with the finding minus without it) and the geometry of the chest without it."""
     without = _draw(SIZE, [], seed=7, key=(key,), view=view).astype(int)
-    with_ = _draw(SIZE, [name], seed=7, key=(key,), view=view).astype(int)
+    with_ = _draw(SIZE, [name], seed=7, key=(key,), view=view, strength=STRENGTH).astype(int)
     chest = _Chest(SIZE, np.random.default_rng(np.random.SeedSequence(7, spawn_key=(key, 0))), view)
     chest.draw_anatomy()
     return with_ - without, chest, without, with_
 
 
 KEYS = range(6)
+STRENGTH = 0.7  # a clear case; strength varies from faint to obvious in the collections
+
+
+def test_finding_strength_varies_per_image():
+    darkening = []
+    for key in range(8):
+        diff = _draw(SIZE, ["Emphysema"], seed=7, key=(key,)).astype(int) - _draw(SIZE, [], seed=7, key=(key,))
+        chest = _Chest(SIZE, np.random.default_rng(np.random.SeedSequence(7, spawn_key=(key, 0))), "PA")
+        chest.draw_anatomy()
+        darkening.append(-diff[chest.lung > 0.5].mean())
+    assert min(darkening) > 2 and max(darkening) > 2 * min(darkening)  # always there, faint to obvious
+    faint = _draw(SIZE, ["Nodule"], seed=7, key=(0,), strength=0.0).astype(int) - _draw(SIZE, [], seed=7, key=(0,))
+    strong = _draw(SIZE, ["Nodule"], seed=7, key=(0,), strength=1.0).astype(int) - _draw(SIZE, [], seed=7, key=(0,))
+    assert 5 < faint.max() < strong.max() / 2
 
 
 def _shape(diff: np.ndarray, chest: _Chest) -> dict[str, float]:
