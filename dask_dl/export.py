@@ -16,6 +16,7 @@ are not multiples of 6.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 import os
@@ -161,6 +162,8 @@ def _from_checkpoint(ck: dict[str, Any]) -> tuple[nn.Module, dict[str, Any]]:
 
 def _resolve(source: Any) -> tuple[nn.Module, dict[str, Any]]:
     if isinstance(source, nn.Module):
+        if any(p.device.type != "cpu" for p in source.parameters()):
+            source = copy.deepcopy(source).cpu()  # export and check on the CPU; leave the caller's model where it is
         return source, {"in_channels": 1, "model_name": type(source).__name__, "model_kwargs": {}}
     if isinstance(source, dict):
         return _from_checkpoint(source)
