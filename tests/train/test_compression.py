@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 
 from dask_dl.errors import ConfigurationError
 from dask_dl.train.compression import COMPRESSORS, make_compressor, pack_signs, unpack_signs
-from dask_dl.train.compression.quantize import ColumnLayout, encode, quantize
+from dask_dl.train.compression.quantize import ColumnLayout, _pack_signs_torch, dequantize, encode, quantize
 
 SHAPES = [(6, 20), (5, 3, 3, 3), (7,), (), (4, 9)]  # linear, conv, bias, scalar, another matrix
 
@@ -144,31 +144,43 @@ def test_pack_signs_equals_numpy_packbits(n):
     np.testing.assert_array_equal(unpack_signs(packed, n).numpy(), bits)
 
 
+def test_torch_packing_for_accelerators_equals_numpy_packbits():
+    bits = np.random.default_rng(5).random(1001) > 0.5
+    np.testing.assert_array_equal(_pack_signs_torch(torch.from_numpy(bits)).numpy(), np.packbits(bits))
+
+
 def test_message_is_scales_then_numpy_packbits_of_signs():
     layout = ColumnLayout(tuple(SHAPES))
-    values = torch.randn(layout.numel)
-    bits, scales = quantize(values, layout.runs())
+    flat = torch.randn(layout.numel)
+    bits, scales = quantize(layout.blocks(flat))
     message = encode(bits, scales).numpy()
-    np.testing.assert_array_equal(message[8 * layout.n_columns :], np.packbits(values.numpy() > 0))
+    signs = np.concatenate([(c > 0).reshape(-1) for c in _matrices(SHAPES, flat.numpy())])
+    np.testing.assert_array_equal(message[8 * layout.n_columns :], np.packbits(signs))
     np.testing.assert_array_equal(message[: 8 * layout.n_columns].view(np.float32), scales.numpy().reshape(-1))
+
+
+def _matrices(shapes, flat):
+    out, offset = [], 0
+    for s in shapes:
+        k = math.prod(s)
+        out.append(flat[offset : offset + k].reshape(s[0] if s else 1, -1))
+        offset += k
+    return out
 
 
 def test_two_mean_quantizer_keeps_column_sums_and_uses_the_two_means():
     layout = ColumnLayout(tuple(SHAPES))
     flat = torch.randn(layout.numel) * 3
-    columns = layout.to_columns(flat)
-    bits, scales = quantize(columns, layout.runs())
-    rebuilt = np.concatenate([sim_q(c) for c in sim_columns(SHAPES, flat.numpy())])
-    from dask_dl.train.compression.quantize import dequantize
-
-    got = dequantize(bits, scales, layout.runs())
-    np.testing.assert_allclose(got.numpy(), rebuilt, rtol=1e-6, atol=1e-6)
-    residual = (columns - got).numpy()
-    starts = layout.column_starts
-    sums = np.add.reduceat(residual, starts[:-1])
-    assert layout.n_columns == 20 + 27 + 1 + 1 + 9
-    np.testing.assert_allclose(sums, 0, atol=1e-5)
-    assert np.abs(residual).max() > 0.1  # it is a real quantization, not the identity
+    bits, scales = quantize(layout.blocks(flat))
+    got = torch.cat([b.reshape(-1) for b in dequantize(bits, scales)])
+    expected = np.concatenate(
+        [np.stack([sim_q(c) for c in m.T], axis=1).reshape(-1) for m in _matrices(SHAPES, flat.numpy())]
+    )
+    np.testing.assert_allclose(got.numpy(), expected, rtol=1e-6, atol=1e-6)
+    assert layout.n_columns == 20 + 27 + 1 + 1 + 9 == len(scales)
+    for residual in _matrices(SHAPES, (flat - got).numpy()):
+        np.testing.assert_allclose(residual.sum(axis=0), 0, atol=1e-5)  # per column
+    assert (flat - got).abs().max() > 0.1  # a real quantization, not the identity
 
 
 @pytest.mark.parametrize("name", ["onebit", "onebit2"])
@@ -286,13 +298,9 @@ def check_simulation(rank, world):
             before = compressor.bytes_sent
             outputs.append(_run(compressor, SHAPES, torch.from_numpy(step[rank])))
             sent.append(compressor.bytes_sent - before)
-        zero = _run(compressor, SHAPES, torch.zeros(_numel(SHAPES)))
-        results[name] = {
-            "outputs": outputs,
-            "sent": sent,
-            "state": compressor.state_dict(),
-            "zero_plus_residual_step": zero,
-        }
+        fresh = make_compressor(name)
+        zero = _run(fresh, SHAPES, torch.zeros(_numel(SHAPES)))
+        results[name] = {"outputs": outputs, "sent": sent, "state": compressor.state_dict(), "zero": zero}
     return results
 
 
@@ -413,14 +421,14 @@ def test_distributed_equals_simulation(world, name, two_ranks, three_ranks):
     results = [r["check_simulation"] for r in results]
     grads = _gradients(7, 5, world, SHAPES)
     stripes = ColumnLayout(tuple(SHAPES)).stripes(world)
-    zeros = [np.zeros(_numel(SHAPES), np.float32)] * world
     stages = 1 if name == "onebit" else 2
-    expected, worker, server = sim_onebit(SHAPES, grads[1:] + [zeros], stages=stages, stripes=stripes)
+    expected, worker, server = sim_onebit(SHAPES, grads[1:], stages=stages, stripes=stripes)
     warm = np.mean(grads[0], axis=0)
     for r in range(world):
-        got = results[r][name]["outputs"] + [results[r][name]["zero_plus_residual_step"]]
+        assert torch.equal(results[r][name]["zero"], torch.zeros(_numel(SHAPES)))  # an all-zero bucket stays zero
+        got = results[r][name]["outputs"]
         np.testing.assert_allclose(got[0].numpy(), warm, rtol=1e-6, atol=1e-6)  # warm-up: the exact mean
-        reference = results[0][name]["outputs"] + [results[0][name]["zero_plus_residual_step"]]
+        reference = results[0][name]["outputs"]
         for t in range(1, len(got)):
             assert torch.equal(got[t], reference[t])  # every rank holds the same bits
             np.testing.assert_allclose(got[t].numpy(), expected[t - 1], rtol=1e-5, atol=1e-5)
@@ -441,8 +449,8 @@ def test_onebit2_telescoping_identity(world, two_ranks, three_ranks):
     results = [r["check_simulation"]["onebit2"] for r in (two_ranks if world == 2 else three_ranks)]
     grads = _gradients(7, 5, world, SHAPES)
     n = len(SHAPES)
-    target = sum(np.mean(step, axis=0) for step in grads[1:])  # zero gradients in the last step add nothing
-    outputs = sum(o.numpy() for o in results[0]["outputs"][1:]) + results[0]["zero_plus_residual_step"].numpy()
+    target = sum(np.mean(step, axis=0) for step in grads[1:])  # the steps after the warm-up one
+    outputs = sum(o.numpy() for o in results[0]["outputs"][1:])
     worker = sum(torch.cat([r["state"]["residuals"][f"0.{i}"].reshape(-1) for i in range(n)]) for r in results)
     server = sum(torch.cat([r["state"]["server_residuals"][f"0.{i}"].reshape(-1) for i in range(n)]) for r in results)
     np.testing.assert_allclose(outputs + worker.numpy() / world + server.numpy(), target, rtol=1e-5, atol=2e-6)

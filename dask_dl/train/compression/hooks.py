@@ -14,6 +14,7 @@ Hooks accept any bucket with DDP's ``GradBucket`` interface (``buffer()``, ``gra
 
 # No ``from __future__ import annotations`` here: DDP's register_comm_hook checks the real annotation objects
 # (``bucket: dist.GradBucket``, ``-> torch.futures.Future[torch.Tensor]``), not strings.
+import math
 from typing import Any
 
 import torch
@@ -135,9 +136,9 @@ class OneBitState(HookState):
     """State of the 1-bit hooks: error-feedback residuals, kept per parameter name.
 
     ``residuals[name]``: this rank's quantization error of the parameter (its shape), added to the next step's
-    gradient. ``server_residuals[name]`` (two-stage only): the error of re-quantizing the summed stripe this rank
-    owns, in the parameter's shape, zero outside its stripe. Keeping them by name (not by bucket) keeps them
-    valid when DDP rebuilds its buckets and across checkpoints.
+    gradient. ``server_residuals[name]`` (two-stage only): the error of re-quantizing the averaged stripe this
+    rank owns, in the parameter's shape, zero outside its stripe. Keeping them by name (not by bucket) keeps
+    them valid when DDP rebuilds its buckets and across checkpoints.
     """
 
     def __init__(self, *, error_feedback: bool = True, **kwargs: Any) -> None:
@@ -150,42 +151,16 @@ class OneBitState(HookState):
         self.stripe_keys: dict[str, tuple] = {}  # first parameter of a bucket -> the layout its stripe is for
 
 
-def _param_blocks(layout: ColumnLayout, names: list[str]):
-    return zip(names, layout.shapes, layout.offsets, layout.matrices, strict=True)
-
-
-def _residual_in(store: dict[str, torch.Tensor], name: str, shape, like: torch.Tensor) -> torch.Tensor:
+def _residual(store: dict[str, torch.Tensor], name: str, shape: torch.Size, like: torch.Tensor) -> torch.Tensor:
     residual = store.get(name)
     if residual is None or tuple(residual.shape) != tuple(shape):
         residual = store[name] = torch.zeros(shape, dtype=torch.float32, device=like.device)
     return residual
 
 
-def _worker_quantize(state: OneBitState, bucket: dist.GradBucket, layout: ColumnLayout, names: list[str]):
-    """Gradient + residual in column order, quantized per column; the new residual is kept."""
-    buffer = bucket.buffer()
-    values = layout.to_columns(buffer)
-    if state.error_feedback:
-        for name, shape, offset, (rows, cols) in _param_blocks(layout, names):
-            residual = _residual_in(state.residuals, name, shape, buffer)
-            values[offset : offset + rows * cols] += residual.reshape(rows, cols).t().reshape(-1)
-    runs = layout.runs()
-    bits, scales = quantize(values, runs)
-    if state.error_feedback:
-        error = layout.from_columns(values - dequantize(bits, scales, runs))
-        for name, shape, offset, (rows, cols) in _param_blocks(layout, names):
-            state.residuals[name] = error[offset : offset + rows * cols].view(shape)
-    return bits, scales
-
-
-def _finish(bucket: dist.GradBucket, layout: ColumnLayout, columns: torch.Tensor) -> torch.Tensor:
-    buffer = bucket.buffer()
-    return layout.from_columns(columns.to(buffer.dtype), out=buffer)
-
-
 def onebit_hook(state: OneBitState, bucket: dist.GradBucket) -> Future:
     """``onebit``: 1-bit SGD with error feedback; packed signs and scales are all-gathered, each rank decodes
-    every rank's message and averages (sums in rank order, so every rank gets the same bits)."""
+    every rank's message and averages (summing in rank order, so that every rank gets the same bits)."""
     return _onebit(state, bucket, two_stage=False)
 
 
@@ -204,135 +179,135 @@ def onebit2_hook(state: OneBitState, bucket: dist.GradBucket) -> Future:
 def _onebit(state: OneBitState, bucket: dist.GradBucket, *, two_stage: bool) -> Future:
     if not state.compressing:
         return allreduce_hook(state, bucket)
-    layout = ColumnLayout(tuple(tuple(g.shape) for g in bucket.gradients()))
-    if layout.numel != bucket.buffer().numel():
+    buffer = bucket.buffer()
+    gradients = bucket.gradients()
+    layout = ColumnLayout(tuple(tuple(g.shape) for g in gradients))
+    if layout.numel != buffer.numel() or buffer.dtype != torch.float32:
         raise ConfigurationError(
-            f"bucket {bucket.index()} holds {bucket.buffer().numel()} values but its parameters {layout.numel}; "
-            "1-bit compression needs dense gradients (no sparse embeddings)"
+            f"1-bit compression needs dense float32 gradients; bucket {bucket.index()} holds {buffer.numel()} "
+            f"{buffer.dtype} values for parameters of {layout.numel}; use fp16/bf16/none for this model"
         )
     names = state.names(bucket)
-    bits, scales = _worker_quantize(state, bucket, layout, names)
-    future = _two_stage(state, layout, names, bits, scales) if two_stage else _all_gather(state, layout, bits, scales)
+    if state.error_feedback:  # the bucket is ours to change: add last step's error in place
+        for name, grad in zip(names, gradients, strict=True):
+            grad.add_(_residual(state.residuals, name, grad.shape, buffer))
+    blocks = layout.blocks(buffer)
+    bits, scales = quantize(blocks)
+    if state.error_feedback:
+        rebuilt = dequantize(bits, scales)
+        for name, grad, block, approx in zip(names, gradients, blocks, rebuilt, strict=True):
+            state.residuals[name] = (block - approx).view(grad.shape)
+    if two_stage:
+        future = _two_stage(state, layout, names, bits, scales, buffer)
+    else:
+        future = _all_gather(state, layout, bits, scales, buffer)
     state.end_bucket(bucket)
-    return future.then(lambda fut: _finish(bucket, layout, fut.value()))
+    return future
 
 
-def _all_gather(state: OneBitState, layout: ColumnLayout, bits: torch.Tensor, scales: torch.Tensor) -> Future:
-    n, runs = state.world_size, layout.runs()
+def _average(messages: torch.Tensor, shapes: list[tuple[int, int]], out: list[torch.Tensor]) -> None:
+    """Decode each row of ``messages`` and write their mean (summed in row order) into the ``out`` blocks."""
+    n = messages.shape[0]
+    for r in range(n):
+        bits, scales = decode(messages[r], shapes)
+        values = dequantize(bits, scales)
+        for target, v in zip(out, values, strict=True):
+            if r == 0:
+                target.copy_(v)
+            else:
+                target.add_(v)
+    for target in out:
+        target.div_(n)
+
+
+def _all_gather(state, layout, bits, scales, buffer) -> Future:
+    n = state.world_size
     message = encode(bits, scales)
-    if n == 1:
-        return _done(decode(message, runs))
     gathered = message.new_empty(n * message.numel())
+
+    def average(_: Any = None) -> torch.Tensor:
+        _average(gathered.view(n, -1), layout.block_shapes(), layout.blocks(buffer))
+        return buffer
+
+    if n == 1:
+        gathered.copy_(message)
+        return _done(average())
     state.count(message, n - 1)
     work = dist.all_gather_single(gathered, message, group=state.process_group, async_op=True)
-
-    def average(fut: Future) -> torch.Tensor:
-        messages = gathered.view(n, -1)
-        total = decode(messages[0], runs)
-        for r in range(1, n):
-            total += decode(messages[r], runs)
-        return total.div_(n)
-
     return work.get_future().then(average)
 
 
-def _two_stage(
-    state: OneBitState, layout: ColumnLayout, names: list[str], bits: torch.Tensor, scales: torch.Tensor
-) -> Future:
+def _two_stage(state, layout, names, bits, scales, buffer) -> Future:
     n, rank = state.world_size, state.rank
     stripes = layout.stripes(n)
     starts = layout.column_starts
-    sizes = [message_size(int(starts[b] - starts[a]), b - a) for a, b in stripes]
-    size = max(sizes)
+    size = max(message_size(int(starts[b] - starts[a]), b - a) for a, b in stripes)
+
+    def stripe_bits(a: int, b: int) -> list[torch.Tensor]:
+        return [bits[i][:, lo:hi] for i, lo, hi in layout.pieces(a, b)]
+
     # Stage 1: every rank sends stripe j's signs and scales to rank j.
-    send = torch.cat([encode(bits[starts[a] : starts[b]], scales[a:b], size) for a, b in stripes])
+    send = torch.cat([encode(stripe_bits(a, b), scales[a:b], size) for a, b in stripes])
+    received = torch.empty_like(send)
     if n > 1:
-        received = torch.empty_like(send)
         state.count(send, (n - 1) / n)
         dist.all_to_all_single(received, send, group=state.process_group)
     else:
-        received = send
+        received.copy_(send)
     first, last = stripes[rank]
-    lo, hi = int(starts[first]), int(starts[last])
-    if state.error_feedback:
-        _own_stripe(state, layout, names, lo, hi, send)
-    runs = layout.runs(first, last)
-    messages = received.view(n, size)
-    mean = decode(messages[0], runs)
-    for r in range(1, n):
-        mean += decode(messages[r], runs)
-    mean.div_(n)
+    shapes = layout.block_shapes(first, last)
+    mean = [torch.empty(shape, dtype=torch.float32, device=buffer.device) for shape in shapes]
+    _average(received.view(n, size), shapes, mean)
     # Stage 2: re-quantize the averaged stripe with the server residual, then all-gather the stripes.
-    blocks = _stripe_blocks(layout, names, lo, hi)
+    pieces = layout.pieces(first, last)
     if state.error_feedback:
-        for name, shape in zip(names, layout.shapes, strict=True):  # every parameter, so a checkpoint has all
-            _residual_in(state.server_residuals, name, shape, mean)
-        for name, shape, (rows, cols), a, b, at in blocks:
-            residual = _residual_in(state.server_residuals, name, shape, mean)
-            mean[at : at + b - a] += residual.reshape(rows, cols).t().reshape(-1)[a:b]
-    bits2, scales2 = quantize(mean, runs)
+        _own_stripe(state, layout, names, first, last, buffer)
+        for block, (i, lo, hi) in zip(mean, pieces, strict=True):
+            block.add_(state.server_residuals[names[i]].view(layout.matrices[i])[:, lo:hi])
+    bits2, scales2 = quantize(mean, column_major=True)
     if state.error_feedback:
-        error = mean - dequantize(bits2, scales2, runs)
-        for name, shape, (rows, cols), a, b, at in blocks:
-            residual = state.server_residuals[name]
-            columns = residual.reshape(rows, cols).t().reshape(-1)  # a copy unless cols == 1
-            columns[a:b] = error[at : at + b - a]
-            state.server_residuals[name] = columns.view(cols, rows).t().reshape(shape).contiguous()
+        for block, approx, (i, lo, hi) in zip(mean, dequantize(bits2, scales2), pieces, strict=True):
+            state.server_residuals[names[i]].view(layout.matrices[i])[:, lo:hi] = block - approx
     message = encode(bits2, scales2, size)
-    all_runs = [layout.runs(a, b) for a, b in stripes]
+    gathered = message.new_empty(n * size)
 
-    def assemble(gathered: torch.Tensor) -> torch.Tensor:
-        columns = torch.empty(layout.numel, dtype=torch.float32, device=gathered.device)
+    def assemble(_: Any = None) -> torch.Tensor:
         for j, (a, b) in enumerate(stripes):
-            decode(gathered.view(n, size)[j], all_runs[j], out=columns[starts[a] : starts[b]])
-        return columns
+            stripe_bits2, stripe_scales = decode(gathered.view(n, size)[j], layout.block_shapes(a, b))
+            dequantize(stripe_bits2, stripe_scales, out=layout.blocks(buffer, a, b))
+        return buffer
 
     if n == 1:
-        return _done(assemble(message))
-    gathered = message.new_empty(n * size)
+        gathered.copy_(message)
+        return _done(assemble())
     state.count(message, n - 1)
     work = dist.all_gather_single(gathered, message, group=state.process_group, async_op=True)
-    return work.get_future().then(lambda fut: assemble(gathered))
+    return work.get_future().then(assemble)
 
 
-def _own_stripe(
-    state: OneBitState, layout: ColumnLayout, names: list[str], lo: int, hi: int, like: torch.Tensor
-) -> None:
-    """Make this rank hold the server residuals of its stripe ``lo:hi`` (column order) and zeros elsewhere.
+def _own_stripe(state: OneBitState, layout: ColumnLayout, names: list[str], first: int, last: int, like) -> None:
+    """Make this rank hold the server residuals of its stripe (columns ``first:last``) and zeros elsewhere.
 
     Stripes follow the bucket's layout, which changes when DDP rebuilds its buckets (after its first step,
     also in a resumed run): then the residuals are summed over ranks (they are zero outside each owner's
     stripe, so the sum is exact) and each rank keeps its new stripe.
     """
-    key = (tuple(names), state.world_size, lo, hi)
-    if state.stripe_keys.get(names[0] if names else "") == key:
+    key = (tuple(names), state.world_size, first, last)
+    if state.stripe_keys.get(names[0]) == key:
         return
-    state.stripe_keys[names[0] if names else ""] = key
-    if not any(name in state.server_residuals for name in names):
-        return  # nothing kept yet: a fresh start, the same on every rank
-    flat = torch.cat(
-        [
-            _residual_in(state.server_residuals, name, shape, like).reshape(-1)
-            for name, shape in zip(names, layout.shapes, strict=True)
-        ]
-    )
+    state.stripe_keys[names[0]] = key
+    fresh = not any(name in state.server_residuals for name in names)  # the same on every rank
+    residuals = [
+        _residual(state.server_residuals, name, shape, like) for name, shape in zip(names, layout.shapes, strict=True)
+    ]
+    if fresh:
+        return
+    flat = torch.cat([r.reshape(-1) for r in residuals])
     if state.world_size > 1:
         state.count(flat, 2 * (state.world_size - 1) / state.world_size)
         dist.all_reduce(flat, group=state.process_group)
-    columns = layout.to_columns(flat)
-    columns[:lo] = 0
-    columns[hi:] = 0
-    flat = layout.from_columns(columns)
-    for name, shape, offset, (rows, cols) in _param_blocks(layout, names):
-        state.server_residuals[name] = flat[offset : offset + rows * cols].view(shape).clone()
-
-
-def _stripe_blocks(layout: ColumnLayout, names: list[str], lo: int, hi: int):
-    """For the column-order range ``lo:hi``: (name, shape, matrix, a, b, at) per parameter it touches, where
-    ``a:b`` is the range inside the parameter's column-order block and ``at`` where it starts in the stripe."""
-    blocks = []
-    for name, shape, offset, (rows, cols) in _param_blocks(layout, names):
-        a, b = max(lo, offset), min(hi, offset + rows * cols)
-        if a < b:
-            blocks.append((name, shape, (rows, cols), a - offset, b - offset, a - lo))
-    return blocks
+    kept = torch.zeros_like(flat)
+    for source, target in zip(layout.blocks(flat, first, last), layout.blocks(kept, first, last), strict=True):
+        target.copy_(source)
+    for name, shape, offset in zip(names, layout.shapes, layout.offsets, strict=True):
+        state.server_residuals[name] = kept[offset : offset + math.prod(shape)].view(shape).clone()

@@ -55,6 +55,7 @@ class PowerSGDHookState(HookState):
             warm_start=warm_start,
             random_seed=seed,
         )
+        self.previous: torch.futures.Future | None = None  # the future of the bucket before, this step
         self.layouts: dict[int, tuple[list[str], list[torch.Size]]] = {}  # bucket index -> names, shapes
         self.pending: dict[str, dict[str, torch.Tensor]] = {"error": {}, "q": {}}  # loaded, not yet laid out
 
@@ -173,6 +174,11 @@ def powersgd_hook(state: PowerSGDHookState, bucket: dist.GradBucket) -> Future:
     ps = state.powersgd
     buffer = bucket.buffer()
     n = state.world_size
+    if state.previous is not None:
+        # torch's hook issues its later collectives from future callbacks; with several buckets in flight the
+        # ranks could issue them in different orders, which gloo pairs wrongly. Finishing the previous bucket
+        # first keeps the order the same on every rank (its communication still overlaps the backward pass).
+        state.previous.wait()
     state.lay_out(bucket)
     before = ps.total_numel_after_compression
     warm = ps.iter < ps.start_powerSGD_iter
@@ -181,4 +187,5 @@ def powersgd_hook(state: PowerSGDHookState, bucket: dist.GradBucket) -> Future:
     if n > 1:
         state.count(torch.empty(elements, dtype=buffer.dtype, device="meta"), 2 * (n - 1) / n)
     state.end_bucket(bucket)
+    state.previous = None if bucket.is_last() else future
     return future
