@@ -268,13 +268,15 @@ def scores_table(ds: xr.Dataset, probs: Any, *, labels: Sequence[str] | None = N
         float32 column ``p_<label>`` per label, and the true labels (uint8 columns named like the labels) when the
         dataset has them. ``table.attrs["labels"]`` lists the scored labels.
     """
+    if labels is None and "finding" not in ds.coords:
+        raise DatasetError("the dataset has no 'finding' coordinate naming the labels; pass labels=[...]")
     labels = [str(v) for v in (labels if labels is not None else ds["finding"].values)]
     if getattr(probs, "ndim", None) != 2 or probs.shape != (ds.sizes["sample"], len(labels)):
         raise DatasetError(
             f"probs has shape {getattr(probs, 'shape', None)}; for this dataset of {ds.sizes['sample']} images and "
             f"{len(labels)} labels it must be {(ds.sizes['sample'], len(labels))}: pass labels= naming its columns"
         )
-    truth = ds["label"].data if "label" in ds else None
+    truth = ds["label"].data if "label" in ds and "finding" in ds.coords else None
     probs, truth = dask.compute(probs, truth)
     table = pd.DataFrame({"sample": np.asarray(ds["sample"].values, dtype=np.int64)})
     for name in _COORDS:
@@ -283,7 +285,7 @@ def scores_table(ds: xr.Dataset, probs: Any, *, labels: Sequence[str] | None = N
     probs = np.asarray(probs, dtype=np.float32)
     for j, label in enumerate(labels):
         table[PROB_PREFIX + label] = probs[:, j]
-    if truth is not None:
+    if truth is not None and "finding" in ds.coords:
         findings = [str(v) for v in ds["finding"].values]
         for label in labels:
             if label in findings:

@@ -38,16 +38,18 @@ def test_list_models():
 @pytest.mark.parametrize("name", list(TORCHVISION))
 @pytest.mark.parametrize(("num_outputs", "in_channels"), [(14, 1), (1000, 3), (2, 1)])
 def test_parameter_counts_match_torchvision(name, num_outputs, in_channels):
-    model = build_model(name, num_outputs=num_outputs, in_channels=in_channels)
+    with torch.device("meta"):  # shapes only: no memory, no initialization
+        model = build_model(name, num_outputs=num_outputs, in_channels=in_channels)
     assert _n_params(model) == _expected_params(name, num_outputs, in_channels)
 
 
 def test_known_counts_for_chest_xray_heads():
     # 1 channel, 14 NIH findings
-    assert _n_params(build_model("alexnet", num_outputs=14)) == 57_045_710
-    assert _n_params(build_model("resnet18", num_outputs=14)) == 11_177_422
-    assert _n_params(build_model("resnet50", num_outputs=14)) == 23_530_446
-    assert _n_params(build_model("densenet121", num_outputs=14)) == 6_961_934
+    with torch.device("meta"):
+        assert _n_params(build_model("alexnet", num_outputs=14)) == 57_045_710
+        assert _n_params(build_model("resnet18", num_outputs=14)) == 11_177_422
+        assert _n_params(build_model("resnet50", num_outputs=14)) == 23_530_446
+        assert _n_params(build_model("densenet121", num_outputs=14)) == 6_961_934
 
 
 def test_torchvision_parameter_names():
@@ -70,19 +72,19 @@ def test_torchvision_parameter_names():
 
 
 @pytest.mark.parametrize("name", ["small_cnn", "alexnet", "resnet18", "resnet50", "densenet121"])
-@pytest.mark.parametrize("size", [32, 45, 64])
-def test_any_input_size_from_32(name, size):
+def test_any_input_size_from_32(name):
     torch.manual_seed(0)
     model = build_model(name, num_outputs=5).eval()
-    with torch.no_grad():
-        out = model(torch.randn(2, 1, size, size))
-    assert out.shape == (2, 5) and out.dtype == torch.float32
-    assert torch.isfinite(out).all()
-    # rows are independent in eval mode: the same image gives the same logits alone or in a batch
-    with torch.no_grad():
-        alone = model(torch.randn(2, 1, size, size)[:0].new_zeros(1, 1, size, size))
-        batch = model(torch.zeros(3, 1, size, size))
-    torch.testing.assert_close(alone[0], batch[1], rtol=1e-5, atol=1e-5)
+    for size in (32, 67):  # the smallest, and an odd size where every pool runs its usual path
+        images = torch.randn(3, 1, size, size)
+        with torch.no_grad():
+            out = model(images)
+            alone = model(images[1:2])
+        assert out.shape == (3, 5) and out.dtype == torch.float32
+        assert torch.isfinite(out).all()
+        # rows are independent in eval mode: an image gives the same logits alone or in a batch
+        torch.testing.assert_close(alone[0], out[1], rtol=1e-4, atol=1e-5)
+        assert not torch.allclose(out[0], out[1])
 
 
 def test_alexnet_pool_matches_plain_pool_where_that_works():
