@@ -318,7 +318,8 @@ def test_bad_input_fails_before_any_actor(store, cluster_client):
 
 # ---- 5. learning: every compressor learns the synthetic collection about as well as none ---------------------
 
-LEARN_LABELS = ["Effusion", "Infiltration", "Atelectasis", "Pneumothorax", "Mass", "Nodule"]
+# the findings whose synthetic signatures a small CNN picks up at 32 px within a few epochs
+LEARN_LABELS = ["Effusion", "Infiltration", "Consolidation", "Edema", "Emphysema"]
 
 
 @pytest.fixture(scope="module")
@@ -337,18 +338,19 @@ def synthetic_store(tmp_path_factory, cluster_client) -> str:
 
 @pytest.mark.slow
 def test_every_compressor_learns(synthetic_store, cluster_client):
-    """Measured on this setup (6 epochs, AdamW 3e-3, 2 x 16 images per step, ~580 train / ~370 val images):
-    mean val AUROC over the last three epochs none 0.713, fp16 0.704, bf16 0.716, onebit 0.696, onebit2 0.690,
-    powersgd (rank 1) 0.684. The half-precision casts stay within 0.02 of none; the 1-bit and rank-1 compressors
-    lag by up to 0.03 in a run this short (their loss curves trail by about 0.01), so their bar is 0.04."""
+    """Measured here (5 epochs, AdamW 3e-3, 2 x 16 images per step, 578 train / 368 val images), final mean val
+    AUROC: none 0.827, fp16 0.828, bf16 0.825, onebit 0.818, onebit2 0.815, powersgd 0.762 at rank 1, 0.803 at
+    rank 2 and 0.814 at rank 4. Rank 1 is too coarse for this tiny network in so few steps, so PowerSGD runs at
+    rank 4; then every compressor ends within 0.02 of none, and all far above chance (0.5)."""
     ds = dask_dl.open_dataset(synthetic_store)
     scores = {}
     for compression in ("none", "fp16", "bf16", "onebit", "onebit2", "powersgd"):
-        run = dask_dl.fit(ds, model="small_cnn", epochs=6, batch_size=16, trainers=2, lr=3e-3, optimizer="adamw",
-                          compression=compression, warmup_steps=5, client=cluster_client)  # fmt: skip
-        scores[compression] = float(run.history["val_auroc_mean"].iloc[-3:].mean())
+        options = {"rank": 4} if compression == "powersgd" else {}
+        run = dask_dl.fit(ds, model="small_cnn", epochs=5, batch_size=16, trainers=2, lr=3e-3, optimizer="adamw",
+                          compression=compression, compression_options=options, warmup_steps=5,
+                          client=cluster_client)  # fmt: skip
+        scores[compression] = float(run.history["val_auroc_mean"].iloc[-1])
         assert run.history["bytes_sent"].iloc[-1] > 0
-    assert scores["none"] > 0.65, scores  # chance is 0.5
+    assert scores["none"] > 0.75, scores
     for compression, score in scores.items():
-        bar = 0.02 if compression in ("fp16", "bf16") else 0.04
-        assert score > 0.6 and abs(score - scores["none"]) <= bar, (compression, scores)
+        assert score > 0.7 and abs(score - scores["none"]) <= 0.02, (compression, scores)
