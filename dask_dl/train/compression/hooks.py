@@ -22,7 +22,15 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from dask_dl.errors import ConfigurationError
-from dask_dl.train.compression.quantize import ColumnLayout, decode, dequantize, encode, message_size, quantize
+from dask_dl.train.compression.quantize import (
+    ColumnLayout,
+    decode,
+    dequantize,
+    encode,
+    message_size,
+    quantize,
+    scratch,
+)
 
 Future = torch.futures.Future[torch.Tensor]
 
@@ -149,6 +157,7 @@ class OneBitState(HookState):
         self.residuals: dict[str, torch.Tensor] = {}
         self.server_residuals: dict[str, torch.Tensor] = {}
         self.stripe_keys: dict[str, tuple] = {}  # first parameter of a bucket -> the layout its stripe is for
+        self.workspace: dict = {}  # temporaries kept between steps (about two copies of the gradients)
 
 
 def _residual(store: dict[str, torch.Tensor], name: str, shape: torch.Size, like: torch.Tensor) -> torch.Tensor:
@@ -192,41 +201,45 @@ def _onebit(state: OneBitState, bucket: dist.GradBucket, *, two_stage: bool) -> 
         for name, grad in zip(names, gradients, strict=True):
             grad.add_(_residual(state.residuals, name, grad.shape, buffer))
     blocks = layout.blocks(buffer)
-    bits, scales = quantize(blocks)
+    key = (bucket.index(),)
+    ws = state.workspace
+    bits, scales = quantize(blocks, workspace=ws, key=key)
     if state.error_feedback:
-        rebuilt = dequantize(bits, scales)
-        for name, grad, block, approx in zip(names, gradients, blocks, rebuilt, strict=True):
-            state.residuals[name] = (block - approx).view(grad.shape)
+        rebuilt = [scratch(ws, ("approx", *key, i), b, b.shape, torch.float32) for i, b in enumerate(blocks)]
+        dequantize(bits, scales, out=rebuilt)
+        for name, block, approx in zip(names, blocks, rebuilt, strict=True):
+            torch.sub(block, approx, out=state.residuals[name].view(block.shape))
     if two_stage:
-        future = _two_stage(state, layout, names, bits, scales, buffer)
+        future = _two_stage(state, layout, names, bits, scales, buffer, key)
     else:
-        future = _all_gather(state, layout, bits, scales, buffer)
+        future = _all_gather(state, layout, bits, scales, buffer, key)
     state.end_bucket(bucket)
     return future
 
 
-def _average(messages: torch.Tensor, shapes: list[tuple[int, int]], out: list[torch.Tensor]) -> None:
+def _average(messages: torch.Tensor, shapes: list[tuple[int, int]], out: list[torch.Tensor], ws, key) -> None:
     """Decode each row of ``messages`` and write their mean (summed in row order) into the ``out`` blocks."""
     n = messages.shape[0]
+    temporaries = [scratch(ws, ("avg", *key, i), t, t.shape, torch.float32) for i, t in enumerate(out)]
     for r in range(n):
         bits, scales = decode(messages[r], shapes)
-        values = dequantize(bits, scales)
-        for target, v in zip(out, values, strict=True):
-            if r == 0:
-                target.copy_(v)
-            else:
-                target.add_(v)
+        if r == 0:
+            dequantize(bits, scales, out=out)
+            continue
+        dequantize(bits, scales, out=temporaries)
+        for target, values in zip(out, temporaries, strict=True):
+            target.add_(values)
     for target in out:
         target.div_(n)
 
 
-def _all_gather(state, layout, bits, scales, buffer) -> Future:
+def _all_gather(state, layout, bits, scales, buffer, key) -> Future:
     n = state.world_size
     message = encode(bits, scales)
     gathered = message.new_empty(n * message.numel())
 
     def average(_: Any = None) -> torch.Tensor:
-        _average(gathered.view(n, -1), layout.block_shapes(), layout.blocks(buffer))
+        _average(gathered.view(n, -1), layout.block_shapes(), layout.blocks(buffer), state.workspace, key)
         return buffer
 
     if n == 1:
@@ -237,7 +250,7 @@ def _all_gather(state, layout, bits, scales, buffer) -> Future:
     return work.get_future().then(average)
 
 
-def _two_stage(state, layout, names, bits, scales, buffer) -> Future:
+def _two_stage(state, layout, names, bits, scales, buffer, key) -> Future:
     n, rank = state.world_size, state.rank
     stripes = layout.stripes(n)
     starts = layout.column_starts
@@ -256,18 +269,22 @@ def _two_stage(state, layout, names, bits, scales, buffer) -> Future:
         received.copy_(send)
     first, last = stripes[rank]
     shapes = layout.block_shapes(first, last)
-    mean = [torch.empty(shape, dtype=torch.float32, device=buffer.device) for shape in shapes]
-    _average(received.view(n, size), shapes, mean)
+    ws = state.workspace
+    mean = [scratch(ws, ("mean", *key, i), buffer, shape, torch.float32) for i, shape in enumerate(shapes)]
+    _average(received.view(n, size), shapes, mean, ws, key)
     # Stage 2: re-quantize the averaged stripe with the server residual, then all-gather the stripes.
     pieces = layout.pieces(first, last)
     if state.error_feedback:
         _own_stripe(state, layout, names, first, last, buffer)
         for block, (i, lo, hi) in zip(mean, pieces, strict=True):
             block.add_(state.server_residuals[names[i]].view(layout.matrices[i])[:, lo:hi])
-    bits2, scales2 = quantize(mean, column_major=True)
+    bits2, scales2 = quantize(mean, column_major=True, workspace=ws, key=("server", *key))
     if state.error_feedback:
-        for block, approx, (i, lo, hi) in zip(mean, dequantize(bits2, scales2), pieces, strict=True):
-            state.server_residuals[names[i]].view(layout.matrices[i])[:, lo:hi] = block - approx
+        rebuilt = [scratch(ws, ("approx2", *key, i), b, b.shape, torch.float32) for i, b in enumerate(mean)]
+        dequantize(bits2, scales2, out=rebuilt)
+        for block, approx, (i, lo, hi) in zip(mean, rebuilt, pieces, strict=True):
+            residual = state.server_residuals[names[i]].view(layout.matrices[i])[:, lo:hi]
+            torch.sub(block, approx, out=residual)
     message = encode(bits2, scales2, size)
     gathered = message.new_empty(n * size)
 

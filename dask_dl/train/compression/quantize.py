@@ -147,13 +147,34 @@ class ColumnLayout:
         return list(zip(cuts[:-1], cuts[1:], strict=True))
 
 
-def quantize(blocks: Sequence[torch.Tensor], *, column_major: bool = False) -> tuple[list[torch.Tensor], torch.Tensor]:
+Workspace = dict  # (role, key...) -> a tensor reused from step to step
+
+
+def scratch(workspace: Workspace | None, key: tuple, like: torch.Tensor, shape, dtype) -> torch.Tensor:
+    """A tensor for ``key`` kept in ``workspace`` (fresh each call without one).
+
+    Writing into kept tensors instead of new ones matters on CPU: a fresh 100 MB tensor costs its page faults
+    on first touch, several times the cost of the arithmetic done in it.
+    """
+    shape = tuple(shape)
+    if workspace is None:
+        return torch.empty(shape, dtype=dtype, device=like.device)
+    kept = workspace.get(key)
+    if kept is None or tuple(kept.shape) != shape or kept.dtype != dtype or kept.device != like.device:
+        kept = workspace[key] = torch.empty(shape, dtype=dtype, device=like.device)
+    return kept
+
+
+def quantize(
+    blocks: Sequence[torch.Tensor], *, column_major: bool = False, workspace: Workspace | None = None, key=()
+) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Quantize 2-D blocks column by column to one bit per entry and two float32 scales per column.
 
     With ``column_major=True`` each column is summed as a contiguous row of a transposed copy, so its scales do
     not depend on which other columns share the block (float sums over a strided axis may be grouped
     differently for blocks of other widths); the two-stage server side uses it, because its stripes change
-    with DDP's bucket layout and a resumed run must give the same bits.
+    with DDP's bucket layout and a resumed run must give the same bits. ``workspace`` and ``key`` keep the
+    temporary tensors (and the returned bits) from call to call.
 
     Returns
     -------
@@ -164,14 +185,16 @@ def quantize(blocks: Sequence[torch.Tensor], *, column_major: bool = False) -> t
         column has none), so that every rebuilt column keeps the column's sum.
     """
     bits, scales = [], []
-    for block in blocks:
-        positive = block > 0
+    for i, block in enumerate(blocks):
         rows = block.shape[0]
+        positive = torch.gt(block, 0, out=scratch(workspace, ("bits", *key, i), block, block.shape, torch.bool))
         columns = block.t().contiguous() if column_major else block
         axis = 1 if column_major else 0
-        count = positive.sum(dim=0)
-        sum_pos = torch.where(columns > 0, columns, columns.new_zeros(())).sum(dim=axis)
-        sum_neg = columns.sum(dim=axis) - sum_pos
+        tmp = scratch(workspace, ("tmp", *key, i), block, columns.shape, torch.float32)
+        sum_all = columns.sum(dim=axis)
+        sum_pos = torch.clamp_min(columns, 0, out=tmp).sum(dim=axis)
+        count = (tmp.copy_(positive.t() if column_major else positive)).sum(dim=axis)  # exact below 2**24 rows
+        sum_neg = sum_all - sum_pos
         scales.append(torch.stack([sum_pos / count.clamp(min=1), sum_neg / (rows - count).clamp(min=1)], dim=1))
         bits.append(positive)
     out = torch.cat(scales).float() if scales else torch.zeros((0, 2))
@@ -187,11 +210,11 @@ def dequantize(
         k = positive.shape[1]
         s = scales[column : column + k]
         column += k
-        values = torch.where(positive, s[:, 0], s[:, 1])  # broadcast over rows
-        if out is not None:
-            out[i].copy_(values)
-            values = out[i]
-        result.append(values)
+        target = out[i] if out is not None else torch.empty(positive.shape, device=positive.device)
+        target.copy_(positive)  # 0/1, then lerp picks the negative (0) or positive (1) mean exactly
+        negative, positive_mean = s[:, 1].contiguous(), s[:, 0].contiguous()  # unit stride: vectorized lerp
+        torch.lerp(negative.expand_as(target), positive_mean.expand_as(target), target, out=target)
+        result.append(target)
     return result
 
 

@@ -1,0 +1,298 @@
+"""What do the gradient compressors save? Bytes and exchange time per step against plain allreduce (``none``).
+
+An AlexNet-shaped gradient (dask_dl's alexnet with a 5x5 last feature map: 45.5M values, 182 MB in float32),
+cut into DDP-like 25 MB buckets, is handed to each compressor's comm hook on 2 and 4 gloo ranks of this
+machine, first over loopback, then over links limited to 1 Gbit/s and 10 Gbit/s: every rank runs in its own
+network namespace with a veth pair into a bridge and a ``tc tbf`` rate limit on both ends of its veth.
+
+Printed per network and rank count: bytes per worker per step handed to torch.distributed and an estimate of the
+bytes that leave the worker (ring allreduce 2(N-1)/N, all-gather N-1 inputs, all-to-all (N-1)/N), both as ratios
+to ``none``; the exchange time of a step (all buckets' hooks, compression included) as a ratio to ``none``.
+Then each compressor's compress + decompress time alone (one rank, no network) as a ratio to one memcpy of the
+gradient. The ranks share this machine's cores, so on a small machine compute-heavy compressors look slower
+than they would on one core per rank.
+
+    python bench/compression.py                     # everything (needs root for the namespaces; ~4 minutes)
+    python bench/compression.py --networks loopback --worlds 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+# dask_dl's alexnet (one input channel, 14 outputs) with fc6 on a 5x5x256 feature map instead of 6x6x256.
+ALEXNET = [
+    (64, 1, 11, 11), (64,), (192, 64, 5, 5), (192,), (384, 192, 3, 3), (384,), (256, 384, 3, 3), (256,),
+    (256, 256, 3, 3), (256,), (4096, 6400), (4096,), (4096, 4096), (4096,), (14, 4096), (14,),
+]  # fmt: skip
+COMPRESSORS = ("none", "bf16", "powersgd", "onebit", "onebit2")
+RATES = {"1gbit": "1gbit", "10gbit": "10gbit"}
+BRIDGE = "ddlbench0"
+
+
+def ddp_buckets(shapes, cap_bytes=25 * 2**20):
+    """Group parameters the way DDP does by default: reverse order, about 25 MB per bucket."""
+    buckets, current, size = [], [], 0
+    for shape in reversed(shapes):
+        nbytes = 4 * math.prod(shape)
+        if current and size + nbytes > cap_bytes:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(shape)
+        size += nbytes
+    return buckets + [current] if current else buckets
+
+
+class Bucket:
+    """DDP's GradBucket interface over a flat tensor."""
+
+    def __init__(self, index, shapes, values, last):
+        self.i, self.shapes, self.values, self.last = index, shapes, values, last
+        self.params = [object() for _ in shapes]
+
+    def buffer(self):
+        return self.values
+
+    def gradients(self):
+        out, offset = [], 0
+        for s in self.shapes:
+            out.append(self.values[offset : offset + math.prod(s)].view(s))
+            offset += math.prod(s)
+        return out
+
+    def parameters(self):
+        return self.params
+
+    def index(self):
+        return self.i
+
+    def is_last(self):
+        return self.last
+
+
+def _options(name):
+    return ({"warmup_steps": 2, "rank": 1}, 2) if name == "powersgd" else ({"warmup_steps": 0}, 0)
+
+
+def run_steps(compressor, buckets, grads, steps, barrier=None):
+    """Run ``steps`` steps of all buckets' hooks; return seconds and bytes (handed, wire) of each step."""
+    out = []
+    for _ in range(steps):
+        inputs = [g.clone() for g in grads]
+        if barrier:
+            barrier()
+        sent, wire = compressor.bytes_sent, compressor.wire_bytes
+        start = time.perf_counter()
+        futures = [
+            compressor.hook(compressor.state, Bucket(i, shapes, x, i == len(buckets) - 1))
+            for i, (shapes, x) in enumerate(zip(buckets, inputs, strict=True))
+        ]
+        for f in futures:
+            f.wait()
+        out.append((time.perf_counter() - start, compressor.bytes_sent - sent, compressor.wire_bytes - wire))
+    return out
+
+
+def worker(args) -> None:
+    """One rank: join the group, measure every compressor, rank 0 writes the results."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from dask_dl.train.compression import make_compressor
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://{args.master}:{args.port}", rank=args.rank, world_size=args.world,
+        timeout=timedelta(seconds=120),
+    )  # fmt: skip
+    buckets = ddp_buckets(ALEXNET)
+    gen = torch.Generator().manual_seed(args.rank)
+    grads = [torch.randn(sum(math.prod(s) for s in b), generator=gen) * 1e-3 for b in buckets]
+    results = {}
+    for name in args.compressors.split(","):
+        options, warm = _options(name)
+        compressor = make_compressor(name, **options)
+        run_steps(compressor, buckets, grads, warm + 1, dist.barrier)  # warm-up (and first-touch) steps
+        steps = run_steps(compressor, buckets, grads, args.steps, dist.barrier)
+        times = torch.tensor([s[0] for s in steps])
+        dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a step lasts until the slowest rank is done
+        results[name] = {"s": float(times.median()), "sent": steps[-1][1], "wire": steps[-1][2]}
+    if args.rank == 0:
+        with open(args.out, "w") as f:
+            json.dump(results, f)
+    dist.destroy_process_group()
+
+
+def local_costs(steps: int) -> dict[str, float]:
+    """Compress + decompress seconds per step on one rank (no network), and one memcpy of the gradient."""
+    import torch
+    import torch.distributed as dist
+
+    from dask_dl.train.compression import make_compressor
+
+    torch.set_num_threads(1)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    buckets = ddp_buckets(ALEXNET)
+    grads = [torch.randn(sum(math.prod(s) for s in b)) for b in buckets]
+    flat, copy = torch.cat(grads), torch.empty(sum(g.numel() for g in grads))
+    memcpy = []
+    for _ in range(5):
+        start = time.perf_counter()
+        copy.copy_(flat)
+        memcpy.append(time.perf_counter() - start)
+    costs = {"memcpy": float(np.median(memcpy))}
+    for name in COMPRESSORS:
+        options, warm = _options(name)
+        compressor = make_compressor(name, **options)
+        run_steps(compressor, buckets, grads, warm + 1)
+        costs[name] = float(np.median([s[0] for s in run_steps(compressor, buckets, grads, steps)]))
+    dist.destroy_process_group()
+    return costs
+
+
+# ---- the network: namespaces, veth pairs, a bridge, tbf -----------------------------------------------------
+
+
+def _ip(*cmd, check=True):
+    return subprocess.run(["ip", *cmd], check=check, capture_output=True, text=True)
+
+
+def teardown(world: int = 8) -> None:
+    for r in range(world):
+        _ip("netns", "del", f"ddlb{r}", check=False)
+        _ip("link", "del", f"ddlb{r}h", check=False)
+    _ip("link", "del", BRIDGE, check=False)
+
+
+def setup_network(world: int, rate: str | None) -> list[str]:
+    """Namespaces ddlb0..: rank r at 10.77.0.(r+1) on veth ddlb<r>n, limited to ``rate`` both ways."""
+    teardown()
+    _ip("link", "add", BRIDGE, "type", "bridge")
+    _ip("link", "set", BRIDGE, "up")
+    for r in range(world):
+        ns, host, inner = f"ddlb{r}", f"ddlb{r}h", f"ddlb{r}n"
+        _ip("netns", "add", ns)
+        _ip("link", "add", host, "type", "veth", "peer", "name", inner)
+        _ip("link", "set", inner, "netns", ns)
+        _ip("link", "set", host, "master", BRIDGE)
+        _ip("link", "set", host, "up")
+        _ip("-n", ns, "addr", "add", f"10.77.0.{r + 1}/24", "dev", inner)
+        _ip("-n", ns, "link", "set", inner, "up")
+        _ip("-n", ns, "link", "set", "lo", "up")
+        if rate:
+            bits = {"1gbit": 1e9, "10gbit": 1e10}[rate]
+            burst = f"{max(int(bits / 8 / 100), 2**20)}b"  # >= rate / HZ, or tbf cannot reach the rate
+            for dev, where in ((inner, ["ip", "netns", "exec", ns]), (host, [])):
+                subprocess.run(
+                    [*where, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst", burst,
+                     "latency", "100ms"], check=True, capture_output=True, text=True,
+                )  # fmt: skip
+    return [f"ddlb{r}" for r in range(world)]
+
+
+def run_world(world: int, network: str, args) -> dict:
+    namespaces = setup_network(world, RATES.get(network)) if network != "loopback" else None
+    master = "10.77.0.1" if namespaces else "127.0.0.1"
+    fd, out = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # free on loopback; the namespaces have nothing bound at all
+    procs = []
+    try:
+        for r in range(world):
+            cmd = [sys.executable, __file__, "--worker", "--rank", str(r), "--world", str(world)]
+            cmd += ["--master", master, "--port", str(port), "--out", out, "--steps", str(args.steps)]
+            cmd += ["--compressors", args.compressors]
+            env = dict(os.environ, GLOO_SOCKET_IFNAME=f"ddlb{r}n" if namespaces else "lo", OMP_NUM_THREADS="1")
+            prefix = ["ip", "netns", "exec", namespaces[r]] if namespaces else []
+            procs.append(subprocess.Popen(prefix + cmd, env=env))
+        deadline = time.monotonic() + args.timeout
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        if any(p.returncode for p in procs):
+            raise RuntimeError(f"a rank failed on {network} with {world} ranks: {[p.returncode for p in procs]}")
+        with open(out) as f:
+            return json.load(f)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        os.unlink(out)
+        if namespaces:
+            teardown(world)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--worlds", default="2,4")
+    parser.add_argument("--networks", default="loopback,1gbit,10gbit")
+    parser.add_argument("--compressors", default=",".join(COMPRESSORS))
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per compressor (after warm-up)")
+    parser.add_argument("--timeout", type=float, default=150, help="seconds allowed for one network and world")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    for hidden in ("--rank", "--world", "--port"):
+        parser.add_argument(hidden, type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--master", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args)
+
+    n = sum(math.prod(s) for s in ALEXNET)
+    print(f"gradient: {n / 1e6:.1f}M float32 values ({4 * n / 1e6:.0f} MB) in {len(ddp_buckets(ALEXNET))} buckets")
+    networks = args.networks.split(",")
+    if any(net != "loopback" for net in networks):
+        problem = None
+        if os.geteuid() != 0:
+            problem = "needs root (ip netns add)"
+        elif not (shutil.which("ip") and shutil.which("tc")):
+            problem = "needs iproute2 (ip, tc): apt-get install iproute2"
+        if problem:
+            print(f"skipping the rate-limited links: {problem}")
+            networks = [net for net in networks if net == "loopback"]
+    header = f"{'network':9} {'N':>2} {'compressor':10} {'MB handed':>10} {'x none':>7} {'MB wire':>8} {'x none':>7}"
+    print(header + f" {'exchange s':>10} {'x none':>7}")
+    try:
+        for network in networks:
+            for world in (int(w) for w in args.worlds.split(",")):
+                try:
+                    results = run_world(world, network, args)
+                except (RuntimeError, subprocess.SubprocessError, OSError) as exc:
+                    print(f"{network:9} {world:>2} failed: {exc}")
+                    continue
+                base = results.get("none")
+                for name, r in results.items():
+                    ratios = {k: r[k] / base[k] if base and base[k] else float("nan") for k in ("sent", "wire", "s")}
+                    print(
+                        f"{network:9} {world:>2} {name:10} {r['sent'] / 1e6:10.2f} {ratios['sent']:7.4f} "
+                        f"{r['wire'] / 1e6:8.2f} {ratios['wire']:7.4f} {r['s']:10.3f} {ratios['s']:7.3f}",
+                        flush=True,
+                    )
+    finally:
+        teardown()
+    costs = local_costs(args.steps)
+    print(f"\ncompress + decompress on one rank, no network (memcpy of the gradient: {costs['memcpy'] * 1e3:.1f} ms)")
+    for name in COMPRESSORS:
+        print(f"  {name:10} {costs[name]:8.3f} s  {costs[name] / costs['memcpy']:8.1f} x memcpy")
+
+
+if __name__ == "__main__":
+    main()
