@@ -75,8 +75,8 @@ def get_session(path: str, stamp: tuple[int, int], providers: Sequence[str] | No
         ) from None
     if seen != tuple(stamp):
         raise ExportError(f"the model {path!r} changed after predict() was called; call predict() again")
-    providers = tuple(providers) if providers else tuple(_default_providers())
-    key = (path, tuple(stamp), providers, threads)
+    chosen = tuple(providers) if providers else tuple(_default_providers())
+    key = (path, tuple(stamp), chosen, threads)
     with _SESSIONS_LOCK:
         session = _SESSIONS.get(key)
         if session is None:
@@ -84,9 +84,15 @@ def get_session(path: str, stamp: tuple[int, int], providers: Sequence[str] | No
             options.intra_op_num_threads = threads
             options.inter_op_num_threads = 1
             options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-            session = ort.InferenceSession(path, sess_options=options, providers=list(providers))
-            # an older session of the same path (the file changed) would only hold memory
-            for old in [k for k in _SESSIONS if k[0] == path]:
+            try:
+                session = ort.InferenceSession(path, sess_options=options, providers=list(chosen))
+            except Exception:
+                if providers or chosen == ("CPUExecutionProvider",):
+                    raise
+                # onnxruntime-gpu on a worker whose GPU is absent or unusable: the CPU still scores
+                session = ort.InferenceSession(path, sess_options=options, providers=["CPUExecutionProvider"])
+            # sessions of an older version of the file would only hold memory
+            for old in [k for k in _SESSIONS if k[0] == path and k[1] != key[1]]:
                 del _SESSIONS[old]
             _SESSIONS[key] = session
             SESSIONS_CREATED += 1

@@ -258,3 +258,20 @@ def test_cli_export_and_predict(tmp_path, client, store, model):
     np.testing.assert_array_equal(scores.sample.values, test.sample.values)
     np.testing.assert_array_equal(scores.probability.values, expected.filter(like="p_").to_numpy())
     assert list(scores.label.values) == list(test.finding.values)
+
+
+def test_model_changed_after_predict_is_refused(tmp_path, model):
+    import os
+    import shutil
+
+    _, path = model
+    copy = tmp_path / "m.onnx"
+    shutil.copy(path, copy)
+    images = np.zeros((8, SIZE, SIZE), np.uint8)
+    lazy = predict(images, copy, providers=["CPUExecutionProvider"])
+    st = os.stat(copy)
+    os.utime(copy, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # as a re-export would
+    with pytest.raises(ExportError, match="changed after predict"):
+        lazy.compute(scheduler="sync")
+    fresh = predict(images, copy, providers=["CPUExecutionProvider"]).compute(scheduler="sync")
+    np.testing.assert_array_equal(fresh, predict(images, path).compute(scheduler="sync"))
