@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import io
 import os
+import threading
 import zlib
 from typing import Literal
 
@@ -95,7 +96,9 @@ def load_image(path: str | os.PathLike, *, size: int | None = None, min_size: in
     data = _read_bytes(path)
     decode = _decode_dicom if _is_dicom(path, data) else _decode_raster
     pixels = decode(path, data, min_size)
-    return resize_square(to_gray(pixels), size=size)
+    out = resize_square(to_gray(pixels), size=size)
+    # the PNG decode buffer is reused by the next call: never hand it out
+    return out.copy() if np.shares_memory(out, pixels) else out
 
 
 def _read_bytes(path: str) -> bytes:
@@ -139,18 +142,49 @@ def _decode_raster(path: str, data: bytes, min_size: int) -> np.ndarray:
         ) from None
     _check_size(path, image.width, image.height, min_size)
     if image.format == "PNG":
-        import imagecodecs
-
-        try:
-            return imagecodecs.png_decode(data)
-        except Exception as exc:  # imagecodecs raises PngError/ValueError/RuntimeError for bad pixel data
-            raise ImageRejected("truncated", path, f"PNG pixel data is incomplete or corrupt ({exc})") from None
+        return _decode_png(path, data, image)
     try:
         image.load()
     except (OSError, SyntaxError, ValueError, zlib.error) as exc:
         reason = "truncated" if "truncated" in str(exc) else "undecodable"
         raise ImageRejected(reason, path, f"{type(exc).__name__}: {exc}") from None
     return _pillow_pixels(image)
+
+
+# channels of the 8-bit PNG modes whose decoded shape is sure; others are decoded into a new array
+_PNG_CHANNELS = {"L": (), "LA": (2,), "RGB": (3,), "RGBA": (4,)}
+_buffers = threading.local()
+
+
+def _png_buffer(image: Image.Image) -> np.ndarray | None:
+    """A decode buffer for this thread, reused from image to image.
+
+    Dask workers run with ``MALLOC_TRIM_THRESHOLD_`` set, which keeps glibc from reusing freed large blocks: every
+    fresh 1 MB decode output is a new mmap and 256 page faults. Reusing one buffer saves about a tenth of the CPU
+    time of an ingest task.
+    """
+    if image.mode not in _PNG_CHANNELS:
+        return None
+    shape = (image.height, image.width, *_PNG_CHANNELS[image.mode])
+    buffer = getattr(_buffers, "png", None)
+    if buffer is None or buffer.shape != shape:
+        buffer = _buffers.png = np.empty(shape, np.uint8)
+    return buffer
+
+
+def _decode_png(path: str, data: bytes, image: Image.Image) -> np.ndarray:
+    import imagecodecs
+
+    buffer = _png_buffer(image)
+    if buffer is not None:
+        try:
+            return imagecodecs.png_decode(data, out=buffer)
+        except Exception:  # bad pixel data, or a layout the header did not reveal: decode again to tell which
+            pass
+    try:
+        return imagecodecs.png_decode(data)
+    except Exception as exc:  # imagecodecs raises PngError/ValueError/RuntimeError for bad pixel data
+        raise ImageRejected("truncated", path, f"PNG pixel data is incomplete or corrupt ({exc})") from None
 
 
 def _pillow_pixels(image: Image.Image) -> np.ndarray:

@@ -158,3 +158,12 @@ def test_to_gray_rejects_odd_shapes():
     with pytest.raises(ValueError, match="5 channels"):
         to_gray(np.zeros((4, 4, 5), np.uint8))
     np.testing.assert_array_equal(to_gray(np.full((2, 2), 7.0)), np.zeros((2, 2), np.uint8))  # constant float
+
+
+def test_results_never_share_the_reused_decode_buffer(tmp_path):
+    first = load_image(save(np.full((64, 64), 10, np.uint8), tmp_path / "a.png"), size=64, min_size=64)
+    second = load_image(save(np.full((64, 64), 20, np.uint8), tmp_path / "b.png"), size=64, min_size=64)
+    assert (first == 10).all() and (second == 20).all()
+    rgba = np.concatenate([np.full((64, 64, 3), 30, np.uint8), np.zeros((64, 64, 1), np.uint8)], axis=2)
+    third = load_image(save(rgba, tmp_path / "c.png"), size=64, min_size=64)  # another buffer shape
+    assert (first == 10).all() and (second == 20).all() and (third == 30).all()
