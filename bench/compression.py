@@ -12,8 +12,9 @@ Then each compressor's compress + decompress time alone (one rank, no network) a
 gradient. The ranks share this machine's cores, so on a small machine compute-heavy compressors look slower
 than they would on one core per rank.
 
-    python bench/compression.py                     # everything (needs root for the namespaces; ~4 minutes)
+    python bench/compression.py                     # everything (root for the namespaces; ~5 min on 2 cores)
     python bench/compression.py --networks loopback --worlds 2
+    python bench/compression.py --steps 3           # steadier times, longer
 """
 
 from __future__ import annotations
@@ -245,7 +246,7 @@ def main() -> None:
     parser.add_argument("--worlds", default="2,4")
     parser.add_argument("--networks", default="loopback,1gbit,10gbit")
     parser.add_argument("--compressors", default=",".join(COMPRESSORS))
-    parser.add_argument("--steps", type=int, default=2, help="timed steps per compressor (after warm-up)")
+    parser.add_argument("--steps", type=int, default=1, help="timed steps per compressor (after warm-up)")
     parser.add_argument("--timeout", type=float, default=150, help="seconds allowed for one network and world")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     for hidden in ("--rank", "--world", "--port"):
