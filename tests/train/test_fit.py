@@ -62,11 +62,19 @@ def store(tmp_path_factory, cluster_client) -> str:
     return path
 
 
-def trainer_keys(client: Client) -> list[str]:
-    """Keys of training actors the scheduler still holds."""
-    return client.run_on_scheduler(
-        lambda dask_scheduler: [str(k) for k in dask_scheduler.tasks if "dask-dl-trainer" in str(k)]
-    )
+def trainer_keys(client: Client, *, within: float = 10.0) -> list[str]:
+    """Keys of training actors the scheduler still holds after ``within`` seconds.
+
+    Releasing a key travels on the client's batched stream, which may reach the scheduler after a later RPC.
+    """
+    deadline = time.monotonic() + within
+    while True:
+        keys = client.run_on_scheduler(
+            lambda dask_scheduler: [str(k) for k in dask_scheduler.tasks if "dask-dl-trainer" in str(k)]
+        )
+        if not keys or time.monotonic() > deadline:
+            return keys
+        time.sleep(0.05)
 
 
 def in_process_group(client: Client) -> list[bool]:
