@@ -197,10 +197,10 @@ def _onebit(state: OneBitState, bucket: dist.GradBucket, *, two_stage: bool) -> 
             f"{buffer.dtype} values for parameters of {layout.numel}; use fp16/bf16/none for this model"
         )
     names = state.names(bucket)
+    blocks = layout.blocks(buffer)  # 2-D views of the bucket, one per parameter
     if state.error_feedback:  # the bucket is ours to change: add last step's error in place
-        for name, grad in zip(names, gradients, strict=True):
-            grad.add_(_residual(state.residuals, name, grad.shape, buffer))
-    blocks = layout.blocks(buffer)
+        for name, grad, block in zip(names, gradients, blocks, strict=True):
+            block.add_(_residual(state.residuals, name, grad.shape, buffer).view(block.shape))
     key = (bucket.index(),)
     ws = state.workspace
     bits, scales = quantize(blocks, workspace=ws, key=key)
