@@ -412,6 +412,60 @@ def _write_scores_zarr(table, labels: list[str], out: str, *, overwrite: bool) -
     ds.to_zarr(out, mode="w" if overwrite else "w-", consolidated=False, zarr_format=3)
 
 
+# ---- demo -------------------------------------------------------------------------------------------------
+
+
+@cli.command()
+@click.argument("out", default="dask-dl-demo", type=click.Path(file_okay=False))
+@click.option("--images", default=2000, show_default=True, help="Images in the synthetic collection.")
+@click.option("--size", default=64, show_default=True, help="Training image size in pixels per side.")
+@click.option("--epochs", default=5, show_default=True, help="Training epochs.")
+@click.option(
+    "--model", default="small_cnn", show_default=True, help="Model from the registry (dask-dl info lists them)."
+)
+@click.option("--trainers", default=2, show_default=True, help="Training actors, one per worker.")
+@click.option(
+    "--compression",
+    default="onebit",
+    show_default=True,
+    help="Gradient compressor: none, fp16, bf16, powersgd, onebit or onebit2.",
+)
+@click.option("--batch-size", default=32, show_default=True, help="Images per trainer per step.")
+@click.option(
+    "--data",
+    default=None,
+    type=click.Path(exists=True),
+    help="Use this collection (NIH root, class folders, DICOM folder, Parquet catalog) instead of synthetic data.",
+)
+@click.option("--seed", default=0, show_default=True, help="Seed of the synthetic data and of training.")
+@scheduler_option
+@quiet_option
+def demo(out, images, size, epochs, model, trainers, compression, batch_size, data, seed, scheduler, workers, quiet):
+    """Run the whole story on a local cluster: synthesize, ingest, train, evaluate, export, score, report.
+
+    Everything is written under OUT (default ./dask-dl-demo): the raw collection, the Zarr store, checkpoints,
+    the ONNX model and the test-split scores.
+    """
+    from dask_dl.demo import run_demo
+
+    report = run_demo(
+        out,
+        images=images,
+        size=size,
+        epochs=epochs,
+        model=model,
+        trainers=trainers,
+        compression=compression,
+        batch_size=batch_size,
+        data=data,
+        seed=seed,
+        scheduler=scheduler,
+        workers=workers,
+        view="log" if quiet else "auto",
+    )
+    click.echo(str(report))
+
+
 # ---- end of commands --------------------------------------------------------------------------------------
 
 main = cli
