@@ -417,9 +417,9 @@ def _write_scores_zarr(table, labels: list[str], out: str, *, overwrite: bool) -
 
 @cli.command()
 @click.argument("out", default="dask-dl-demo", type=click.Path(file_okay=False))
-@click.option("--images", default=2000, show_default=True, help="Images in the synthetic collection.")
+@click.option("--images", default=4000, show_default=True, help="Images in the synthetic collection.")
 @click.option("--size", default=64, show_default=True, help="Training image size in pixels per side.")
-@click.option("--epochs", default=5, show_default=True, help="Training epochs.")
+@click.option("--epochs", default=8, show_default=True, help="Training epochs.")
 @click.option(
     "--model", default="small_cnn", show_default=True, help="Model from the registry (dask-dl info lists them)."
 )

@@ -104,9 +104,9 @@ def _du(path: Path) -> int:
 def run_demo(
     out: str | os.PathLike = "dask-dl-demo",
     *,
-    images: int = 800,
+    images: int = 4000,
     size: int = 64,
-    epochs: int = 4,
+    epochs: int = 8,
     model: str = "small_cnn",
     trainers: int = 2,
     compression: str = "onebit",

@@ -1,0 +1,51 @@
+"""``dask-dl demo`` end to end, as a user runs it: a real local cluster, real files, the printed report."""
+
+import re
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+
+import dask_dl
+
+
+@pytest.mark.slow
+def test_demo_command_end_to_end(tmp_path):
+    out = tmp_path / "demo"
+    cmd = [
+        sys.executable,
+        "-m",
+        "dask_dl.cli",
+        "demo",
+        str(out),
+        "--images",
+        "400",
+        "--size",
+        "32",
+        "--epochs",
+        "2",
+        "--quiet",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = proc.stdout
+
+    data = re.search(r"data\s+([\d,]+) images \((\d+) rejected\), 32x32", report)
+    assert data and int(data[1].replace(",", "")) == 400 and int(data[2]) == 0
+    network = re.search(r"network\s+([\d,]+) bytes sent by the trainers in (\d+) steps vs ([\d,]+) for fp32", report)
+    assert network, report
+    sent, steps, full = int(network[1].replace(",", "")), int(network[2]), int(network[3].replace(",", ""))
+    n_params = sum(p.numel() for p in dask_dl.build_model("small_cnn", num_outputs=14).parameters())
+    assert full == 4 * n_params * steps * 2  # the uncompressed count it prints: fp32 gradients of 2 trainers
+    assert 0 < sent < full / 25  # 1-bit SGD from the first step
+
+    aurocs = [float(v) for v in re.findall(r"^\s+\w+\s+(\d\.\d{3})$", report, flags=re.M)]
+    assert aurocs and all(0.0 <= v <= 1.0 for v in aurocs)
+    assert re.search(r"test AUROC \(mean (\d\.\d{3})\)", report)
+
+    for name in ("cxr.zarr", "model.onnx", "scores.parquet", "checkpoints"):
+        assert (out / name).exists(), name
+    scores = pd.read_parquet(out / "scores.parquet")
+    test = dask_dl.open_dataset(out / "cxr.zarr", split="test")
+    assert list(scores["image_id"]) == list(test.image_id.values)  # every test image scored once, in order
