@@ -50,3 +50,39 @@ def test_routes_serve_published_runs():
 
 def test_render_page_without_runs():
     assert "No runs yet" in dashboard.render_page({})
+
+
+def test_route_shows_the_active_run(tmp_path):
+    """While a real run trains, /dask-dl/runs.json answers with its current history; after stop, its status."""
+    import dask_dl
+
+    with (
+        LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address="127.0.0.1:0") as cluster,
+        Client(cluster) as client,
+    ):
+        dask_dl.synthesize(tmp_path / "raw", n_images=160, size=64, seed=0)
+        dask_dl.ingest(
+            dask_dl.read_catalog(tmp_path / "raw"),
+            tmp_path / "s.zarr",
+            size=32,
+            chunk=8,
+            shard=2,
+            client=client,
+            progress=False,
+        )
+        ds = dask_dl.open_dataset(tmp_path / "s.zarr")
+        run = dask_dl.fit(ds, model="small_cnn", epochs=50, batch_size=8, trainers=2, client=client, wait=False)
+        try:
+            url = _local(client.dashboard_link.replace("/status", "/dask-dl/runs.json"))
+            runs = _wait_for(url, lambda r: len((r.get(run.run_id) or {}).get("history") or []) >= 2, timeout=120)
+            live = runs[run.run_id]
+            assert live["status"] == "running"
+            assert live["model"] == "small_cnn" and live["trainers"] == 2
+            served = [(row["epoch"], row["train_loss"]) for row in live["history"]]
+            ours = list(zip(run.history.epoch, run.history.train_loss, strict=False))[: len(served)]
+            assert served == ours  # the page shows this run's own numbers
+            assert run.run_id in urllib.request.urlopen(url.replace("runs.json", ""), timeout=10).read().decode()
+        finally:
+            run.stop().wait()
+        runs = _wait_for(url, lambda r: r[run.run_id]["status"] != "running")
+        assert runs[run.run_id]["status"] == "stopped"

@@ -10,6 +10,7 @@ the model at any time.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 import uuid
@@ -28,6 +29,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from distributed import Client
 
 __all__ = ["TrainingRun", "fit"]
+
+logger = logging.getLogger("dask_dl.train")
 
 OPTIMIZERS = ("sgd", "adamw")
 _POLL_S = 0.25  # how often the driver looks at running epochs (errors, live progress, stop requests)
@@ -167,6 +170,7 @@ def fit(
     run = TrainingRun(
         client, spec, workers=workers, epochs=epochs, checkpoint_dir=checkpoint_dir, history=history, view=view
     )
+    _install_dashboard(client)
     run._start()
     if wait:
         run.wait()
@@ -518,6 +522,16 @@ class TrainingRun:
             snap = self.snapshot()
             snap.pop("run_id")
             publish(self.client, self.run_id, snap)
+
+
+def _install_dashboard(client: Client) -> None:
+    """Serve the /dask-dl/ page on the scheduler's dashboard; training goes on without it if that fails."""
+    from dask_dl.dashboard import install
+
+    try:
+        install(client)
+    except Exception as exc:  # e.g. a scheduler that refuses plugins: the page is a convenience
+        logger.warning("dask_dl dashboard page not installed on the scheduler: %s", exc)
 
 
 # ---- checks ---------------------------------------------------------------------------------------------------
