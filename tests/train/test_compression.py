@@ -19,9 +19,19 @@ import torch.multiprocessing as mp
 
 from dask_dl.errors import ConfigurationError
 from dask_dl.train.compression import COMPRESSORS, make_compressor, pack_signs, unpack_signs
-from dask_dl.train.compression.quantize import ColumnLayout, _pack_signs_torch, dequantize, encode, quantize
+from dask_dl.train.compression.hooks import onebit_hook
+from dask_dl.train.compression.quantize import (
+    ColumnLayout,
+    _pack_signs_torch,
+    decode,
+    dequantize,
+    encode,
+    quantize,
+)
 
-SHAPES = [(6, 20), (5, 3, 3, 3), (7,), (), (4, 9)]  # linear, conv, bias, scalar, another matrix
+# wide linear and conv (grouped by rows), bias, scalar, wide matrix, then tall linear and conv and a square
+# matrix (grouped by columns)
+SHAPES = [(6, 20), (5, 3, 3, 3), (7,), (), (4, 9), (12, 5), (8, 1, 2, 2), (3, 3)]
 
 
 class Bucket:
@@ -63,25 +73,32 @@ def _run(compressor, shapes, values):
 # ---- the NumPy simulation ---------------------------------------------------------------------------------
 
 
+def sim_grouping(shape):
+    """``(out, rest, by_rows)``: a parameter's ``(out, prod(rest))`` view; groups are its rows if rest > out."""
+    if not shape:
+        return 1, 1, False
+    out, rest = shape[0], math.prod(shape[1:])
+    return out, rest, rest > out
+
+
 def sim_columns(shapes, flat):
-    """Bucket order -> list of columns (each a 1-D array), in column order."""
+    """Bucket order -> list of quantization groups ("columns", each a 1-D array), in column order."""
     columns, offset = [], 0
     for s in shapes:
-        k = math.prod(s)
-        rows = s[0] if s else 1
-        matrix = flat[offset : offset + k].reshape(rows, -1)
-        columns += [matrix[:, j] for j in range(matrix.shape[1])]
-        offset += k
+        out, rest, by_rows = sim_grouping(s)
+        matrix = flat[offset : offset + out * rest].reshape(out, rest)
+        columns += [matrix[i] for i in range(out)] if by_rows else [matrix[:, j] for j in range(rest)]
+        offset += out * rest
     return columns
 
 
 def sim_uncolumns(shapes, columns):
     out, i = [], 0
     for s in shapes:
-        rows = s[0] if s else 1
-        cols = math.prod(s) // rows
-        out.append(np.stack(columns[i : i + cols], axis=1).reshape(-1))
-        i += cols
+        rows, rest, by_rows = sim_grouping(s)
+        k = rows if by_rows else rest
+        out.append(np.stack(columns[i : i + k], axis=0 if by_rows else 1).reshape(-1))
+        i += k
     return np.concatenate(out)
 
 
@@ -149,38 +166,83 @@ def test_torch_packing_for_accelerators_equals_numpy_packbits():
     np.testing.assert_array_equal(_pack_signs_torch(torch.from_numpy(bits)).numpy(), np.packbits(bits))
 
 
+def _sim_scales(shapes, flat):
+    """float32 ``(n_columns, 2)``: the mean of each column's positive entries and of its others (0 if none)."""
+    out = []
+    for c in sim_columns(shapes, flat.astype(np.float64)):
+        pos = c > 0
+        out.append([c[pos].mean() if pos.any() else 0.0, c[~pos].mean() if (~pos).any() else 0.0])
+    return np.array(out, dtype=np.float32)
+
+
 def test_message_is_scales_then_numpy_packbits_of_signs():
+    """Whole parameters: the signs are those of the bucket in memory order, whatever the grouping."""
     layout = ColumnLayout(tuple(SHAPES))
     flat = torch.randn(layout.numel)
     bits, scales = quantize(layout.blocks(flat))
-    message = encode(bits, scales).numpy()
-    signs = np.concatenate([(c > 0).reshape(-1) for c in _matrices(SHAPES, flat.numpy())])
-    np.testing.assert_array_equal(message[8 * layout.n_columns :], np.packbits(signs))
-    np.testing.assert_array_equal(message[: 8 * layout.n_columns].view(np.float32), scales.numpy().reshape(-1))
+    shapes = layout.block_shapes()
+    message = encode(bits, scales, transposed=[s.transposed for s in shapes]).numpy()
+    np.testing.assert_array_equal(message[8 * layout.n_columns :], np.packbits(flat.numpy() > 0))
+    scales_sent = message[: 8 * layout.n_columns].view(np.float32).reshape(-1, 2)
+    np.testing.assert_array_equal(scales_sent, scales.numpy())
+    np.testing.assert_allclose(scales_sent, _sim_scales(SHAPES, flat.numpy()), rtol=1e-5, atol=1e-7)
+    decoded, decoded_scales = decode(torch.from_numpy(message), shapes)
+    assert torch.equal(decoded_scales, scales)
+    assert all(torch.equal(a, b) for a, b in zip(decoded, bits, strict=True))
 
 
-def _matrices(shapes, flat):
-    out, offset = [], 0
-    for s in shapes:
-        k = math.prod(s)
-        out.append(flat[offset : offset + k].reshape(s[0] if s else 1, -1))
-        offset += k
-    return out
+def test_stripe_messages_round_trip_through_decode():
+    """A range of columns cutting parameters of both groupings: encode, then decode, gives the bits back."""
+    layout = ColumnLayout(tuple(SHAPES))
+    flat = torch.randn(layout.numel)
+    bits, scales = quantize(layout.blocks(flat))
+    first, last = 3, layout.n_columns - 5  # inside the first (by rows) and the last-but-one (by columns)
+    shapes = layout.block_shapes(first, last)
+    assert shapes[0].transposed and not shapes[-1].transposed
+    stripe = [bits[i][:, lo:hi] for i, lo, hi in layout.pieces(first, last)]
+    message = encode(stripe, scales[first:last], 1000, transposed=[s.transposed for s in shapes])
+    assert message.numel() == 1000
+    got, got_scales = decode(message, shapes)
+    assert torch.equal(got_scales, scales[first:last])
+    assert all(torch.equal(a, b) for a, b in zip(got, stripe, strict=True))
+    expected_signs = np.concatenate([c > 0 for c in sim_columns(SHAPES, flat.numpy())[first:last]])
+    assert sum(int(b.sum()) for b in got) == int(expected_signs.sum())
 
 
 def test_two_mean_quantizer_keeps_column_sums_and_uses_the_two_means():
     layout = ColumnLayout(tuple(SHAPES))
     flat = torch.randn(layout.numel) * 3
     bits, scales = quantize(layout.blocks(flat))
-    got = torch.cat([b.reshape(-1) for b in dequantize(bits, scales)])
-    expected = np.concatenate(
-        [np.stack([sim_q(c) for c in m.T], axis=1).reshape(-1) for m in _matrices(SHAPES, flat.numpy())]
-    )
+    got = torch.full_like(flat, float("nan"))
+    dequantize(bits, scales, out=layout.blocks(got))  # into views of a bucket, as the hooks do
+    expected = sim_uncolumns(SHAPES, [sim_q(c) for c in sim_columns(SHAPES, flat.numpy())])
     np.testing.assert_allclose(got.numpy(), expected, rtol=1e-6, atol=1e-6)
-    assert layout.n_columns == 20 + 27 + 1 + 1 + 9 == len(scales)
-    for residual in _matrices(SHAPES, (flat - got).numpy()):
-        np.testing.assert_allclose(residual.sum(axis=0), 0, atol=1e-5)  # per column
+    assert torch.equal(torch.cat([b.reshape(-1) for b in dequantize(bits, scales)]),
+                       torch.cat([b.reshape(-1) for b in layout.blocks(got)]))  # fmt: skip
+    assert layout.n_columns == 6 + 5 + 1 + 1 + 4 + 5 + 4 + 3 == len(scales)
+    for residual in sim_columns(SHAPES, (flat - got).numpy()):
+        np.testing.assert_allclose(residual.sum(), 0, atol=1e-5)  # per column
     assert (flat - got).abs().max() > 0.1  # a real quantization, not the identity
+
+
+def test_groups_run_along_the_longer_axis():
+    """Rows when prod(rest) > out (a (16, 144) weight: 16 groups of 144), else columns ((128, 14): 14 of 128)."""
+    wide, tall = ColumnLayout(((16, 144),)), ColumnLayout(((128, 14),))
+    assert wide.n_columns == 16 and set(np.diff(wide.column_starts)) == {144}
+    assert tall.n_columns == 14 and set(np.diff(tall.column_starts)) == {128}
+    flat = torch.randn(16 * 144)
+    (block,) = wide.blocks(flat)
+    assert block.shape == (144, 16) and block.data_ptr() == flat.data_ptr()  # a view, not a copy
+    assert all(torch.equal(block[:, j], flat.view(16, 144)[j]) for j in range(16))
+    bits, scales = quantize([block])
+    rows = flat.view(16, 144).double().numpy()
+    expected = [[r[r > 0].mean(), r[r <= 0].mean()] for r in rows]
+    np.testing.assert_allclose(scales.numpy(), expected, rtol=1e-5)
+    flat = torch.randn(128 * 14)
+    (block,) = tall.blocks(flat)
+    assert torch.equal(block, flat.view(128, 14))
+    counts = {s: ColumnLayout((s,)).n_columns for s in [(16, 16, 3, 3), (16, 1, 3, 3), (7,), (), (1, 5), (3, 3)]}
+    assert counts == {(16, 16, 3, 3): 16, (16, 1, 3, 3): 9, (7,): 1, (): 1, (1, 5): 1, (3, 3): 3}
 
 
 @pytest.mark.parametrize("name", ["onebit", "onebit2"])
@@ -403,9 +465,41 @@ def check_ddp_training(rank, world):
     return results
 
 
+def _small_cnn_shapes():
+    from dask_dl.models import build_model
+
+    return [tuple(p.shape) for p in build_model("small_cnn", num_outputs=14).parameters()]
+
+
+def check_small_cnn_bytes(rank, world):
+    """onebit on a real DDP small_cnn: bytes counted per step, and the parameter shapes of every bucket."""
+    from dask_dl.models import build_model
+
+    torch.manual_seed(0)
+    ddp = torch.nn.parallel.DistributedDataParallel(build_model("small_cnn", num_outputs=14))
+    compressor = make_compressor("onebit")
+    buckets = []
+
+    def recording(state, bucket):  # DDP checks the hook's parameter name: ``bucket``
+        buckets.append([tuple(g.shape) for g in bucket.gradients()])
+        return onebit_hook(state, bucket)
+
+    compressor.hook = recording
+    compressor.register(ddp)
+    gen = torch.Generator().manual_seed(rank)
+    sent = []
+    for _ in range(2):  # DDP rebuilds its buckets after the first step
+        before, buckets[:] = compressor.bytes_sent, []
+        x = torch.randn(4, 1, 32, 32, generator=gen)
+        ddp.zero_grad()
+        ddp(x).square().mean().backward()
+        sent.append({"bytes": compressor.bytes_sent - before, "buckets": list(buckets)})
+    return sent
+
+
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    checks = ["check_simulation", "check_bytes", "check_convergence", "check_ddp_training"]
+    checks = ["check_simulation", "check_bytes", "check_convergence", "check_ddp_training", "check_small_cnn_bytes"]
     return _spawn(2, tmp_path_factory.mktemp("gloo2"), checks)
 
 
@@ -478,6 +572,25 @@ def test_bytes_per_step_match_the_formulas(two_ranks):
         for name, per_step in sent.items():
             assert per_step == [4 * n, 4 * n, compressed[name], compressed[name]], name
     assert compressed["onebit"] < 4 * n / 25 and compressed["onebit2"] < 2 * 4 * n / 25
+
+
+def _onebit_message_bytes(shapes):
+    """onebit's message for one bucket, from the grouping rule alone: 8 bytes per group, one bit per value."""
+    groups = sum(out if by_rows else rest for out, rest, by_rows in map(sim_grouping, shapes))
+    return 8 * groups + (_numel(shapes) + 7) // 8
+
+
+def test_onebit_sends_under_a_25th_of_fp32_for_small_cnn(two_ranks):
+    shapes = _small_cnn_shapes()
+    fp32 = 4 * _numel(shapes)
+    # 16 + 32 + 64 + 128 conv filters (of 9 to 576 weights), 14 head rows of 128, 8 norm vectors, 1 bias
+    assert sum(out if by_rows else rest for out, rest, by_rows in map(sim_grouping, shapes)) == 256
+    assert _onebit_message_bytes(shapes) < fp32 / 25
+    for rank in range(2):
+        for step in two_ranks[rank]["check_small_cnn_bytes"]:
+            assert sorted(s for b in step["buckets"] for s in b) == sorted(shapes)  # every parameter, once
+            assert step["bytes"] == sum(_onebit_message_bytes(b) for b in step["buckets"])
+            assert step["bytes"] < fp32 / 25, step["bytes"] / fp32
 
 
 def test_error_feedback_converges_and_without_it_stalls(two_ranks):

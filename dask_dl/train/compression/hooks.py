@@ -30,6 +30,7 @@ from dask_dl.train.compression.quantize import (
     message_size,
     quantize,
     scratch,
+    scratch_like,
 )
 
 Future = torch.futures.Future[torch.Tensor]
@@ -199,16 +200,16 @@ def _onebit(state: OneBitState, bucket: dist.GradBucket, *, two_stage: bool) -> 
     names = state.names(bucket)
     blocks = layout.blocks(buffer)  # 2-D views of the bucket, one per parameter
     if state.error_feedback:  # the bucket is ours to change: add last step's error in place
-        for name, grad, block in zip(names, gradients, blocks, strict=True):
-            block.add_(_residual(state.residuals, name, grad.shape, buffer).view(block.shape))
+        for i, (name, grad, block) in enumerate(zip(names, gradients, blocks, strict=True)):
+            block.add_(layout.matrix(_residual(state.residuals, name, grad.shape, buffer), i))
     key = (bucket.index(),)
     ws = state.workspace
     bits, scales = quantize(blocks, workspace=ws, key=key)
     if state.error_feedback:
-        rebuilt = [scratch(ws, ("approx", *key, i), b, b.shape, torch.float32) for i, b in enumerate(blocks)]
-        dequantize(bits, scales, out=rebuilt)
-        for name, block, approx in zip(names, blocks, rebuilt, strict=True):
-            torch.sub(block, approx, out=state.residuals[name].view(block.shape))
+        rebuilt = [scratch_like(ws, ("approx", *key, i), b, torch.float32) for i, b in enumerate(blocks)]
+        dequantize(bits, scales, out=rebuilt, workspace=ws, key=key)
+        for i, (name, block, approx) in enumerate(zip(names, blocks, rebuilt, strict=True)):
+            torch.sub(block, approx, out=layout.matrix(state.residuals[name], i))
     if two_stage:
         future = _two_stage(state, layout, names, bits, scales, buffer, key)
     else:
@@ -220,13 +221,13 @@ def _onebit(state: OneBitState, bucket: dist.GradBucket, *, two_stage: bool) -> 
 def _average(messages: torch.Tensor, shapes: list[tuple[int, int]], out: list[torch.Tensor], ws, key) -> None:
     """Decode each row of ``messages`` and write their mean (summed in row order) into the ``out`` blocks."""
     n = messages.shape[0]
-    temporaries = [scratch(ws, ("avg", *key, i), t, t.shape, torch.float32) for i, t in enumerate(out)]
+    temporaries = [scratch_like(ws, ("avg", *key, i), t, torch.float32) for i, t in enumerate(out)]
     for r in range(n):
         bits, scales = decode(messages[r], shapes)
         if r == 0:
-            dequantize(bits, scales, out=out)
+            dequantize(bits, scales, out=out, workspace=ws, key=key)
             continue
-        dequantize(bits, scales, out=temporaries)
+        dequantize(bits, scales, out=temporaries, workspace=ws, key=key)
         for target, values in zip(out, temporaries, strict=True):
             target.add_(values)
     for target in out:
@@ -235,7 +236,7 @@ def _average(messages: torch.Tensor, shapes: list[tuple[int, int]], out: list[to
 
 def _all_gather(state, layout, bits, scales, buffer, key) -> Future:
     n = state.world_size
-    message = encode(bits, scales)
+    message = encode(bits, scales, transposed=[m.transposed for m in layout.matrices])
     gathered = message.new_empty(n * message.numel())
 
     def average(_: Any = None) -> torch.Tensor:
@@ -259,8 +260,11 @@ def _two_stage(state, layout, names, bits, scales, buffer, key) -> Future:
     def stripe_bits(a: int, b: int) -> list[torch.Tensor]:
         return [bits[i][:, lo:hi] for i, lo, hi in layout.pieces(a, b)]
 
+    def flags(a: int, b: int) -> list[bool]:
+        return [s.transposed for s in layout.block_shapes(a, b)]
+
     # Stage 1: every rank sends stripe j's signs and scales to rank j.
-    send = torch.cat([encode(stripe_bits(a, b), scales[a:b], size) for a, b in stripes])
+    send = torch.cat([encode(stripe_bits(a, b), scales[a:b], size, transposed=flags(a, b)) for a, b in stripes])
     received = torch.empty_like(send)
     if n > 1:
         state.count(send, (n - 1) / n)
@@ -270,28 +274,31 @@ def _two_stage(state, layout, names, bits, scales, buffer, key) -> Future:
     first, last = stripes[rank]
     shapes = layout.block_shapes(first, last)
     ws = state.workspace
-    mean = [scratch(ws, ("mean", *key, i), buffer, shape, torch.float32) for i, shape in enumerate(shapes)]
+    mean = [
+        scratch(ws, ("mean", *key, i), buffer, shape[:2], torch.float32, transposed=shape.transposed)
+        for i, shape in enumerate(shapes)
+    ]
     _average(received.view(n, size), shapes, mean, ws, key)
     # Stage 2: re-quantize the averaged stripe with the server residual, then all-gather the stripes.
     pieces = layout.pieces(first, last)
     if state.error_feedback:
         _own_stripe(state, layout, names, first, last, buffer)
         for block, (i, lo, hi) in zip(mean, pieces, strict=True):
-            block.add_(state.server_residuals[names[i]].view(layout.matrices[i])[:, lo:hi])
+            block.add_(layout.matrix(state.server_residuals[names[i]], i)[:, lo:hi])
     bits2, scales2 = quantize(mean, column_major=True, workspace=ws, key=("server", *key))
     if state.error_feedback:
-        rebuilt = [scratch(ws, ("approx2", *key, i), b, b.shape, torch.float32) for i, b in enumerate(mean)]
-        dequantize(bits2, scales2, out=rebuilt)
+        rebuilt = [scratch_like(ws, ("approx2", *key, i), b, torch.float32) for i, b in enumerate(mean)]
+        dequantize(bits2, scales2, out=rebuilt, workspace=ws, key=key)
         for block, approx, (i, lo, hi) in zip(mean, rebuilt, pieces, strict=True):
-            residual = state.server_residuals[names[i]].view(layout.matrices[i])[:, lo:hi]
+            residual = layout.matrix(state.server_residuals[names[i]], i)[:, lo:hi]
             torch.sub(block, approx, out=residual)
-    message = encode(bits2, scales2, size)
+    message = encode(bits2, scales2, size, transposed=flags(first, last))
     gathered = message.new_empty(n * size)
 
     def assemble(_: Any = None) -> torch.Tensor:
         for j, (a, b) in enumerate(stripes):
             stripe_bits2, stripe_scales = decode(gathered.view(n, size)[j], layout.block_shapes(a, b))
-            dequantize(stripe_bits2, stripe_scales, out=layout.blocks(buffer, a, b))
+            dequantize(stripe_bits2, stripe_scales, out=layout.blocks(buffer, a, b), workspace=ws, key=key)
         return buffer
 
     if n == 1:
