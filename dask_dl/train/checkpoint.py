@@ -81,21 +81,29 @@ def save_checkpoint(checkpoint: dict[str, Any], directory: str | os.PathLike) ->
     missing = [k for k in REQUIRED_KEYS if k not in checkpoint]
     if missing:
         raise TrainingError(f"checkpoint lacks keys {missing}; a checkpoint needs {list(REQUIRED_KEYS)}")
-    fs, root = _fs(directory)
-    fs.makedirs(root, exist_ok=True)
-    target = f"{root}/{checkpoint_name(int(checkpoint['epoch']))}"
-    temporary = f"{root}/.{checkpoint_name(int(checkpoint['epoch']))}.{uuid.uuid4().hex}.tmp"
     buffer = io.BytesIO()
     torch.save(checkpoint, buffer)
+    return write_atomic(directory, checkpoint_name(int(checkpoint["epoch"])), buffer.getbuffer())
+
+
+def write_atomic(directory: str | os.PathLike, name: str, data: bytes | memoryview) -> str:
+    """Write ``data`` to ``directory/name`` (local or fsspec URL) through a temporary file and a rename.
+
+    A reader never sees half a file, and a run killed while writing leaves the previous file in place.
+    """
+    fs, root = _fs(directory)
+    fs.makedirs(root, exist_ok=True)
+    target = f"{root}/{name}"
+    temporary = f"{root}/.{name}.{uuid.uuid4().hex}.tmp"
     if _is_local(fs):
         # fsync before the rename: after a crash the new name must never point at a torn file
         with open(temporary, "wb") as f:
-            f.write(buffer.getbuffer())
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(temporary, target)
     else:
-        fs.pipe_file(temporary, buffer.getvalue())
+        fs.pipe_file(temporary, bytes(data))
         fs.mv(temporary, target)
     return target
 

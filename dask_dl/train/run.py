@@ -54,6 +54,7 @@ def fit(
     model_kwargs: dict[str, Any] | None = None,
     compression_options: dict[str, Any] | None = None,
     view: str = "none",
+    tensorboard: str | None = None,
     client: Client | None = None,
     wait: bool = True,
 ) -> TrainingRun:
@@ -87,6 +88,9 @@ def fit(
         Passed to :func:`dask_dl.build_model` and to the compressor.
     view : {"none", "auto", "notebook", "terminal", "log"}
         Live view of the progress (:class:`dask_dl.train.view.RunView`).
+    tensorboard : str, optional
+        Also write each epoch's numbers as TensorBoard scalars under ``tensorboard/<run_id>`` (needs the
+        ``tensorboard`` package). The history always goes to ``checkpoint_dir/history.parquet`` too.
     client : distributed.Client, optional
         Cluster to train on (see :func:`dask_dl.get_client`).
     wait : bool
@@ -168,7 +172,14 @@ def fit(
         resume_from=resume_from,
     )
     run = TrainingRun(
-        client, spec, workers=workers, epochs=epochs, checkpoint_dir=checkpoint_dir, history=history, view=view
+        client,
+        spec,
+        workers=workers,
+        epochs=epochs,
+        checkpoint_dir=checkpoint_dir,
+        history=history,
+        view=view,
+        tensorboard=tensorboard,
     )
     _install_dashboard(client)
     run._start()
@@ -200,7 +211,9 @@ class TrainingRun:
         checkpoint_dir: str | None,
         history: list[dict[str, Any]],
         view: str = "none",
+        tensorboard: str | None = None,
     ) -> None:
+        from dask_dl.train.history import HistoryWriter
         from dask_dl.train.view import RunView
 
         self.run_id = f"fit-{uuid.uuid4().hex[:8]}"
@@ -220,6 +233,7 @@ class TrainingRun:
         self._actors: list[Any] = []
         self._lock = threading.Lock()
         self._view = RunView(view)
+        self._history_writer = HistoryWriter(checkpoint_dir, tensorboard=tensorboard, run_id=self.run_id)
         self._thread = threading.Thread(target=self._drive, name=f"dask-dl-{self.run_id}", daemon=True)
 
     # ---- public ---------------------------------------------------------------------------------------
@@ -362,6 +376,7 @@ class TrainingRun:
                 self._publish()
                 self._view.update(self.snapshot())
                 self._view.close()
+                self._history_writer.close()
             finally:
                 self._finished.set()
 
@@ -417,6 +432,8 @@ class TrainingRun:
     def _append(self, row: dict[str, Any]) -> None:
         with self._lock:
             self._rows.append(row)
+            rows = list(self._rows)
+        self._history_writer.write(rows)
         self._publish()
         self._view.update(self.snapshot())
 

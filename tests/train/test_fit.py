@@ -208,6 +208,25 @@ def test_resume_equals_uninterrupted(store, cluster_client, tmp_path):
     assert resumed.history["train_loss"].iloc[2] == straight.history["train_loss"].iloc[2]
     residual = a["compressor"][1]["residuals"]
     assert residual and all(torch.equal(residual[k], b["compressor"][1]["residuals"][k]) for k in residual)
+    # the Parquet history next to the checkpoints holds every epoch, the resumed one included
+    on_disk = pd.read_parquet(tmp_path / "ck" / "history.parquet")
+    pd.testing.assert_frame_equal(on_disk, resumed.history.reset_index(drop=True), check_dtype=False)
+
+
+def test_tensorboard_scalars(store, cluster_client, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = fit(store, cluster_client, epochs=2, tensorboard=str(tmp_path / "tb"))
+    events = EventAccumulator(str(tmp_path / "tb" / run.run_id))
+    events.Reload()
+    loss = [(e.step, e.value) for e in events.Scalars("train/loss")]
+    assert loss == [(0, pytest.approx(run.history.train_loss[0])), (1, pytest.approx(run.history.train_loss[1]))]
+    assert [e.value for e in events.Scalars("perf/bytes_sent")] == list(run.history.bytes_sent.astype(float))
+    scored = [c for c in run.history if c.startswith("val_auroc_") and run.history[c].notna().all()]
+    assert scored  # labels with both classes in validation have an AUROC every epoch, and a TensorBoard curve
+    for column in scored:
+        tag = "val/auroc_mean" if column == "val_auroc_mean" else "val/auroc/" + column.removeprefix("val_auroc_")
+        assert [e.value for e in events.Scalars(tag)] == pytest.approx(list(run.history[column]))
 
 
 def test_stop_frees_workers_and_fit_again(store, cluster_client):
