@@ -15,14 +15,14 @@ from PIL import Image
 from scipy import ndimage
 
 from dask_dl.cli import cli
+from dask_dl.data.radiograph import _Chest
+from dask_dl.data.radiograph import draw as _draw
 from dask_dl.data.schema import NIH_LABELS
 from dask_dl.data.synthetic import (
     _IMAGES_PER_PATIENT,
     _NIH_COMBINATIONS,
     _NIH_FREQUENCIES,
     NIH_HEADER,
-    _Chest,
-    _draw,
     _plan,
     _sample_labels,
     _site_profile,
