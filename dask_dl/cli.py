@@ -421,7 +421,10 @@ def _write_scores_zarr(table, labels: list[str], out: str, *, overwrite: bool) -
 @click.option("--size", default=64, show_default=True, help="Training image size in pixels per side.")
 @click.option("--epochs", default=8, show_default=True, help="Training epochs.")
 @click.option(
-    "--model", default="small_cnn", show_default=True, help="Model from the registry (dask-dl info lists them)."
+    "--model",
+    default="small_cnn",
+    show_default=True,
+    help="Model: small_cnn, alexnet, resnet18, resnet50 or densenet121.",
 )
 @click.option("--trainers", default=2, show_default=True, help="Training actors, one per worker.")
 @click.option(
