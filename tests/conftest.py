@@ -45,6 +45,23 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="module")
+def cluster_client():
+    """A real LocalCluster of 2 worker processes x 1 thread, shared by one test module's tests.
+
+    Not distributed's per-test ``client`` fixture for modules that read Zarr stores in the test process: that
+    fixture fails a test for the I/O threads zarr starts (they live as long as the process), and a cluster per
+    test would double those modules' time.
+    """
+    from distributed import Client, LocalCluster
+
+    with (
+        LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster,
+        Client(cluster) as shared,
+    ):
+        yield shared
+
+
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     """``../shared/data``: the real NIH table, two NIH images and two DICOM files. Skips when absent."""

@@ -9,7 +9,6 @@ import pandas as pd
 import pytest
 import torch
 from click.testing import CliRunner
-from distributed import Client, LocalCluster
 
 import dask_dl
 from dask_dl import DatasetError, ExportError, StoreNotFoundError
@@ -23,19 +22,7 @@ SIZE, CHUNK, BATCH = 64, 8, 4
 
 
 @pytest.fixture(scope="module")
-def client():
-    """A real LocalCluster of 2 worker processes x 1 thread, shared by this module's tests.
-
-    Not distributed's ``client`` fixture: that one fails a test for the threads zarr's event loop starts in this
-    process when a test reads a store, and starting a cluster per test would double this module's time.
-    """
-    cluster = LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0")
-    with cluster, Client(cluster) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def store(tmp_path_factory, client):
+def store(tmp_path_factory, cluster_client):
     """A synthetic NIH-layout collection with a few corrupt files, ingested at 64 px in chunks of 8."""
     from dask_dl.data.catalog import read_nih
     from dask_dl.data.synthetic import synthesize
@@ -43,7 +30,9 @@ def store(tmp_path_factory, client):
     root = tmp_path_factory.mktemp("collection")
     synthesize(root / "nih", n_images=60, size=SIZE, seed=3, corrupt_fraction=0.1)
     catalog = read_nih(root / "nih")
-    result = dask_dl.ingest(catalog, root / "cxr.zarr", size=SIZE, chunk=CHUNK, shard=2, client=client, progress=False)
+    result = dask_dl.ingest(
+        catalog, root / "cxr.zarr", size=SIZE, chunk=CHUNK, shard=2, client=cluster_client, progress=False
+    )
     assert result.n_rejected > 0  # rejected rows make gaps in the sample numbers the scores must follow
     return root / "cxr.zarr"
 
@@ -77,21 +66,21 @@ def _reference(path, images: np.ndarray, chunks: tuple[int, ...], batch: int) ->
     return np.concatenate(out)
 
 
-def _sessions(client) -> dict[str, int]:
+def _sessions(cluster_client) -> dict[str, int]:
     def count():
         import dask_dl.inference
 
         return dask_dl.inference.SESSIONS_CREATED
 
-    return client.run(count)
+    return cluster_client.run(count)
 
 
-def test_predict_on_cluster_equals_single_process_and_torch(client, store, model):
+def test_predict_on_cluster_equals_single_process_and_torch(cluster_client, store, model):
     net, path = model
     ds = dask_dl.open_dataset(store)
     assert ds.sizes["sample"] < 60 and ds.sample.values[-1] == 59  # rejected rows dropped, numbers kept
-    before = _sessions(client)
-    probs = predict(ds, path, batch_size=BATCH, client=client)  # persisted on the cluster
+    before = _sessions(cluster_client)
+    probs = predict(ds, path, batch_size=BATCH, client=cluster_client)  # persisted on the cluster
     assert probs.shape == (ds.sizes["sample"], ds.sizes["finding"]) and probs.dtype == np.float32
     assert probs.chunks[0] == ds.image.data.chunks[0] and len(probs.chunks[0]) >= 6
     got = probs.compute()
@@ -103,16 +92,16 @@ def test_predict_on_cluster_equals_single_process_and_torch(client, store, model
 
     # exactly one new session in each worker process that scored chunks, however many chunks it scored
     blocks = dict.fromkeys(before, 0)
-    for workers in client.who_has(probs).values():
+    for workers in cluster_client.who_has(probs).values():
         for worker in workers:
             blocks[worker] += 1
     assert max(blocks.values()) >= 2, blocks  # 7 chunks on 2 workers: one of them reused its session
-    after = _sessions(client)
+    after = _sessions(cluster_client)
     assert {w: after[w] - before[w] for w in after} == {w: int(n > 0) for w, n in blocks.items()}
     # and none for a second computation with the same model
     again = predict(ds.isel(sample=slice(0, 20)), path, batch_size=BATCH).compute()
     np.testing.assert_array_equal(again, got[:20])
-    assert _sessions(client) == after
+    assert _sessions(cluster_client) == after
 
 
 def test_numpy_and_float_inputs(store, model):
@@ -213,7 +202,7 @@ def test_scores_table_round_trips_through_parquet(tmp_path, store, model):
         evaluate(partial.drop(columns=labels[:3]))
 
 
-def test_cli_export_and_predict(tmp_path, client, store, model):
+def test_cli_export_and_predict(tmp_path, cluster_client, store, model):
     net, _ = model
     ds = dask_dl.open_dataset(store)
     ckdir = tmp_path / "ck"
@@ -235,7 +224,7 @@ def test_cli_export_and_predict(tmp_path, client, store, model):
 
     out = tmp_path / "scores.parquet"
     args = ["predict", str(store), str(onnx_path), "--out", str(out), "--split", "test"]
-    args += ["--scheduler", client.scheduler.address]
+    args += ["--scheduler", cluster_client.scheduler.address]
     result = runner.invoke(cli, args)
     assert result.exit_code == 0, result.output
     test = dask_dl.open_dataset(store, split="test")

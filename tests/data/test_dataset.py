@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 
-import dask.config
 import numpy as np
 import pandas as pd
 import pytest
@@ -22,26 +20,6 @@ from dask_dl.errors import DatasetError, StoreError, StoreNotFoundError
 
 LABELS = ["Atelectasis", "Edema"]
 N = 24
-
-
-@pytest.fixture(autouse=True)
-def dask_dl_settings():
-    """Put the dask-dl defaults back if a test before this one used distributed's ``client`` fixture: it resets
-    dask.config to a snapshot that ``distributed.utils_test`` took before dask_dl registered its defaults.
-    """
-    dask.config.update(dask.config.config, copy.deepcopy(dask_dl.config._defaults), priority="old")
-
-
-@pytest.fixture(scope="module")
-def client():
-    """A real LocalCluster, 2 worker processes x 1 thread, shared by this module's tests."""
-    from distributed import Client, LocalCluster
-
-    with (
-        LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster,
-        Client(cluster) as client,
-    ):
-        yield client
 
 
 def make_catalog_on_disk(root: Path) -> pd.DataFrame:
@@ -69,11 +47,11 @@ def make_catalog_on_disk(root: Path) -> pd.DataFrame:
 
 
 @pytest.fixture(scope="module")
-def ingested(client, tmp_path_factory):
+def ingested(cluster_client, tmp_path_factory):
     root = tmp_path_factory.mktemp("dataset")
     catalog = make_catalog_on_disk(root / "images")
     store = root / "store.zarr"
-    dask_dl.ingest(catalog, store, size=16, chunk=2, shard=3, client=client, progress=False)
+    dask_dl.ingest(catalog, store, size=16, chunk=2, shard=3, client=cluster_client, progress=False)
     return catalog, store
 
 
@@ -145,7 +123,7 @@ def test_not_a_store_errors(tmp_path):
         open_dataset(tmp_path / "other.zarr")
 
 
-def test_incomplete_store_says_resume(ingested, client, tmp_path):
+def test_incomplete_store_says_resume(ingested, cluster_client, tmp_path):
     catalog, store = ingested
     copy_ = tmp_path / "copy.zarr"
     import shutil
@@ -156,7 +134,7 @@ def test_incomplete_store_says_resume(ingested, client, tmp_path):
     (copy_ / "zarr.json").write_text(json.dumps(meta))
     with pytest.raises(StoreError, match="incomplete.*Run ingest again to resume"):
         open_dataset(copy_)
-    result = dask_dl.ingest(catalog, copy_, size=16, chunk=2, shard=3, client=client, progress=False)
+    result = dask_dl.ingest(catalog, copy_, size=16, chunk=2, shard=3, client=cluster_client, progress=False)
     assert (result.shards_written, result.shards_skipped) == (0, 4)
     assert open_dataset(copy_).sizes["sample"] == N - 2
 
@@ -187,13 +165,13 @@ def test_summary_counts(ingested):
     assert list(only_val.index) == ["val", "total"] and only_val.loc["val", "images"] == expected.loc["val", "images"]
 
 
-def test_cli_ingest_and_summary(client, tmp_path):
+def test_cli_ingest_and_summary(cluster_client, tmp_path):
     catalog = make_catalog_on_disk(tmp_path / "images")
     write_catalog(catalog, tmp_path / "catalog.parquet")
     store = tmp_path / "cli.zarr"
     runner = CliRunner()
     args = ["ingest", str(tmp_path / "catalog.parquet"), str(store), "--size", "16", "--chunk", "2", "--shard", "3"]
-    address = ["--scheduler", client.scheduler.address, "--quiet"]
+    address = ["--scheduler", cluster_client.scheduler.address, "--quiet"]
     result = runner.invoke(cli, [*args, *address])
     assert result.exit_code == 0, result.output
     assert f"ingested {N} images into {store}: {N - 2} valid, 2 rejected" in result.output

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import os
@@ -29,29 +28,6 @@ from dask_dl.data.schema import make_catalog, write_catalog
 from dask_dl.errors import CatalogError, StoreError
 
 LABELS = ["Effusion", "Mass", "Nodule"]
-
-
-@pytest.fixture(autouse=True)
-def dask_dl_settings():
-    """Put the dask-dl defaults back if a test before this one used distributed's ``client`` fixture: it resets
-    dask.config to a snapshot that ``distributed.utils_test`` took before dask_dl registered its defaults.
-    """
-    dask.config.update(dask.config.config, copy.deepcopy(dask_dl.config._defaults), priority="old")
-
-
-@pytest.fixture(scope="module")
-def client():
-    """A real LocalCluster, 2 worker processes x 1 thread, shared by this module's tests.
-
-    (distributed's own ``client`` fixture fails tests that start zarr's I/O threads, which live for the process.)
-    """
-    from distributed import Client, LocalCluster
-
-    with (
-        LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster,
-        Client(cluster) as client,
-    ):
-        yield client
 
 
 SIZE, CHUNK, SHARD = 32, 4, 2  # 8 images per shard
@@ -97,15 +73,15 @@ def make_collection(root: Path, n: int = 36, bad: dict[int, str] | None = None) 
 BAD = {3: "missing", 9: "truncated", 10: "garbage", 30: "too_small"}
 
 
-def run_ingest(catalog, store, client, **kwargs) -> IngestResult:
-    options = {"size": SIZE, "chunk": CHUNK, "shard": SHARD, "client": client, "progress": False}
+def run_ingest(catalog, store, cluster_client, **kwargs) -> IngestResult:
+    options = {"size": SIZE, "chunk": CHUNK, "shard": SHARD, "client": cluster_client, "progress": False}
     return dask_dl.ingest(catalog, store, **{**options, **kwargs})
 
 
-def test_round_trip(client, tmp_path):
+def test_round_trip(cluster_client, tmp_path):
     catalog = make_collection(tmp_path / "images", bad=BAD)
     store = tmp_path / "cxr.zarr"
-    result = run_ingest(catalog, store, client, progress=True)
+    result = run_ingest(catalog, store, cluster_client, progress=True)
     n = len(catalog)
     assert (result.n, result.n_rejected, result.n_written) == (n, 4, n - 4)
     assert (result.shards_written, result.shards_skipped) == (5, 0)  # ceil(36 / 8)
@@ -170,17 +146,17 @@ def test_round_trip(client, tmp_path):
     assert list(stored["image_id"]) == [f"img{i:05d}" for i in sorted(BAD)]
 
 
-def test_rejects_also_written_where_asked(client, tmp_path):
+def test_rejects_also_written_where_asked(cluster_client, tmp_path):
     catalog = make_collection(tmp_path / "images", n=10, bad={2: "garbage"})
-    result = run_ingest(catalog, tmp_path / "s.zarr", client, rejects=tmp_path / "rejects.parquet")
+    result = run_ingest(catalog, tmp_path / "s.zarr", cluster_client, rejects=tmp_path / "rejects.parquet")
     pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "rejects.parquet"), result.rejects)
     assert result.rejects["reason"].tolist() == ["undecodable"]
 
 
-def test_quiet_progress_logs_lines(client, tmp_path, caplog):
+def test_quiet_progress_logs_lines(cluster_client, tmp_path, caplog):
     catalog = make_collection(tmp_path / "images", n=20)
     with caplog.at_level(logging.INFO, logger="dask_dl.data.ingest"):
-        run_ingest(catalog, tmp_path / "s.zarr", client, progress=False)
+        run_ingest(catalog, tmp_path / "s.zarr", cluster_client, progress=False)
     assert any("3/3 shards written" in r.getMessage() for r in caplog.records)
 
 
@@ -206,25 +182,25 @@ def test_bad_options_fail_before_any_work(tmp_path):
     assert not (tmp_path / "s.zarr").exists()
 
 
-def test_other_store_refused_unless_overwrite(client, tmp_path):
+def test_other_store_refused_unless_overwrite(cluster_client, tmp_path):
     catalog = make_collection(tmp_path / "images", n=12)
     store = tmp_path / "s.zarr"
-    run_ingest(catalog, store, client)
+    run_ingest(catalog, store, cluster_client)
     with pytest.raises(StoreError, match="size: store has 32, asked for 48.*overwrite=True"):
-        run_ingest(catalog, store, client, size=48)
+        run_ingest(catalog, store, cluster_client, size=48)
     with pytest.raises(StoreError, match="n: store has 12, asked for 11"):
-        run_ingest(catalog.iloc[:11], store, client)
+        run_ingest(catalog.iloc[:11], store, cluster_client)
     renamed = catalog.copy()
     renamed.loc[5, "image_id"] = "another"
     with pytest.raises(StoreError, match="catalog \\(hash of the image ids\\)"):
-        run_ingest(renamed, store, client)
+        run_ingest(renamed, store, cluster_client)
     relabelled = catalog.copy()
     relabelled.attrs = {"labels": LABELS[:2], "task": "multilabel"}
     with pytest.raises(StoreError, match="labels: store has"):
-        run_ingest(relabelled, store, client)
+        run_ingest(relabelled, store, cluster_client)
     assert dask_dl.open_dataset(store).image.shape == (12, 32, 32)  # untouched by the refused runs
 
-    result = run_ingest(catalog.iloc[:11], store, client, size=48, overwrite=True)
+    result = run_ingest(catalog.iloc[:11], store, cluster_client, size=48, overwrite=True)
     assert (result.shards_written, result.shards_skipped) == (2, 0)
     ds = dask_dl.open_dataset(store)
     assert ds.image.shape == (11, 48, 48) and ds.attrs["dask_dl"]["n"] == 11
@@ -234,25 +210,25 @@ def test_other_store_refused_unless_overwrite(client, tmp_path):
     folder.mkdir()
     (folder / "notes.txt").write_text("mine")
     with pytest.raises(StoreError, match="not a dask_dl store"):
-        run_ingest(catalog, folder, client)
+        run_ingest(catalog, folder, cluster_client)
     assert (folder / "notes.txt").exists()
 
 
-def test_store_left_empty_by_a_killed_run_is_used(client, tmp_path):
+def test_store_left_empty_by_a_killed_run_is_used(cluster_client, tmp_path):
     catalog = make_collection(tmp_path / "images", n=8)
     zarr.open_group(tmp_path / "s.zarr", mode="w")  # killed before anything but the group was written
-    result = run_ingest(catalog, tmp_path / "s.zarr", client)
+    result = run_ingest(catalog, tmp_path / "s.zarr", cluster_client)
     assert (result.shards_written, result.n_written) == (1, 8)
 
 
-def test_second_run_on_finished_store_writes_nothing(client, tmp_path):
+def test_second_run_on_finished_store_writes_nothing(cluster_client, tmp_path):
     catalog = make_collection(tmp_path / "images", n=20)
     store = tmp_path / "s.zarr"
-    run_ingest(catalog, store, client)
+    run_ingest(catalog, store, cluster_client)
     before = store_files(store)
     relabelled = catalog.copy()
     relabelled["Mass"] = 1 - relabelled["Mass"]
-    result = run_ingest(relabelled, store, client)
+    result = run_ingest(relabelled, store, cluster_client)
     assert (result.shards_written, result.shards_skipped, result.n_written) == (0, 3, 0)
     after = store_files(store)
     assert {k: v for k, v in after.items() if k.startswith("image/")} == {
@@ -262,7 +238,7 @@ def test_second_run_on_finished_store_writes_nothing(client, tmp_path):
     np.testing.assert_array_equal(dask_dl.open_dataset(store).label.values[:, 1], relabelled["Mass"].to_numpy())
 
 
-def test_real_nih_pngs_and_dicoms(client, shared_data, tmp_path):
+def test_real_nih_pngs_and_dicoms(cluster_client, shared_data, tmp_path):
     table = pd.read_csv(shared_data / "nih" / "Data_Entry_2017_v2020.csv.gz")
     rows = table[table["Image Index"].isin(["00000001_000.png", "00027426_000.png"])]
     frame = pd.DataFrame(
@@ -283,7 +259,7 @@ def test_real_nih_pngs_and_dicoms(client, shared_data, tmp_path):
     ).assign(site="dicom", split="val", **{label: 0 for label in labels})
     catalog = make_catalog(pd.concat([frame, extra], ignore_index=True), labels)
     with dask.config.set({"dask-dl.ingest.min-size": 16}):
-        result = run_ingest(catalog, tmp_path / "nih.zarr", client, size=64, chunk=1, shard=2)
+        result = run_ingest(catalog, tmp_path / "nih.zarr", cluster_client, size=64, chunk=1, shard=2)
     assert result.n_rejected == 0 and result.shards_written == 2
     ds = dask_dl.open_dataset(tmp_path / "nih.zarr")
     for i, path in enumerate(catalog["path"]):
@@ -317,7 +293,7 @@ KILLED_RUN = textwrap.dedent(
 )
 
 
-def test_resume_after_kill_writes_only_missing_shards(client, tmp_path):
+def test_resume_after_kill_writes_only_missing_shards(cluster_client, tmp_path):
     catalog = make_collection(tmp_path / "images", n=48, bad={13: "garbage"})  # 12 shards of 4 images
     # Rows 9 and 21 (shards 2 and 5) are FIFOs: reading them blocks like a hung network mount, so the killed
     # run is stuck with both workers busy and some shards done, whatever order the scheduler picked.
@@ -369,7 +345,7 @@ def test_resume_after_kill_writes_only_missing_shards(client, tmp_path):
         write_png(path, seed=row, shape=(80 + 8 * (row % 5), 96))
     finished = {s: os.stat(store / "image" / "c" / str(s) / "0" / "0") for s in done}
 
-    result = dask_dl.ingest(catalog, store, size=32, chunk=2, shard=2, client=client, progress=False)
+    result = dask_dl.ingest(catalog, store, size=32, chunk=2, shard=2, client=cluster_client, progress=False)
     assert (result.shards_written, result.shards_skipped) == (len(missing), len(done))
     assert result.n_written == 4 * len(missing) - (13 // 4 in missing)  # row 13 is garbage
     for s, before in finished.items():  # finished shards were not rewritten (an atomic rewrite changes the inode)
@@ -377,7 +353,7 @@ def test_resume_after_kill_writes_only_missing_shards(client, tmp_path):
         assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
 
     clean = tmp_path / "clean.zarr"
-    reference = dask_dl.ingest(catalog, clean, size=32, chunk=2, shard=2, client=client, progress=False)
+    reference = dask_dl.ingest(catalog, clean, size=32, chunk=2, shard=2, client=cluster_client, progress=False)
     assert store_files(store) == store_files(clean)  # same files, same bytes: shards, arrays, status, metadata
     pd.testing.assert_frame_equal(result.rejects, reference.rejects)
     assert result.rejects["row"].tolist() == [13]

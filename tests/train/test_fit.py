@@ -14,7 +14,7 @@ import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
-from distributed import Client, LocalCluster
+from distributed import Client
 from PIL import Image
 
 import dask_dl
@@ -43,15 +43,6 @@ def squares_collection(root: Path, *, n_train: int = N_TRAIN, n_val: int = N_VAL
         rows.append(dict(image_id=path.name, path=str(path), patient_id=f"p{i}", site="A", split=split, a=a, b=b))
     frame = pd.DataFrame(rows).astype({"a": "uint8", "b": "uint8"})
     return make_catalog(frame, ["a", "b"])
-
-
-@pytest.fixture(scope="module")
-def cluster_client():
-    with (
-        LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster,
-        Client(cluster) as client,
-    ):
-        yield client
 
 
 @pytest.fixture(scope="module")
