@@ -113,6 +113,7 @@ class IngestResult:
         if self.n_rejected:
             counts = self.rejects["reason"].value_counts().sort_index()
             lines.append("  rejected: " + ", ".join(f"{reason} {count}" for reason, count in counts.items()))
+            lines.append(f"  each rejected image with its reason: dask_dl.data.ingest.read_rejects({self.store!r})")
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:

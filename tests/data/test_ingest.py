@@ -92,6 +92,7 @@ def test_round_trip(cluster_client, tmp_path):
         30: "too_small",
     }
     assert "4 rejected" in result.summary() and "shards_written=5" in repr(result)
+    assert f"read_rejects({str(store)!r})" in result.summary()  # says where the details are
 
     # the layout of the contract, read with zarr directly
     group = zarr.open_group(store, mode="r")
