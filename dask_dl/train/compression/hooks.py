@@ -243,12 +243,21 @@ def _all_gather(state, layout, bits, scales, buffer, key) -> Future:
         _average(gathered.view(n, -1), layout.block_shapes(), layout.blocks(buffer), state.workspace, key)
         return buffer
 
+    return _gather_then(state, message, gathered, average)
+
+
+def _gather_then(state, message: torch.Tensor, gathered: torch.Tensor, then) -> Future:
+    """All-gather every rank's ``message`` into ``gathered``, then return ``then()``'s result as a future.
+
+    With one rank there is nothing to exchange: the message is its own gather and nothing is counted as sent.
+    """
+    n = state.world_size
     if n == 1:
         gathered.copy_(message)
-        return _done(average())
+        return _done(then())
     state.count(message, n - 1)
     work = dist.all_gather_single(gathered, message, group=state.process_group, async_op=True)
-    return work.get_future().then(average)
+    return work.get_future().then(then)
 
 
 def _two_stage(state, layout, names, bits, scales, buffer, key) -> Future:
@@ -301,12 +310,7 @@ def _two_stage(state, layout, names, bits, scales, buffer, key) -> Future:
             dequantize(stripe_bits2, stripe_scales, out=layout.blocks(buffer, a, b), workspace=ws, key=key)
         return buffer
 
-    if n == 1:
-        gathered.copy_(message)
-        return _done(assemble())
-    state.count(message, n - 1)
-    work = dist.all_gather_single(gathered, message, group=state.process_group, async_op=True)
-    return work.get_future().then(assemble)
+    return _gather_then(state, message, gathered, assemble)
 
 
 def _own_stripe(state: OneBitState, layout: ColumnLayout, names: list[str], first: int, last: int, like) -> None:
