@@ -339,6 +339,9 @@ def _entry(rank, world, port, outdir, checks):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         results = {name: globals()[name](rank, world) for name in checks}
+        # every rank done with its collectives before any tears the group down: destroying a gloo group while a
+        # peer still talks to it can abort the process ("terminate called without an active exception")
+        dist.barrier()
     finally:
         dist.destroy_process_group()
     torch.save(results, Path(outdir) / f"rank{rank}.pt")
