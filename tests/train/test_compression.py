@@ -6,6 +6,7 @@ assertions are made here, against a NumPy simulation of the algorithms written i
 
 from __future__ import annotations
 
+import gc
 import io
 import math
 import socket
@@ -339,8 +340,10 @@ def _entry(rank, world, port, outdir, checks):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         results = {name: globals()[name](rank, world) for name in checks}
-        # every rank done with its collectives before any tears the group down: destroying a gloo group while a
-        # peer still talks to it can abort the process ("terminate called without an active exception")
+        # every rank done with its collectives before any tears the group down, and the checks' DDP reducers
+        # freed while the group exists: either left to teardown can abort the process in C++ ("terminate called
+        # without an active exception")
+        gc.collect()
         dist.barrier()
     finally:
         dist.destroy_process_group()
