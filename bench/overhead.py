@@ -69,15 +69,21 @@ def plain_loop(store: str, samples: np.ndarray, *, model: str, batch_size: int, 
     return min(times[1:])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def training_parser(doc: str, *, epochs: int) -> argparse.ArgumentParser:
+    """The options every training benchmark shares: model, image size, batch, data size, epochs, cache folder."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--model", default="small_cnn")
     parser.add_argument("--size", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--images", type=int, default=1500)
-    parser.add_argument("--epochs", type=int, default=4)
-    parser.add_argument("--threads", type=int, default=1, help="threads of the trainer's worker")
+    parser.add_argument("--epochs", type=int, default=epochs)
     parser.add_argument("--root", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "dask-dl-bench"))
+    return parser
+
+
+def main() -> None:
+    parser = training_parser(__doc__, epochs=4)
+    parser.add_argument("--threads", type=int, default=1, help="threads of the trainer's worker")
     args = parser.parse_args()
 
     from distributed import Client, LocalCluster

@@ -11,25 +11,18 @@ with each other's gloo all-reduce, so expect less than 2.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
-from overhead import make_store  # noqa: E402
+from overhead import make_store, training_parser  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="small_cnn")
-    parser.add_argument("--size", type=int, default=64)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--images", type=int, default=1500)
-    parser.add_argument("--epochs", type=int, default=3)
+    parser = training_parser(__doc__, epochs=3)
     parser.add_argument("--compression", default="none", help="comma-separated compressors to measure")
-    parser.add_argument("--root", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "dask-dl-bench"))
     args = parser.parse_args()
 
     from distributed import Client, LocalCluster
