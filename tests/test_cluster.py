@@ -1,0 +1,29 @@
+"""dask_dl.cluster.connect closes what it opened and nothing else."""
+
+from __future__ import annotations
+
+from distributed import Client, LocalCluster
+
+from dask_dl.cluster import connect
+
+
+def test_connect_starts_and_closes_a_local_cluster():
+    with connect(n_workers=1) as client:
+        cluster = client.cluster
+        assert client.submit(lambda x: x + 1, 1).result() == 2
+        assert cluster.scheduler_address.startswith("tcp://127.0.0.1:")
+    assert client.status == "closed"
+    assert cluster.status.name == "closed"
+
+
+def test_connect_leaves_a_passed_client_and_closes_its_own_connection():
+    with LocalCluster(n_workers=1, processes=False, dashboard_address=":0") as cluster, Client(cluster) as mine:
+        with connect(mine) as client:
+            assert client is mine
+        assert mine.status == "running"
+        with connect(scheduler=cluster.scheduler_address) as client:
+            assert client is not mine
+            assert client.submit(lambda: 3).result() == 3
+        assert client.status == "closed"  # our connection is closed ...
+        assert cluster.status.name == "running"  # ... the cluster someone else started is not
+        assert mine.submit(lambda: 4).result() == 4
