@@ -1,13 +1,61 @@
-"""The dask_dl page on a real scheduler's dashboard server."""
+"""The dask_dl page on a real scheduler's dashboard: what runs publish, how it is checked, what a browser shows."""
 
+import html
 import json
+import re
+import subprocess
+import sys
+import textwrap
 import time
 import urllib.request
 from urllib.parse import urlparse
 
+import pytest
 from distributed import Client, LocalCluster
 
-from dask_dl import dashboard
+from dask_dl import ConfigurationError, dashboard
+from dask_dl.dashboard.page import RunsPage
+from dask_dl.testing.browser import find_chromium, open_page
+
+GOOD = {
+    "status": "finished",
+    "model": "small_cnn",
+    "compression": "onebit",
+    "trainers": 2,
+    "epoch": 1,
+    "epochs": 2,
+    "global_batch": 16,
+    "images_per_s": 512.5,
+    "data_wait_share": 0.02,
+    "bytes_sent": 1000,
+    "bytes_uncompressed": 4000,
+    "history": [
+        {"epoch": 0, "train_loss": 0.7, "val_loss": 0.72, "val_auroc_mean": 0.6}
+        | {"val_auroc_A": 0.5, "val_auroc_B": 0.7},
+        {"epoch": 1, "train_loss": 0.5, "val_loss": 0.6, "val_auroc_mean": 0.7}
+        | {"val_auroc_A": 0.75, "val_auroc_B": None},  # B: no positive sample in this validation split
+    ],
+}
+
+# issue 11: each of these once turned the whole page into HTTP 500; (snapshot, what the problem names)
+MALFORMED = {
+    "non-numeric loss": ({"status": "running", "loss": "abc", "history": []}, "loss is 'abc' (str), not a number"),
+    "non-numeric row": (
+        {"status": "running", "history": [{"epoch": 0, "train_loss": "0.5?"}]},
+        "history[0]['train_loss'] is '0.5?' (str), not a number",
+    ),
+    "history not a list": ({"status": "running", "history": "oops"}, "history is 'oops' (str), not a list"),
+    "history a dict": ({"status": "running", "history": {"epoch": 0}}, "not a list of epoch rows"),
+    "row not a dict": ({"status": "running", "history": [0.5]}, "history[0] is 0.5 (float), not a dict"),
+    "missing status": ({"history": []}, "missing key 'status'"),
+    "row without epoch": ({"status": "running", "history": [{"train_loss": 0.5}]}, "history[0] misses key 'epoch'"),
+    "epoch None": (
+        {"status": "running", "history": [{"epoch": None, "train_loss": 0.5}]},
+        "history[0]['epoch'] is None",
+    ),
+    "status not a string": ({"status": 3, "history": []}, "status is 3 (int), not a string"),
+    "bool as a number": ({"status": "running", "trainers": True}, "trainers is True (bool), not a number"),
+}
 
 
 def _local(url: str) -> str:
@@ -15,47 +63,195 @@ def _local(url: str) -> str:
     return url.replace(urlparse(url).hostname, "127.0.0.1", 1)
 
 
+def _get(url: str) -> tuple[int, str]:
+    with urllib.request.urlopen(url, timeout=30) as response:
+        return response.status, response.read().decode()
+
+
+def _document_texts(url: str) -> str:
+    """The text of every Div of the page's Bokeh document, pulled over a real Bokeh client session."""
+    from bokeh.client import pull_session
+    from bokeh.models import Div
+
+    with pull_session(url=url) as session:
+        return "\n".join(div.text for div in session.document.select({"type": Div}))
+
+
 def _wait_for(url, ready, timeout=10):
     deadline = time.monotonic() + timeout
     while True:
-        runs = json.loads(urllib.request.urlopen(url, timeout=timeout).read())
+        runs = json.loads(_get(url)[1])
         if ready(runs) or time.monotonic() > deadline:
             return runs
         time.sleep(0.05)
 
 
-def test_routes_serve_published_runs():
+# ---- checks and publishing, no cluster -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_check_run_names_each_problem(case):
+    snapshot, problem = MALFORMED[case]
+    problems = dashboard.check_run(snapshot)
+    assert len(problems) == 1 and problem in problems[0]
+    with pytest.raises(ConfigurationError, match=re.escape(problem)):
+        dashboard.publish(None, "run-x", snapshot)  # refused before anything is sent
+
+
+def test_check_run_accepts_snapshots_with_gaps():
+    assert dashboard.check_run(GOOD) == []
+    assert dashboard.check_run({"status": "running"}) == []  # nothing measured yet
+    assert dashboard.check_run({"status": "running", "loss": None, "history": []}) == []  # NaN travels as None
+    assert dashboard.check_run({**GOOD, "history": tuple(GOOD["history"])}) == []  # msgpack's tuples
+    many = {"status": "running", "history": [{"epoch": i, "train_loss": "x"} for i in range(9)]}
+    assert dashboard.check_run(many)[-1] == "and 4 more"
+
+
+def test_publish_refuses_bad_arguments():
+    with pytest.raises(ConfigurationError, match="run_id must be a non-empty string, got 3"):
+        dashboard.publish(None, 3, GOOD)
+    with pytest.raises(ConfigurationError, match="must be a dict like TrainingRun.snapshot"):
+        dashboard.publish(None, "run-x", [GOOD])
+
+
+def test_runs_from_events_skips_what_is_not_a_run():
+    events = [(1.0, "text"), (2.0, {"no": "run id"}), (3.0, {"run_id": 7, "status": "running"}), "junk"]
+    events += [(4.0, {"run_id": "a", "status": "running"}), (5.0, {"run_id": 7, "status": "finished"})]
+    assert dashboard.runs_from_events(events) == {"7": {"status": "finished"}, "a": {"status": "running"}}
+
+
+# ---- the Bokeh document, drawn from events (real Bokeh models, no browser) -----------------------------------
+
+
+def test_page_draws_each_run_on_its_own():
+    events = [(0.0, {"run_id": "good", **GOOD, "history": tuple(GOOD["history"])})]  # as msgpack hands it over
+    events += [(1.0 + i, {"run_id": f"bad-{case}", **MALFORMED[case][0]}) for i, case in enumerate(sorted(MALFORMED))]
+    page = RunsPage(lambda: events)
+    page.update()
+    good = page.panels["good"]
+    assert not good.error.visible and good.plots.visible
+    assert good.curves.data == {
+        "epoch": [1, 2],  # completed epochs
+        "train_loss": [0.7, 0.5],
+        "val_loss": [0.72, 0.6],
+        "val_auroc_mean": [0.6, 0.7],
+    }
+    assert list(page.panels["good"].labels.data["label"]) == ["A", "B"]
+    assert good.labels.data["text"] == ["0.750", "n/a"]  # the latest epoch's per-label AUROC
+    assert good.per_label.title.text == "per-label AUROC, epoch 2"
+    for fact in ("2 / 2", "16", "512.5", "2.0%", "25.0% of 4.0 kB"):
+        assert fact in good.facts.text
+    for case, (_, problem) in MALFORMED.items():
+        panel = page.panels[f"bad-{case}"]
+        assert panel.error.visible and panel.plots is None, case  # no figures for a malformed run
+        assert problem.replace("'", "&#x27;") in panel.error.text, case
+        assert "The other runs are not affected" in panel.error.text
+    assert list(page.comparison.sources) == ["good"]  # the malformed runs are named in the table only
+    assert page.comparison.table.text.count("malformed: see its panel") == len(MALFORMED)
+    assert page.comparison.sources["good"].data["val_auroc_mean"] == [0.6, 0.7]
+
+    # a run that publishes a good snapshot later is drawn again; the others stay as they are
+    events.append((99.0, {"run_id": "bad-history not a list", "history": GOOD["history"]}))
+    page.update()
+    fixed = page.panels["bad-history not a list"]
+    assert not fixed.error.visible and fixed.curves.data["train_loss"] == [0.7, 0.5]
+    assert page.panels["bad-row not a dict"].error.visible
+
+
+def test_page_without_runs():
+    page = RunsPage(lambda: [])
+    page.update()
+    assert page.empty.visible and "No runs yet" in page.empty.text
+    assert not page.comparison.root.visible
+
+
+# ---- the routes on a real scheduler --------------------------------------------------------------------------
+
+
+def test_routes_serve_runs_and_survive_malformed_ones():
     with (
         LocalCluster(n_workers=1, processes=False, dashboard_address="127.0.0.1:0") as cluster,
         Client(cluster) as client,
     ):
         page = _local(dashboard.install(client))
+        assert page.endswith("/dask-dl")
         dashboard.install(client)  # idempotent: a second fit registers again
         history = [{"epoch": 0, "train_loss": 0.7, "val_auroc_mean": 0.61}]
         dashboard.publish(client, "run-a", {"status": "running", "model": "small_cnn", "history": history})
         history = history + [{"epoch": 1, "train_loss": 0.5, "val_auroc_mean": float("nan")}]
         dashboard.publish(client, "run-a", {"status": "finished", "history": history})
+        for case, (snapshot, _) in MALFORMED.items():  # what publish refuses, another client may still log
+            client.log_event(dashboard.TOPIC, {"run_id": f"bad-{case}", **snapshot})
+        client.log_event(dashboard.TOPIC, {"run_id": "bad-bytes", "status": "running", "loss": b"\x00"})
         dashboard.publish(client, "run-b", {"status": "running", "history": []})
-        runs = _wait_for(page + "runs.json", lambda r: "run-b" in r)  # events travel on a batched stream
-        assert list(runs) == ["run-a", "run-b"]
-        assert runs["run-a"]["status"] == "finished"
-        assert runs["run-a"]["model"] == "small_cnn"  # kept from the first message
-        assert runs["run-a"]["history"] == [
-            {"epoch": 0, "train_loss": 0.7, "val_auroc_mean": 0.61},
-            {"epoch": 1, "train_loss": 0.5, "val_auroc_mean": None},  # NaN is not JSON
-        ]
-        body = urllib.request.urlopen(page, timeout=10).read().decode()
-        assert "run-a" in body and "finished" in body and "<polyline" in body
+        runs = _wait_for(page + "/runs.json", lambda r: "run-b" in r)  # events travel on a batched stream
+        assert list(runs) == ["run-a", *(f"bad-{case}" for case in MALFORMED), "bad-bytes", "run-b"]
+        assert runs["run-a"] == {
+            "status": "finished",
+            "model": "small_cnn",  # kept from the first message
+            "history": [
+                {"epoch": 0, "train_loss": 0.7, "val_auroc_mean": 0.61},
+                {"epoch": 1, "train_loss": 0.5, "val_auroc_mean": None},  # NaN is not JSON
+            ],
+        }
+        for case, (_, problem) in MALFORMED.items():
+            assert problem in runs[f"bad-{case}"]["problems"][0]
+        assert "not a number" in runs["bad-bytes"]["problems"][0]
+
+        assert _get(page)[0] == 200
+        texts = _document_texts(page)  # the document the scheduler's Bokeh server made, as a browser gets it
+        assert "run-a" in texts and "run-b" in texts
+        for case, (_, problem) in MALFORMED.items():
+            assert f"bad-{case}" in texts and html.escape(problem) in texts, case
+        assert _get(page + "/")[0] == 200  # redirected to /dask-dl
+        # the dashboard's menu lists the page on every page opened after install
+        assert 'href="dask-dl"' in _get(page.replace("/dask-dl", "/status"))[1]
 
 
-def test_render_page_without_runs():
-    assert "No runs yet" in dashboard.render_page({})
+def test_preload_lists_the_page_for_jupyterlab():
+    """A scheduler started with the preload serves the page from distributed's own Bokeh server, so its
+    /individual-plots.json (what JupyterLab's Dask panel reads) lists it. In a fresh process: the preload
+    changes distributed's table of applications for the whole process."""
+    script = textwrap.dedent(
+        """
+        import json, urllib.request
+        from urllib.parse import urlparse
+        from distributed import Client, LocalCluster
+        with (
+            LocalCluster(n_workers=0, processes=False, dashboard_address="127.0.0.1:0",
+                         scheduler_kwargs={"preload": ["dask_dl.dashboard.preload"]}) as cluster,
+            Client(cluster) as client,
+        ):
+            base = client.dashboard_link.replace(urlparse(client.dashboard_link).hostname, "127.0.0.1", 1)
+            base = base.replace("/status", "")
+            get = lambda path: urllib.request.urlopen(base + path, timeout=30).read().decode()
+            print(json.dumps({
+                "plots": json.loads(get("/individual-plots.json")),
+                "menu": get("/status").count('href="dask-dl"'),
+                "runs": json.loads(get("/dask-dl/runs.json")),
+                "individual": "Dask: dask_dl training runs" in get("/individual-dask-dl"),
+                "bokeh_servers": client.run_on_scheduler(
+                    lambda dask_scheduler: len(dask_scheduler.http_application.applications)
+                ),
+            }))
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    found = json.loads(out.stdout.strip().splitlines()[-1])
+    assert found["plots"]["Individual Dask Dl"] == "/individual-dask-dl"
+    assert found["menu"] == 1 and found["runs"] == {} and found["individual"]
+    assert found["bokeh_servers"] == 1  # distributed's own serves the page: the plugin added none
 
 
-def test_route_shows_the_active_run(tmp_path):
-    """While a real run trains, /dask-dl/runs.json answers with its current history; after stop, its status."""
+# ---- a real run in a real browser ----------------------------------------------------------------------------
+
+
+def test_page_in_a_browser_during_and_after_a_real_run(tmp_path):
+    """While a real run trains, /dask-dl/runs.json answers with its current history and headless Chromium shows
+    its curves; after stop, its status. A malformed run beside it shows its error box only."""
     import dask_dl
 
+    chromium = find_chromium()
     with (
         LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address="127.0.0.1:0") as cluster,
         Client(cluster) as client,
@@ -71,18 +267,52 @@ def test_route_shows_the_active_run(tmp_path):
             progress=False,
         )
         ds = dask_dl.open_dataset(tmp_path / "s.zarr")
-        run = dask_dl.fit(ds, model="small_cnn", epochs=50, batch_size=8, trainers=2, client=client, wait=False)
+        client.log_event(dashboard.TOPIC, {"run_id": "bad-run", "status": "running", "history": "oops"})
+        run = dask_dl.fit(ds, model="small_cnn", epochs=500, batch_size=8, trainers=2, client=client, wait=False)
+        page = _local(client.dashboard_link.replace("/status", "/dask-dl"))
         try:
-            url = _local(client.dashboard_link.replace("/status", "/dask-dl/runs.json"))
-            runs = _wait_for(url, lambda r: len((r.get(run.run_id) or {}).get("history") or []) >= 2, timeout=120)
+            runs = _wait_for(
+                page + "/runs.json", lambda r: len((r.get(run.run_id) or {}).get("history") or []) >= 2, timeout=120
+            )
             live = runs[run.run_id]
             assert live["status"] == "running"
             assert live["model"] == "small_cnn" and live["trainers"] == 2
             served = [(row["epoch"], row["train_loss"]) for row in live["history"]]
             ours = list(zip(run.history.epoch, run.history.train_loss, strict=False))[: len(served)]
             assert served == ours  # the page shows this run's own numbers
-            assert run.run_id in urllib.request.urlopen(url.replace("runs.json", ""), timeout=10).read().decode()
+            if chromium is not None:
+                text = open_page(
+                    page,
+                    until=f"text.includes('{run.run_id}') && text.includes('per-label AUROC, epoch')",
+                    screenshot=tmp_path / "during.png",
+                )
+                _check_rendered(text, run, status="running")
         finally:
             run.stop().wait()
-        runs = _wait_for(url, lambda r: r[run.run_id]["status"] != "running")
+        runs = _wait_for(page + "/runs.json", lambda r: r[run.run_id]["status"] != "running")
         assert runs[run.run_id]["status"] == "stopped"
+        if chromium is None:
+            pytest.skip(
+                "runs.json checked; the browser part needs Chromium, which is not on PATH "
+                "(.ci/run installs Debian's chromium with apt-get; here apt-get is unavailable or failed)"
+            )
+        text = open_page(page, until=f"text.includes('{run.run_id}\\nstopped')", screenshot=tmp_path / "after.png")
+        _check_rendered(text, run, status="stopped")
+
+
+def _check_rendered(text: str, run, *, status: str) -> None:
+    """What BokehJS drew: the run and its status, axis labels, tick values, per-label AUROC bars' values."""
+    assert f"{run.run_id}\n{status}" in text
+    assert "bad-run\nrunning" in text and "history is 'oops' (str), not a list of epoch rows" in text
+    assert "The other runs are not affected." in text
+    lines = set(text.splitlines())  # SVG text, each a line (BokehJS's SVG backend draws some twice)
+    for label in ("epoch", "loss", "mean AUROC", "AUROC", "train", "validation", "runs side by side"):
+        assert label in lines, label
+    assert {"0", "0.2", "0.4", "0.6", "0.8", "1"} <= lines  # the AUROC axes' ticks
+    shown = int(re.search(r"per-label AUROC, epoch (\d+)", text).group(1))
+    row = run.history.set_index("epoch").loc[shown - 1]
+    labels = [c.removeprefix("val_auroc_") for c in row.index if c.startswith("val_auroc_") and c != "val_auroc_mean"]
+    drawn = [label for label in labels if row[f"val_auroc_{label}"] == row[f"val_auroc_{label}"]]  # not NaN
+    assert drawn, "no label has an AUROC on this validation split"
+    assert set(labels) <= lines  # the bars' axis
+    assert {f"{row[f'val_auroc_{label}']:.3f}" for label in drawn} <= lines  # the bars' values

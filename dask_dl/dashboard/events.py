@@ -1,0 +1,187 @@
+"""What runs publish to the dashboard, and the checks that keep one bad run from breaking the page.
+
+A run reports with :func:`publish`: one event on the scheduler's event log (topic :data:`TOPIC`) per update, each
+carrying the run's latest *snapshot* (the dict of :meth:`dask_dl.TrainingRun.snapshot`). :func:`runs_from_events`
+folds the events back into the latest state of each run. The event log is open to every client, so the page
+checks every run with :func:`check_run` again before drawing it: a run that fails shows its problems, not a
+traceback, and the other runs are drawn as usual.
+
+Nothing here imports Bokeh: the checks also run in the client that publishes.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+from dask_dl.errors import ConfigurationError
+
+TOPIC = "dask-dl-runs"
+
+#: keys of a snapshot the page draws as numbers (every one optional)
+RUN_NUMBERS = (
+    "trainers",
+    "epoch",
+    "epochs",
+    "step",
+    "steps_per_epoch",
+    "global_batch",
+    "loss",
+    "images_per_s",
+    "data_wait_share",
+    "bytes_sent",
+    "bytes_uncompressed",
+)
+#: keys of a history row the page draws as numbers; ``val_auroc_<label>`` columns are numbers too
+ROW_NUMBERS = (
+    "epoch",
+    "steps",
+    "global_batch",
+    "train_loss",
+    "val_loss",
+    "images_per_s",
+    "data_wait_s",
+    "seconds",
+    "bytes_sent",
+    "bytes_uncompressed",
+    "cost",
+)
+#: what a run and each of its history rows must hold
+RUN_REQUIRED = ("status",)
+ROW_REQUIRED = ("epoch", "train_loss")
+_MAX_PROBLEMS = 5  # a run with a thousand bad rows shows the first few and a count
+
+
+def publish(client: Any, run_id: str, snapshot: dict[str, Any]) -> None:
+    """Send the current state of a run to the scheduler's event log, where the dashboard page reads it.
+
+    Parameters
+    ----------
+    client
+        A :class:`distributed.Client` connected to the scheduler that serves the page.
+    run_id
+        The run's name; later snapshots of the same run replace the keys they carry.
+    snapshot
+        The run's state, shaped like :meth:`dask_dl.TrainingRun.snapshot`: ``status`` and optionally the keys of
+        :data:`RUN_NUMBERS` and ``history``, a list of epoch rows (dicts with ``epoch``, ``train_loss`` and
+        optionally :data:`ROW_NUMBERS` and ``val_auroc_<label>``). NaN and infinity travel as ``None``.
+
+    Raises
+    ------
+    ConfigurationError
+        When ``run_id`` is not a non-empty string or ``snapshot`` is malformed (not a dict, no ``status``, a
+        number that is not a number, a history that is not a list of rows); nothing is published then.
+    """
+    if not isinstance(run_id, str) or not run_id:
+        raise ConfigurationError(f"run_id must be a non-empty string, got {run_id!r}")
+    if not isinstance(snapshot, dict):
+        raise ConfigurationError(
+            f"the snapshot of run {run_id!r} must be a dict like TrainingRun.snapshot(), got {type(snapshot).__name__}"
+        )
+    message = jsonable(snapshot)
+    problems = check_run(message)
+    if problems:
+        raise ConfigurationError(
+            f"the snapshot of run {run_id!r} cannot go to the dashboard: {'; '.join(problems)}. "
+            "Publish dicts shaped like TrainingRun.snapshot(): "
+            "{'status': 'running', 'epoch': 0, 'loss': 0.4, 'history': [{'epoch': 0, 'train_loss': 0.5}, ...]}"
+        )
+    client.log_event(TOPIC, {**message, "run_id": run_id})
+
+
+def runs_from_events(events: Any) -> dict[str, dict[str, Any]]:
+    """Fold the scheduler's ``dask-dl-runs`` events into the latest state of each run, in start order.
+
+    Parameters
+    ----------
+    events
+        ``(timestamp, message)`` pairs as ``Scheduler.get_events(TOPIC)`` returns them. Messages that are not
+        dicts with a ``run_id`` are skipped; a run id that is not a string is used as its ``str``.
+
+    Returns
+    -------
+    dict
+        ``{run_id: state}``, each state the union of the run's messages, later keys winning.
+    """
+    runs: dict[str, dict[str, Any]] = {}
+    for event in events:
+        msg = event[1] if isinstance(event, tuple | list) and len(event) == 2 else None
+        if isinstance(msg, dict) and msg.get("run_id") is not None:
+            run_id = msg["run_id"] if isinstance(msg["run_id"], str) else str(msg["run_id"])
+            runs.setdefault(run_id, {}).update({str(k): v for k, v in msg.items() if k != "run_id"})
+    return runs
+
+
+def check_run(run: Any) -> list[str]:
+    """Return what is wrong with a run's state for drawing it (an empty list when nothing is).
+
+    Parameters
+    ----------
+    run
+        A run's state as :func:`runs_from_events` folds it.
+
+    Returns
+    -------
+    list of str
+        One line per problem, naming the key and the offending value, e.g.
+        ``"history[2]['train_loss'] is 'abc' (str), not a number"``; at most a few, then a count.
+    """
+    if not isinstance(run, dict):
+        return [f"the run's state is a {type(run).__name__}, not a dict"]
+    problems = [f"missing key {key!r}" for key in RUN_REQUIRED if key not in run]
+    if "status" in run and not isinstance(run["status"], str):
+        problems.append(f"status is {_show(run['status'])}, not a string")
+    problems += [_not_a_number(key, run[key]) for key in RUN_NUMBERS if key in run and not _is_number(run[key])]
+    history = run.get("history", [])
+    if not isinstance(history, list | tuple):  # msgpack hands the scheduler tuples
+        problems.append(f"history is {_show(history)}, not a list of epoch rows")
+        history = []
+    for i, row in enumerate(history):
+        if not isinstance(row, dict):
+            problems.append(f"history[{i}] is {_show(row)}, not a dict")
+            continue
+        problems += [f"history[{i}] misses key {key!r}" for key in ROW_REQUIRED if key not in row]
+        if "epoch" in row and row["epoch"] is None:
+            problems.append(f"history[{i}]['epoch'] is None: every row needs its epoch number")
+        problems += [
+            _not_a_number(f"history[{i}][{key!r}]", value)
+            for key, value in row.items()
+            if (key in ROW_NUMBERS or key.startswith("val_auroc_")) and not _is_number(value)
+        ]
+    if len(problems) > _MAX_PROBLEMS:
+        problems = [*problems[:_MAX_PROBLEMS], f"and {len(problems) - _MAX_PROBLEMS} more"]
+    return problems
+
+
+def jsonable(value: Any) -> Any:
+    """Return ``value`` with only JSON types: numpy scalars as Python numbers, NaN and infinity as ``None``,
+    tuples as lists, dict keys as strings and anything else as its ``str``."""
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [jsonable(v) for v in value]
+    if hasattr(value, "item") and callable(value.item) and getattr(value, "ndim", None) == 0:  # numpy scalars
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    return str(value)
+
+
+def _is_number(value: Any) -> bool:
+    if value is None:
+        return True  # not measured (yet), or NaN on the way
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _not_a_number(name: str, value: Any) -> str:
+    return f"{name} is {_show(value)}, not a number"
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    return f"{text} ({type(value).__name__})"

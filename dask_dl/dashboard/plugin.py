@@ -1,0 +1,139 @@
+"""Serving the dask_dl page on a running scheduler's dashboard.
+
+:func:`install` (which :func:`dask_dl.fit` calls) registers :class:`DashboardPlugin` on the scheduler. On start
+the plugin adds, on the scheduler's HTTP server:
+
+- ``/dask-dl``: the page, a Bokeh document served like the dashboard's own pages and listed in the dashboard's
+  "More..." menu for pages opened from then on (when the scheduler was started with the preload
+  :mod:`dask_dl.dashboard.preload`, distributed's own Bokeh server serves it);
+- ``/dask-dl/runs.json``: every run's latest state as JSON, ``{run_id: {"status", "history", ..., "problems"}}``
+  (``problems`` only for a malformed run);
+- ``/dask-dl/`` redirects to ``/dask-dl``, so the page's relative links to the dashboard work.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from distributed.diagnostics.plugin import SchedulerPlugin
+
+from dask_dl.dashboard.events import TOPIC, check_run, jsonable, runs_from_events
+
+logger = logging.getLogger("dask_dl.dashboard")
+
+PAGE = "dask-dl"
+INDIVIDUAL_PAGE = "individual-dask-dl"
+MENU_NAME = "dask_dl Training Runs"
+
+
+class DashboardPlugin(SchedulerPlugin):
+    """Scheduler plugin that serves the dask_dl page on the scheduler's dashboard server."""
+
+    name = "dask-dl-dashboard"
+    idempotent = True  # registering again (every fit) keeps the plugin already there
+
+    async def start(self, scheduler: Any) -> None:
+        """Add the page's routes to ``scheduler``'s HTTP server (nothing when it serves no dashboard)."""
+        if getattr(scheduler, "http_application", None) is not None:
+            serve(scheduler)
+
+
+def install(client: Any) -> str | None:
+    """Serve the dask_dl page on ``client``'s scheduler and return its address.
+
+    Registering again is harmless: the plugin already there is kept.
+
+    Parameters
+    ----------
+    client
+        A :class:`distributed.Client`.
+
+    Returns
+    -------
+    str or None
+        The page's URL next to the dashboard's ``/status``, or None when the scheduler serves no dashboard.
+    """
+    client.register_plugin(DashboardPlugin(), name=DashboardPlugin.name)
+    link = client.dashboard_link
+    return link.replace("/status", f"/{PAGE}") if link else None
+
+
+def serve(scheduler: Any) -> None:
+    """Add the page, its JSON and its menu entry to ``scheduler``'s HTTP server (in the scheduler's loop)."""
+    from distributed.http.utils import RequestHandler
+    from tornado import web
+
+    http = scheduler.http_application
+    bokeh = _bokeh_server(http)
+    prefix = bokeh.prefix if bokeh is not None else "/"
+    prefix = "/" + prefix.strip("/") + "/" if prefix.strip("/") else "/"
+
+    class Runs(RequestHandler):
+        def get(self) -> None:
+            self.set_header("Content-Type", "application/json")
+            self.write(json.dumps(runs_json(scheduler.get_events(TOPIC))))
+
+    class ToPage(web.RequestHandler):
+        def get(self) -> None:
+            self.redirect(f"../{PAGE}")  # relative: right behind any proxy that moves the dashboard
+
+    http.add_handlers(
+        ".*$",
+        [
+            (rf"{prefix}{PAGE}/runs\.json", Runs, {"dask_server": scheduler}),
+            (rf"{prefix}{PAGE}/", ToPage),
+        ],
+    )
+    if bokeh is None:
+        logger.info("dask_dl dashboard: the scheduler serves no Bokeh dashboard; only /%s/runs.json is served", PAGE)
+        return
+    if f"/{PAGE}" not in bokeh.app_paths:  # not preloaded: a Bokeh server of our own, made as distributed makes its
+        from distributed.dashboard.core import BokehApplication
+        from distributed.dashboard.scheduler import template_variables
+        from tornado.ioloop import IOLoop
+
+        from dask_dl.dashboard.page import dashboard_doc
+
+        ours = BokehApplication(
+            {f"/{PAGE}": dashboard_doc}, scheduler, prefix=prefix, template_variables=template_variables(scheduler)
+        )
+        http.add_application(ours)
+        ours.initialize(IOLoop.current())
+        ours.start()
+    _add_to_menu(scheduler)
+
+
+def runs_json(events: Any) -> dict[str, dict[str, Any]]:
+    """Every run's latest state from the ``dask-dl-runs`` events, JSON-able, with ``problems`` where malformed."""
+    runs = {}
+    for run_id, run in runs_from_events(events).items():
+        runs[run_id] = jsonable(run)
+        problems = check_run(run)
+        if problems:
+            runs[run_id]["problems"] = problems
+    return runs
+
+
+def _bokeh_server(http: Any) -> Any:
+    """The dashboard's Bokeh server (distributed's), or None when bokeh is missing or the dashboard is off."""
+    try:
+        from bokeh.server.tornado import BokehTornado
+    except ImportError:
+        return None
+    return next((app for app in http.applications if isinstance(app, BokehTornado)), None)
+
+
+def _add_to_menu(scheduler: Any) -> None:
+    """Add the page to the dashboard's "More..." menu.
+
+    Every dashboard page renders its menu from the list ``template_variables(scheduler)["plots"]``, one list per
+    scheduler that distributed builds once; pages opened after this call show the entry.
+    """
+    from distributed.dashboard.scheduler import template_variables
+
+    plots = template_variables(scheduler)["plots"]
+    if not any(plot.get("url") == PAGE for plot in plots):
+        plots.append({"url": PAGE, "name": MENU_NAME})
+        plots.sort(key=lambda plot: plot["name"])

@@ -1,0 +1,47 @@
+"""Scheduler preload that makes the dask_dl page part of the dashboard from the scheduler's start.
+
+Start a long-lived scheduler with it::
+
+    dask scheduler --preload dask_dl.dashboard.preload
+
+(or list it under ``distributed.scheduler.preload`` in dask.config). Importing this module adds ``/dask-dl``
+and ``/individual-dask-dl`` to distributed's table of dashboard applications
+(``distributed.dashboard.scheduler.applications``) before the scheduler builds its dashboard, so distributed's
+own Bokeh server serves both, the dashboard's "More..." menu lists the page, and ``/individual-plots.json``
+lists ``individual-dask-dl``, which is where JupyterLab's Dask panel finds pages. :func:`dask_setup` then adds
+the :class:`~dask_dl.dashboard.plugin.DashboardPlugin` for ``/dask-dl/runs.json``.
+
+Without the preload, :func:`dask_dl.fit` still adds the page to a running scheduler, but JupyterLab's panel
+does not list it: distributed builds that list from its own Bokeh server only.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from dask_dl.dashboard.plugin import INDIVIDUAL_PAGE, PAGE, DashboardPlugin
+
+logger = logging.getLogger("dask_dl.dashboard")
+
+
+def register_applications() -> None:
+    """Add the page to the applications every scheduler started from now on in this process serves."""
+    try:
+        from distributed.dashboard.scheduler import applications
+    except ImportError as exc:  # no bokeh: the scheduler serves no dashboard, /dask-dl/runs.json still works
+        logger.info("dask_dl dashboard page not added: the Dask dashboard is unavailable (%s)", exc)
+        return
+
+    from dask_dl.dashboard.page import dashboard_doc, individual_doc
+
+    applications.setdefault(f"/{PAGE}", dashboard_doc)
+    applications.setdefault(f"/{INDIVIDUAL_PAGE}", individual_doc)
+
+
+def dask_setup(scheduler: Any) -> None:
+    """Preload hook: add the dask_dl plugin to ``scheduler`` before it starts its plugins."""
+    scheduler.add_plugin(DashboardPlugin(), name=DashboardPlugin.name, idempotent=True)
+
+
+register_applications()  # at import: the scheduler imports its preloads before it builds its dashboard
