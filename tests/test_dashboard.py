@@ -15,7 +15,7 @@ from distributed import Client, LocalCluster
 
 from dask_dl import ConfigurationError, dashboard
 from dask_dl.dashboard.page import RunsPage
-from dask_dl.testing.browser import find_chromium, open_page
+from dask_dl.testing.browser import Browser, find_chromium
 
 GOOD = {
     "status": "finished",
@@ -176,6 +176,10 @@ def test_routes_serve_runs_and_survive_malformed_ones():
         page = _local(dashboard.install(client))
         assert page.endswith("/dask-dl")
         dashboard.install(client)  # idempotent: a second fit registers again
+        client.unregister_scheduler_plugin(dashboard.DashboardPlugin.name)
+        dashboard.install(client)  # a new plugin finds the page served already
+        servers = client.run_on_scheduler(lambda dask_scheduler: len(dask_scheduler.http_application.applications))
+        assert servers == 2  # distributed's Bokeh server and the page's
         history = [{"epoch": 0, "train_loss": 0.7, "val_auroc_mean": 0.61}]
         dashboard.publish(client, "run-a", {"status": "running", "model": "small_cnn", "history": history})
         history = history + [{"epoch": 1, "train_loss": 0.5, "val_auroc_mean": float("nan")}]
@@ -281,12 +285,16 @@ def test_page_in_a_browser_during_and_after_a_real_run(tmp_path):
             ours = list(zip(run.history.epoch, run.history.train_loss, strict=False))[: len(served)]
             assert served == ours  # the page shows this run's own numbers
             if chromium is not None:
-                text = open_page(
-                    page,
-                    until=f"text.includes('{run.run_id}') && text.includes('per-label AUROC, epoch')",
-                    screenshot=tmp_path / "during.png",
-                )
-                _check_rendered(text, run, status="running")
+                with Browser() as browser:
+                    tab = browser.open(page)
+                    text = tab.wait_for(f"text.includes('{run.run_id}\\nrunning') && text.includes('per-label AUROC')")
+                    tab.screenshot(tmp_path / "during.png")
+                    _check_rendered(text, run, status="running")
+                    run.stop()  # the open page follows the run, without a reload
+                    text = tab.wait_for(f"text.includes('{run.run_id}\\nstopped')")
+                    run.wait()
+                    tab.screenshot(tmp_path / "after.png")
+                    _check_rendered(text, run, status="stopped")
         finally:
             run.stop().wait()
         runs = _wait_for(page + "/runs.json", lambda r: r[run.run_id]["status"] != "running")
@@ -296,8 +304,6 @@ def test_page_in_a_browser_during_and_after_a_real_run(tmp_path):
                 "runs.json checked; the browser part needs Chromium, which is not on PATH "
                 "(.ci/run installs Debian's chromium with apt-get; here apt-get is unavailable or failed)"
             )
-        text = open_page(page, until=f"text.includes('{run.run_id}\\nstopped')", screenshot=tmp_path / "after.png")
-        _check_rendered(text, run, status="stopped")
 
 
 def _check_rendered(text: str, run, *, status: str) -> None:

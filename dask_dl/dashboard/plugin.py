@@ -89,7 +89,8 @@ def serve(scheduler: Any) -> None:
     if bokeh is None:
         logger.info("dask_dl dashboard: the scheduler serves no Bokeh dashboard; only /%s/runs.json is served", PAGE)
         return
-    if f"/{PAGE}" not in bokeh.app_paths:  # not preloaded: a Bokeh server of our own, made as distributed makes its
+    if not any(f"/{PAGE}" in app.app_paths for app in _bokeh_servers(http)):
+        # not preloaded, not served yet: a Bokeh server of our own, made as distributed makes its own
         from distributed.dashboard.core import BokehApplication
         from distributed.dashboard.scheduler import template_variables
         from tornado.ioloop import IOLoop
@@ -116,13 +117,18 @@ def runs_json(events: Any) -> dict[str, dict[str, Any]]:
     return runs
 
 
-def _bokeh_server(http: Any) -> Any:
-    """The dashboard's Bokeh server (distributed's), or None when bokeh is missing or the dashboard is off."""
+def _bokeh_servers(http: Any) -> list[Any]:
+    """The Bokeh servers on the scheduler's HTTP server, distributed's first; none without bokeh or dashboard."""
     try:
         from bokeh.server.tornado import BokehTornado
     except ImportError:
-        return None
-    return next((app for app in http.applications if isinstance(app, BokehTornado)), None)
+        return []
+    return [app for app in http.applications if isinstance(app, BokehTornado)]
+
+
+def _bokeh_server(http: Any) -> Any:
+    """The dashboard's Bokeh server (distributed's), or None when bokeh is missing or the dashboard is off."""
+    return next(iter(_bokeh_servers(http)), None)
 
 
 def _add_to_menu(scheduler: Any) -> None:

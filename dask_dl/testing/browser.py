@@ -2,8 +2,14 @@
 
 ``chromium --dump-dom`` prints the light DOM only, while BokehJS draws every model inside shadow roots; so the
 tests open the page over the DevTools protocol instead, wait until a JavaScript condition holds, and read the text
-the browser rendered, shadow roots and SVG text included. Chromium is Debian's package (``.ci/run`` installs it);
-:func:`find_chromium` returns None where there is none, and tests skip with the reason.
+the browser rendered, shadow roots and SVG text included. The page stays open between waits, so a test can watch
+it change without a reload. Chromium is Debian's package (``.ci/run`` installs it); :func:`find_chromium`
+returns None where there is none, and tests skip with the reason.
+
+>>> with Browser() as browser:  # doctest: +SKIP
+...     page = browser.open("http://127.0.0.1:8787/dask-dl")
+...     text = page.wait_for("text.includes('fit-1234')")
+...     page.screenshot("page.png")
 """
 
 from __future__ import annotations
@@ -16,12 +22,13 @@ import re
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RENDERED_TEXT", "find_chromium", "open_page"]
+__all__ = ["RENDERED_TEXT", "Browser", "Page", "find_chromium"]
 
 #: JavaScript: the rendered text of the page, one line per visible text node, through shadow roots and SVG
 #: ``<text>``
@@ -55,47 +62,25 @@ def find_chromium() -> str | None:
     return None
 
 
-def open_page(
-    url: str,
-    *,
-    until: str,
-    timeout: float = 60.0,
-    screenshot: str | os.PathLike | None = None,
-    width: int = 1400,
-    height: int = 1600,
-) -> str:
-    """Open ``url`` in headless Chromium, wait until the JavaScript expression ``until`` is true, return the text.
+class Browser:
+    """A headless Chromium process and the event loop thread that talks to it; use it as a context manager.
 
     Parameters
     ----------
-    url
-        The page to open.
-    until
-        A JavaScript expression evaluated in the page every 0.2 s; the page counts as rendered when it is truthy.
-        ``RENDERED_TEXT`` is available in it as the variable ``text``.
-    timeout
-        Seconds to wait for ``until``.
-    screenshot
-        Where to write a PNG of the page, when given.
     width, height
-        The window size.
-
-    Returns
-    -------
-    str
-        The page's rendered text (see :data:`RENDERED_TEXT`).
+        The window size, which is also a screenshot's size.
 
     Raises
     ------
     FileNotFoundError
         When no Chromium is installed.
-    TimeoutError
-        When ``until`` is not true within ``timeout``; the message holds the page's text and console errors.
     """
-    chromium = find_chromium()
-    if chromium is None:
-        raise FileNotFoundError("no chromium on PATH: install it with apt-get install -y chromium")
-    with tempfile.TemporaryDirectory(prefix="dask-dl-chromium-") as profile:
+
+    def __init__(self, *, width: int = 1400, height: int = 1600) -> None:
+        chromium = find_chromium()
+        if chromium is None:
+            raise FileNotFoundError("no chromium on PATH: install it with apt-get install -y chromium")
+        self._profile = tempfile.TemporaryDirectory(prefix="dask-dl-chromium-")
         args = [
             chromium,
             "--headless",
@@ -105,22 +90,112 @@ def open_page(
             "--no-first-run",
             "--hide-scrollbars",
             f"--window-size={width},{height}",
-            f"--user-data-dir={profile}",
+            f"--user-data-dir={self._profile.name}",
             "--remote-debugging-address=127.0.0.1",
             "--remote-debugging-port=0",
             "about:blank",
         ]
-        proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self._proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="dask-dl-browser", daemon=True)
+        self._thread.start()
+        self._pages: list[Page] = []
         try:
-            port = _devtools_port(Path(profile), proc, timeout=30)
-            return asyncio.run(_run(port, url, until, timeout, screenshot))
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            self.port = _devtools_port(Path(self._profile.name), self._proc, timeout=30)
+        except BaseException:
+            self.close()
+            raise
+
+    def open(self, url: str) -> Page:
+        """Load ``url`` in the browser's tab and return the :class:`Page` (one page per browser)."""
+        targets = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{self.port}/json/list", timeout=10).read())
+        target = next(t for t in targets if t.get("type") == "page")
+        page = Page(self, self._call(_Session.connect(target["webSocketDebuggerUrl"])), url)
+        self._pages.append(page)
+        self._call(page.session.call("Page.navigate", url=url))
+        return page
+
+    def close(self) -> None:
+        """Close the connections, stop the loop thread and end Chromium."""
+        for page in self._pages:
+            self._call(page.session.close())
+        self._pages = []
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+        if not self._thread.is_alive():
+            self._loop.close()
+        self._proc.terminate()
+        try:
+            self._proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        self._profile.cleanup()
+
+    def __enter__(self) -> Browser:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, coroutine: Any, timeout: float | None = None) -> Any:
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
+
+
+class Page:
+    """A page open in a :class:`Browser`."""
+
+    def __init__(self, browser: Browser, session: _Session, url: str) -> None:
+        self.browser = browser
+        self.session = session
+        self.url = url
+
+    def wait_for(self, condition: str, *, timeout: float = 60.0) -> str:
+        """Wait until the JavaScript expression ``condition`` is true in the page and return the rendered text.
+
+        Parameters
+        ----------
+        condition
+            Evaluated every 0.2 s; :data:`RENDERED_TEXT` is available in it as ``text``.
+        timeout
+            Seconds to wait.
+
+        Returns
+        -------
+        str
+            The page's rendered text (:data:`RENDERED_TEXT`) when ``condition`` held.
+
+        Raises
+        ------
+        TimeoutError
+            When ``condition`` is not true within ``timeout``; the message holds the page's text and console errors.
+        """
+        return self.browser._call(self._wait_for(condition, timeout))
+
+    def text(self) -> str:
+        """The page's rendered text now (:data:`RENDERED_TEXT`)."""
+        return self.browser._call(self.session.evaluate(RENDERED_TEXT))
+
+    def screenshot(self, path: str | os.PathLike) -> None:
+        """Write a PNG of the whole page to ``path``."""
+        shot = self.browser._call(self.session.call("Page.captureScreenshot", format="png", captureBeyondViewport=True))
+        Path(path).write_bytes(base64.b64decode(shot["data"]))
+
+    async def _wait_for(self, condition: str, timeout: float) -> str:
+        # text and condition in one evaluation: the text returned is the text the condition held on
+        probe = f"(() => {{ const text = {RENDERED_TEXT}; return [Boolean({condition}), text]; }})()"
+        deadline = time.monotonic() + timeout
+        while True:
+            held, text = await self.session.evaluate(probe)
+            if held:
+                return text
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{self.url} did not satisfy {condition!r} within {timeout} s; console errors: "
+                    f"{self.session.errors}; rendered text: {text[:2000]!r}"
+                )
+            await asyncio.sleep(0.2)
 
 
 def _devtools_port(profile: Path, proc: subprocess.Popen, *, timeout: float) -> int:
@@ -138,37 +213,6 @@ def _devtools_port(profile: Path, proc: subprocess.Popen, *, timeout: float) -> 
     raise TimeoutError(f"chromium did not open its DevTools port within {timeout} s")
 
 
-async def _run(port: int, url: str, until: str, timeout: float, screenshot: Any) -> str:
-    from tornado.websocket import websocket_connect
-
-    targets = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=10).read())
-    page = next(t for t in targets if t.get("type") == "page")
-    ws = await websocket_connect(page["webSocketDebuggerUrl"], max_message_size=256 * 2**20)
-    session = _Session(ws)
-    try:
-        await session.call("Runtime.enable")
-        await session.call("Page.enable")
-        await session.call("Page.navigate", url=url)
-        condition = f"(() => {{ const text = {RENDERED_TEXT}; return Boolean({until}); }})()"
-        deadline = time.monotonic() + timeout
-        while True:
-            if await session.evaluate(condition):
-                break
-            if time.monotonic() > deadline:
-                text = await session.evaluate(RENDERED_TEXT)
-                raise TimeoutError(
-                    f"{url} did not satisfy {until!r} within {timeout} s; console errors: {session.errors}; "
-                    f"rendered text: {text[:2000]!r}"
-                )
-            await asyncio.sleep(0.2)
-        if screenshot is not None:
-            shot = await session.call("Page.captureScreenshot", format="png", captureBeyondViewport=True)
-            Path(screenshot).write_bytes(base64.b64decode(shot["data"]))
-        return await session.evaluate(RENDERED_TEXT)
-    finally:
-        ws.close()
-
-
 class _Session:
     """Calls over one DevTools websocket; console errors and uncaught exceptions are collected in ``errors``."""
 
@@ -176,6 +220,18 @@ class _Session:
         self.ws = ws
         self.next_id = 0
         self.errors: list[str] = []
+
+    @classmethod
+    async def connect(cls, url: str) -> _Session:
+        from tornado.websocket import websocket_connect
+
+        session = cls(await websocket_connect(url, max_message_size=256 * 2**20))
+        await session.call("Runtime.enable")
+        await session.call("Page.enable")
+        return session
+
+    async def close(self) -> None:
+        self.ws.close()
 
     async def call(self, method: str, **params: Any) -> dict[str, Any]:
         self.next_id += 1
