@@ -212,6 +212,19 @@ def test_routes_serve_runs_and_survive_malformed_ones():
         assert 'href="dask-dl"' in _get(page.replace("/dask-dl", "/status"))[1]
 
 
+def test_scheduler_without_bokeh_dashboard_serves_the_json_only():
+    with (
+        LocalCluster(
+            n_workers=0, processes=False, dashboard_address="127.0.0.1:0", scheduler_kwargs={"dashboard": False}
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        assert dashboard.install(client) is None  # no page to point at
+        dashboard.publish(client, "run-a", {"status": "running"})
+        runs = _wait_for(_local(client.dashboard_link.replace("/status", "/dask-dl/runs.json")), lambda r: r)
+        assert runs == {"run-a": {"status": "running"}}
+
+
 def test_preload_lists_the_page_for_jupyterlab():
     """A scheduler started with the preload serves the page from distributed's own Bokeh server, so its
     /individual-plots.json (what JupyterLab's Dask panel reads) lists it. In a fresh process: the preload

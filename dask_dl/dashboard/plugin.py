@@ -53,11 +53,20 @@ def install(client: Any) -> str | None:
     Returns
     -------
     str or None
-        The page's URL next to the dashboard's ``/status``, or None when the scheduler serves no dashboard.
+        The page's URL next to the dashboard's ``/status``, or None when the scheduler serves no Bokeh dashboard
+        (started with ``dashboard=False`` or without bokeh).
     """
     client.register_plugin(DashboardPlugin(), name=DashboardPlugin.name)
     link = client.dashboard_link
-    return link.replace("/status", f"/{PAGE}") if link else None
+    if not link or not client.run_on_scheduler(page_served):
+        return None  # no Bokeh dashboard on that scheduler: runs.json only, on its HTTP server if it has one
+    return link.replace("/status", f"/{PAGE}")
+
+
+def page_served(dask_scheduler: Any) -> bool:
+    """Whether ``dask_scheduler``'s dashboard serves the page (run on the scheduler by :func:`install`)."""
+    http = getattr(dask_scheduler, "http_application", None)
+    return http is not None and any(f"/{PAGE}" in app.app_paths for app in _bokeh_servers(http))
 
 
 def serve(scheduler: Any) -> None:
