@@ -10,6 +10,7 @@ import time
 import urllib.request
 from urllib.parse import urlparse
 
+import dask
 import pytest
 from distributed import Client, LocalCluster
 
@@ -120,13 +121,25 @@ def test_runs_from_events_skips_what_is_not_a_run():
     assert dashboard.runs_from_events(events) == {"7": {"status": "finished"}, "a": {"status": "running"}}
 
 
+def test_store_keeps_the_latest_runs():
+    store = dashboard.RunStore(max_runs=2)
+    for msg in ({"run_id": "a", "status": "running"}, "junk", {"run_id": "b", "status": "running"}):
+        store.fold(msg)
+    store.fold({"run_id": "a", "status": "finished"})
+    assert store.runs == {"a": {"status": "finished"}, "b": {"status": "running"}} and store.version == 3
+    store.fold({"run_id": "c", "status": "running"})
+    assert list(store.runs) == ["b", "c"]  # the run started first goes
+    with pytest.raises(ConfigurationError, match="dask-dl.dashboard.max-runs must be a positive integer"):
+        dashboard.RunStore(max_runs=0)
+
+
 # ---- the Bokeh document, drawn from events (real Bokeh models, no browser) -----------------------------------
 
 
 def test_page_draws_each_run_on_its_own():
     events = [(0.0, {"run_id": "good", **GOOD, "history": tuple(GOOD["history"])})]  # as msgpack hands it over
     events += [(1.0 + i, {"run_id": f"bad-{case}", **MALFORMED[case][0]}) for i, case in enumerate(sorted(MALFORMED))]
-    page = RunsPage(lambda: events)
+    page = RunsPage(lambda: (len(events), dashboard.runs_from_events(events)))
     page.update()
     good = page.panels["good"]
     assert not good.error.visible and good.plots.visible
@@ -158,8 +171,25 @@ def test_page_draws_each_run_on_its_own():
     assert page.panels["bad-row not a dict"].error.visible
 
 
+def test_page_follows_a_store_that_changes_in_place():
+    store = dashboard.RunStore(max_runs=2)
+    page = RunsPage(lambda: (store.version, store.runs))
+    store.fold({"run_id": "a", **GOOD, "history": GOOD["history"][:1]})
+    page.update()
+    assert page.panels["a"].curves.data["train_loss"] == [0.7]
+    store.fold({"run_id": "a", "history": GOOD["history"]})  # the same dict, updated
+    page.update()
+    assert page.panels["a"].curves.data["train_loss"] == [0.7, 0.5]
+    store.fold({"run_id": "b", **GOOD})
+    store.fold({"run_id": "c", **GOOD})  # "a" leaves the store
+    page.update()
+    assert list(page.panels) == ["b", "c"] and list(page.comparison.sources) == ["b", "c"]
+    assert [item.label.value for item in page.comparison.loss.legend[0].items] == ["b", "c"]
+    assert len(page.grid.children) == 1 and len(page.grid.children[0].children) == 2  # side by side
+
+
 def test_page_without_runs():
-    page = RunsPage(lambda: [])
+    page = RunsPage(lambda: (0, {}))
     page.update()
     assert page.empty.visible and "No runs yet" in page.empty.text
     assert not page.comparison.root.visible
@@ -210,6 +240,26 @@ def test_routes_serve_runs_and_survive_malformed_ones():
         assert _get(page + "/")[0] == 200  # redirected to /dask-dl
         # the dashboard's menu lists the page on every page opened after install
         assert 'href="dask-dl"' in _get(page.replace("/dask-dl", "/status"))[1]
+
+
+def test_plugin_keeps_runs_the_event_log_forgot():
+    with (
+        dask.config.set({"distributed.admin.low-level-log-length": 5}),  # the event log keeps 5 events per topic
+        LocalCluster(n_workers=0, processes=False, dashboard_address="127.0.0.1:0") as cluster,
+        Client(cluster) as client,
+    ):
+        dashboard.publish(client, "early", {"status": "running"})  # before the plugin: it reads the event log
+        url = dashboard.install(client)
+        dashboard.publish(client, "early", {"status": "finished", "history": [{"epoch": 0, "train_loss": 0.5}]})
+        for step in range(10):
+            dashboard.publish(client, "late", {"status": "running", "step": step})
+        runs = _wait_for(_local(url) + "/runs.json", lambda r: r.get("late", {}).get("step") == 9)
+        assert runs == {
+            "early": {"status": "finished", "history": [{"epoch": 0, "train_loss": 0.5}]},
+            "late": {"status": "running", "step": 9},
+        }
+        logged = client.run_on_scheduler(lambda dask_scheduler: dask_scheduler.get_events(dashboard.TOPIC))
+        assert {msg["run_id"] for _, msg in logged} == {"late"}  # the log alone would have lost "early"
 
 
 def test_scheduler_without_bokeh_dashboard_serves_the_json_only():

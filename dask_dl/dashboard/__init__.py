@@ -13,7 +13,16 @@ Modules: :mod:`~dask_dl.dashboard.events` (publishing and checking runs, no Boke
 
 from __future__ import annotations
 
-from dask_dl.dashboard.events import TOPIC, check_run, publish, runs_from_events
+from dask_dl.dashboard.events import TOPIC, RunStore, check_run, publish, runs_from_events
 from dask_dl.dashboard.plugin import DashboardPlugin, install, runs_json
 
-__all__ = ["TOPIC", "DashboardPlugin", "check_run", "install", "publish", "runs_from_events", "runs_json"]
+__all__ = [
+    "TOPIC",
+    "DashboardPlugin",
+    "RunStore",
+    "check_run",
+    "install",
+    "publish",
+    "runs_from_events",
+    "runs_json",
+]

@@ -1,9 +1,12 @@
-"""What runs publish to the dashboard, and the checks that keep one bad run from breaking the page.
+"""What runs publish to the dashboard, where the scheduler keeps it, and the checks that keep one bad run from
+breaking the page.
 
 A run reports with :func:`publish`: one event on the scheduler's event log (topic :data:`TOPIC`) per update, each
-carrying the run's latest *snapshot* (the dict of :meth:`dask_dl.TrainingRun.snapshot`). :func:`runs_from_events`
-folds the events back into the latest state of each run. The event log is open to every client, so the page
-checks every run with :func:`check_run` again before drawing it: a run that fails shows its problems, not a
+carrying the run's latest *snapshot* (the dict of :meth:`dask_dl.TrainingRun.snapshot`). On the scheduler, the
+dashboard plugin folds every such event into a :class:`RunStore` as it arrives (the event log itself keeps only
+the last ``distributed.admin.low-level-log-length`` events, about a quarter of an hour of training), which keeps
+the latest state of the last ``dask-dl.dashboard.max-runs`` runs. The event log is open to every client, so the
+page checks every run with :func:`check_run` before drawing it: a run that fails shows its problems, not a
 traceback, and the other runs are drawn as usual.
 
 Nothing here imports Bokeh: the checks also run in the client that publishes.
@@ -18,6 +21,7 @@ from typing import Any
 from dask_dl.errors import ConfigurationError
 
 TOPIC = "dask-dl-runs"
+PLUGIN_NAME = "dask-dl-dashboard"
 
 #: keys of a snapshot the page draws as numbers (every one optional)
 RUN_NUMBERS = (
@@ -90,27 +94,76 @@ def publish(client: Any, run_id: str, snapshot: dict[str, Any]) -> None:
     client.log_event(TOPIC, {**message, "run_id": run_id})
 
 
-def runs_from_events(events: Any) -> dict[str, dict[str, Any]]:
+class RunStore:
+    """The latest state of each run, folded from run events as they arrive, in start order.
+
+    Parameters
+    ----------
+    max_runs
+        How many runs to keep; beyond it, the run started first goes. Default ``dask-dl.dashboard.max-runs``.
+
+    Raises
+    ------
+    ConfigurationError
+        When ``max_runs`` is not a positive integer.
+    """
+
+    def __init__(self, max_runs: int | None = None) -> None:
+        from dask_dl import config
+        from dask_dl.checks import positive_int
+
+        self.max_runs = positive_int("dask-dl.dashboard.max-runs", config.get("dashboard.max-runs", max_runs))
+        self.runs: dict[str, dict[str, Any]] = {}
+        self.version = 0  # counts the events folded: the page redraws when it changes
+
+    def fold(self, msg: Any) -> None:
+        """Merge one event's message into its run's state; messages that are not run updates are skipped.
+
+        A message is a run update when it is a dict with a ``run_id``; a run id that is not a string is used as
+        its ``str``. Later keys replace earlier ones.
+        """
+        if not isinstance(msg, dict) or msg.get("run_id") is None:
+            return
+        run_id = msg["run_id"] if isinstance(msg["run_id"], str) else str(msg["run_id"])
+        self.runs.setdefault(run_id, {}).update({str(k): v for k, v in msg.items() if k != "run_id"})
+        while len(self.runs) > self.max_runs:
+            del self.runs[next(iter(self.runs))]
+        self.version += 1
+
+
+def runs_from_events(events: Any, *, max_runs: int | None = None) -> dict[str, dict[str, Any]]:
     """Fold the scheduler's ``dask-dl-runs`` events into the latest state of each run, in start order.
 
     Parameters
     ----------
     events
-        ``(timestamp, message)`` pairs as ``Scheduler.get_events(TOPIC)`` returns them. Messages that are not
-        dicts with a ``run_id`` are skipped; a run id that is not a string is used as its ``str``.
+        ``(timestamp, message)`` pairs as ``Scheduler.get_events(TOPIC)`` returns them; see :meth:`RunStore.fold`
+        for which messages count.
+    max_runs
+        See :class:`RunStore`.
 
     Returns
     -------
     dict
         ``{run_id: state}``, each state the union of the run's messages, later keys winning.
     """
-    runs: dict[str, dict[str, Any]] = {}
+    store = RunStore(max_runs)
     for event in events:
-        msg = event[1] if isinstance(event, tuple | list) and len(event) == 2 else None
-        if isinstance(msg, dict) and msg.get("run_id") is not None:
-            run_id = msg["run_id"] if isinstance(msg["run_id"], str) else str(msg["run_id"])
-            runs.setdefault(run_id, {}).update({str(k): v for k, v in msg.items() if k != "run_id"})
-    return runs
+        if isinstance(event, tuple | list) and len(event) == 2:
+            store.fold(event[1])
+    return store.runs
+
+
+def scheduler_runs(scheduler: Any) -> tuple[Any, dict[str, dict[str, Any]]]:
+    """A version and the runs on ``scheduler``: the dashboard plugin's store, else folded from the event log.
+
+    The version changes whenever a run does, so a page redraws only then.
+    """
+    store = getattr(scheduler.plugins.get(PLUGIN_NAME), "store", None)
+    if store is not None:
+        return ("store", id(store), store.version), store.runs
+    events = scheduler.get_events(TOPIC)  # no plugin (yet): what the event log still holds
+    return ("events", len(events), events[-1][0] if events else None), runs_from_events(events)
 
 
 def check_run(run: Any) -> list[str]:

@@ -1,9 +1,9 @@
 """The Bokeh document of the dask_dl page: a comparison of every run, then one panel per run.
 
 The document lives in the scheduler's Bokeh server, like every page of the Dask dashboard, and reads the runs
-from the scheduler's event log once a second (:func:`~dask_dl.dashboard.events.runs_from_events`). Each run is
-checked (:func:`~dask_dl.dashboard.events.check_run`) and drawn on its own: a malformed run shows its problems in
-a red box in its panel and is left out of the comparison, and every other run is drawn as usual.
+the scheduler keeps once a second (:func:`~dask_dl.dashboard.events.scheduler_runs`), redrawing what changed.
+Each run is checked (:func:`~dask_dl.dashboard.events.check_run`) and drawn on its own: a malformed run shows
+its problems in a red box in its panel and is left out of the comparison, and every other run is drawn as usual.
 
 Figures use Bokeh's SVG backend, so axis labels, tick values and bar values are text a browser (and a test)
 can read.
@@ -21,7 +21,7 @@ from bokeh.models import ColumnDataSource, Div, FactorRange, HoverTool, Range1d
 from bokeh.palettes import Category10_10
 from bokeh.plotting import figure
 
-from dask_dl.dashboard.events import TOPIC, check_run, runs_from_events
+from dask_dl.dashboard.events import check_run, scheduler_runs
 
 logger = logging.getLogger("dask_dl.dashboard")
 
@@ -57,7 +57,7 @@ def individual_doc(scheduler: Any, extra: dict[str, Any], doc: Any) -> None:
 
 
 def _fill(scheduler: Any, doc: Any) -> None:
-    page = RunsPage(lambda: scheduler.get_events(TOPIC))
+    page = RunsPage(lambda: scheduler_runs(scheduler))
     page.update()
     doc.title = f"Dask: {TITLE}"
     doc.add_root(page.root)
@@ -65,11 +65,11 @@ def _fill(scheduler: Any, doc: Any) -> None:
 
 
 class RunsPage:
-    """The page's models, redrawn from the event log by :meth:`update`; ``events`` returns the run events."""
+    """The page's models, redrawn by :meth:`update` from ``source``, which returns ``(version, {run_id: run})``."""
 
-    def __init__(self, events: Any) -> None:
-        self._events = events
-        self._seen: tuple | None = None
+    def __init__(self, source: Any) -> None:
+        self._source = source
+        self._seen: Any = None
         self.panels: dict[str, RunPanel] = {}
         self.empty = Div(text="<p>No runs yet: start one with <code>dask_dl.fit(...)</code>.</p>")
         self.comparison = Comparison()
@@ -78,23 +78,26 @@ class RunsPage:
         self.root = column(header, self.empty, self.comparison.root, self.grid)
 
     def update(self) -> None:
-        """Redraw what changed since the last call (nothing when no run published since)."""
-        events = self._events()
-        seen = (len(events), events[-1][0] if events else None)
-        if seen == self._seen:
+        """Redraw what changed since the last call (nothing when the version is the same)."""
+        version, runs = self._source()
+        if version == self._seen:
             return
-        self._seen = seen
-        runs = runs_from_events(events)
+        self._seen = version
+        runs = dict(runs)  # the scheduler's store goes on changing; this call draws one moment of it
         problems = {run_id: check_run(run) for run_id, run in runs.items()}
         new = [run_id for run_id in runs if run_id not in self.panels]
+        gone = [run_id for run_id in self.panels if run_id not in runs]  # beyond dask-dl.dashboard.max-runs
         for run_id in new:
             self.panels[run_id] = RunPanel(run_id)
+        for run_id in gone:
+            del self.panels[run_id]
+            self.comparison.remove(run_id)
         for run_id, run in runs.items():
             self.panels[run_id].update(run, problems[run_id])
         self.comparison.update(runs, problems)
         self.empty.visible = not runs
         self.comparison.root.visible = bool(runs)
-        if new:  # newest first, two runs side by side
+        if new or gone:  # newest first, two runs side by side
             panels = [self.panels[run_id].root for run_id in reversed(runs)]
             self.grid.children = [row(*panels[i : i + 2]) for i in range(0, len(panels), 2)]
 
@@ -155,7 +158,7 @@ class RunPanel:
         """Draw ``run`` (its folded state); with ``problems``, an error box instead of the curves."""
         if run == self._last:
             return
-        self._last = run
+        self._last = dict(run)  # a copy: the scheduler's store updates the run in place
         try:
             if problems:
                 raise _Malformed(problems)
@@ -233,6 +236,14 @@ class Comparison:
             logger.warning("dask_dl dashboard: cannot draw the comparison", exc_info=True)
             self.error.text = _error_box("the comparison", [f"{type(exc).__name__}: {exc}"])
             self.error.visible = True
+
+    def remove(self, run_id: str) -> None:
+        """Take a run's curves out of the shared figures."""
+        source = self.sources.pop(run_id, None)
+        for fig in (self.loss, self.auroc):
+            fig.renderers = [r for r in fig.renderers if getattr(r, "data_source", None) is not source]
+            for legend in fig.legend:
+                legend.items = [item for item in legend.items if all(r in fig.renderers for r in item.renderers)]
 
     def _add(self, run_id: str) -> None:
         color = Category10_10[len(self.sources) % len(Category10_10)]

@@ -19,7 +19,7 @@ from typing import Any
 
 from distributed.diagnostics.plugin import SchedulerPlugin
 
-from dask_dl.dashboard.events import TOPIC, check_run, jsonable, runs_from_events
+from dask_dl.dashboard.events import PLUGIN_NAME, TOPIC, RunStore, check_run, jsonable, scheduler_runs
 
 logger = logging.getLogger("dask_dl.dashboard")
 
@@ -29,15 +29,26 @@ MENU_NAME = "dask_dl Training Runs"
 
 
 class DashboardPlugin(SchedulerPlugin):
-    """Scheduler plugin that serves the dask_dl page on the scheduler's dashboard server."""
+    """Scheduler plugin that keeps the runs' latest states and serves the dask_dl page on the dashboard server."""
 
-    name = "dask-dl-dashboard"
+    name = PLUGIN_NAME
     idempotent = True  # registering again (every fit) keeps the plugin already there
 
+    def __init__(self) -> None:
+        self.store: RunStore | None = None
+
     async def start(self, scheduler: Any) -> None:
-        """Add the page's routes to ``scheduler``'s HTTP server (nothing when it serves no dashboard)."""
+        """Fold the run events logged so far, and add the page's routes to ``scheduler``'s HTTP server."""
+        self.store = RunStore()
+        for _, msg in scheduler.get_events(TOPIC):
+            self.store.fold(msg)
         if getattr(scheduler, "http_application", None) is not None:
             serve(scheduler)
+
+    def log_event(self, topic: str, msg: Any) -> None:
+        """Fold each run event as it arrives (the event log forgets old ones; the store keeps every run)."""
+        if topic == TOPIC and self.store is not None:
+            self.store.fold(msg)
 
 
 def install(client: Any) -> str | None:
@@ -82,7 +93,7 @@ def serve(scheduler: Any) -> None:
     class Runs(RequestHandler):
         def get(self) -> None:
             self.set_header("Content-Type", "application/json")
-            self.write(json.dumps(runs_json(scheduler.get_events(TOPIC))))
+            self.write(json.dumps(runs_json(scheduler_runs(scheduler)[1])))
 
     class ToPage(web.RequestHandler):
         def get(self) -> None:
@@ -115,15 +126,15 @@ def serve(scheduler: Any) -> None:
     _add_to_menu(scheduler)
 
 
-def runs_json(events: Any) -> dict[str, dict[str, Any]]:
-    """Every run's latest state from the ``dask-dl-runs`` events, JSON-able, with ``problems`` where malformed."""
-    runs = {}
-    for run_id, run in runs_from_events(events).items():
-        runs[run_id] = jsonable(run)
+def runs_json(runs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The runs' states (``{run_id: state}``), JSON-able, with ``problems`` where a run is malformed."""
+    out = {}
+    for run_id, run in runs.items():
+        out[run_id] = jsonable(run)
         problems = check_run(run)
         if problems:
-            runs[run_id]["problems"] = problems
-    return runs
+            out[run_id]["problems"] = problems
+    return out
 
 
 def _bokeh_servers(http: Any) -> list[Any]:
