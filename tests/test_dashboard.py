@@ -2,6 +2,7 @@
 
 import html
 import json
+import math
 import re
 import subprocess
 import sys
@@ -169,6 +170,23 @@ def test_page_draws_each_run_on_its_own():
     fixed = page.panels["bad-history not a list"]
     assert not fixed.error.visible and fixed.curves.data["train_loss"] == [0.7, 0.5]
     assert page.panels["bad-row not a dict"].error.visible
+
+
+def test_page_survives_what_the_checks_let_through():
+    """Values that pass the checks but not the drawing break their own panel only, never the page."""
+    runs = {
+        "infinite": {"status": "running", "history": [{"epoch": 0, "train_loss": math.inf, "val_auroc_mean": 0.5}]},
+        "huge": {"status": "running", "history": [{"epoch": 0, "train_loss": 10**400}]},  # no float holds it
+        "good": GOOD,
+    }
+    page = RunsPage(lambda: (1, runs))
+    page.update()
+    infinite = page.panels["infinite"]
+    assert not infinite.error.visible and math.isnan(infinite.curves.data["train_loss"][0])  # a gap, not an axis to inf
+    huge = page.panels["huge"]
+    assert huge.error.visible and "OverflowError: int too large to convert to float" in huge.error.text
+    assert "huge: OverflowError" in page.comparison.error.text and page.comparison.error.visible
+    assert not page.panels["good"].error.visible and list(page.comparison.sources) == ["infinite", "huge", "good"]
 
 
 def test_page_follows_a_store_that_changes_in_place():

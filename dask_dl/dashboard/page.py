@@ -196,7 +196,7 @@ class RunPanel:
             self.labels.data = {
                 "label": names,
                 "auroc": [_num(v) for v in aurocs.values()],
-                "text_at": [0.0 if v is None else v for v in aurocs.values()],  # "n/a" where a label has none
+                "text_at": [0.0 if math.isnan(_num(v)) else v for v in aurocs.values()],  # "n/a" where none
                 "text": [_fmt(v, ".3f") for v in aurocs.values()],
             }
         self.per_label.visible = bool(aurocs)
@@ -218,11 +218,11 @@ class Comparison:
 
     def update(self, runs: dict[str, dict[str, Any]], problems: dict[str, list[str]]) -> None:
         """Redraw the table and the shared curves; malformed runs are named in the table only."""
-        try:
-            self.table.text = _comparison_table(runs, problems)
-            for run_id, run in runs.items():
-                if problems[run_id]:
-                    continue
+        failed = []
+        for run_id, run in runs.items():
+            if problems[run_id]:
+                continue
+            try:
                 if run_id not in self.sources:
                     self._add(run_id)
                 history = run.get("history") or []
@@ -231,11 +231,12 @@ class Comparison:
                     "train_loss": [_num(entry.get("train_loss")) for entry in history],
                     "val_auroc_mean": [_num(entry.get("val_auroc_mean")) for entry in history],
                 }
-            self.error.visible = False
-        except Exception as exc:
-            logger.warning("dask_dl dashboard: cannot draw the comparison", exc_info=True)
-            self.error.text = _error_box("the comparison", [f"{type(exc).__name__}: {exc}"])
-            self.error.visible = True
+            except Exception as exc:  # this run's curves only; the table and the other runs go on
+                logger.warning("dask_dl dashboard: cannot draw run %s in the comparison", run_id, exc_info=True)
+                failed.append(f"{run_id}: {type(exc).__name__}: {exc}")
+        self.table.text = _comparison_table(runs, problems)
+        self.error.text = _error_box("the comparison", failed) if failed else ""
+        self.error.visible = bool(failed)
 
     def remove(self, run_id: str) -> None:
         """Take a run's curves out of the shared figures."""
@@ -304,27 +305,35 @@ def _comparison_table(runs: dict[str, dict[str, Any]], problems: dict[str, list[
     head += ("train loss", "mean AUROC")
     lines = ["<table class='ddl-facts'><tr>" + "".join(f"<th>{h}</th>" for h in head) + "</tr>"]
     for run_id, run in reversed(runs.items()):
-        if problems[run_id]:
+        try:
+            cells = _comparison_row(run_id, run) if not problems[run_id] else None
+        except Exception as exc:  # one run's row; the table goes on
+            logger.warning("dask_dl dashboard: cannot show run %s in the table", run_id, exc_info=True)
+            problems = {**problems, run_id: [f"{type(exc).__name__}: {exc}"]}
+            cells = None
+        if cells is None:
             cells = [html.escape(run_id), "<span style='color:#d62728'>malformed: see its panel</span>"]
             cells += [""] * (len(head) - 2)
-        else:
-            last = (run.get("history") or [{}])[-1]
-            status = run["status"]
-            cells = [
-                html.escape(run_id),
-                f"<span style='color:{_STATUS_COLORS.get(status, '#555')}'>{html.escape(status)}</span>",
-                html.escape(str(run.get("model", ""))),
-                html.escape(str(run.get("compression", ""))),
-                _of(run.get("epoch"), run.get("epochs"), one_based=True),
-                _fmt(_global_batch(run)),
-                _fmt(run.get("images_per_s"), ",.1f"),
-                _percent(run.get("data_wait_share")),
-                _vs_fp32(run.get("bytes_sent"), run.get("bytes_uncompressed")),
-                _fmt(last.get("train_loss"), ".4g"),
-                _fmt(last.get("val_auroc_mean"), ".3f"),
-            ]
         lines.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
     return "<h3 style='margin:4px 0'>runs side by side</h3>" + "".join(lines) + "</table>"
+
+
+def _comparison_row(run_id: str, run: dict[str, Any]) -> list[str]:
+    last = (run.get("history") or [{}])[-1]
+    status = run["status"]
+    return [
+        html.escape(run_id),
+        f"<span style='color:{_STATUS_COLORS.get(status, '#555')}'>{html.escape(status)}</span>",
+        html.escape(str(run.get("model", ""))),
+        html.escape(str(run.get("compression", ""))),
+        _of(run.get("epoch"), run.get("epochs"), one_based=True),
+        _fmt(_global_batch(run)),
+        _fmt(run.get("images_per_s"), ",.1f"),
+        _percent(run.get("data_wait_share")),
+        _vs_fp32(run.get("bytes_sent"), run.get("bytes_uncompressed")),
+        _fmt(last.get("train_loss"), ".4g"),
+        _fmt(last.get("val_auroc_mean"), ".3f"),
+    ]
 
 
 def _error_box(what: str, problems: list[str]) -> str:
@@ -353,7 +362,10 @@ def _global_batch(run: dict[str, Any]) -> Any:
 
 
 def _num(value: Any) -> float:
-    return math.nan if value is None else float(value)
+    """A number for a figure: NaN (a gap) for what is missing or not finite, which would break the axes' range."""
+    if value is None or not math.isfinite(value):
+        return math.nan
+    return float(value)
 
 
 def _fmt(value: Any, spec: str = ",") -> str:
