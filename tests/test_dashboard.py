@@ -318,14 +318,31 @@ def test_preload_lists_the_page_for_jupyterlab():
                 "bokeh_servers": client.run_on_scheduler(
                     lambda dask_scheduler: len(dask_scheduler.http_application.applications)
                 ),
+                "rendered": rendered(base + "/individual-dask-dl"),
             }))
         """
+    )
+    script = (
+        textwrap.dedent(
+            """
+            from dask_dl.testing.browser import Browser, find_chromium
+
+            def rendered(url):  # what JupyterLab's panel shows, drawn by a real browser
+                if find_chromium() is None:
+                    return None
+                with Browser() as browser:
+                    return browser.open(url).wait_for("text.includes('No runs yet')")
+            """
+        )
+        + script
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
     found = json.loads(out.stdout.strip().splitlines()[-1])
     assert found["plots"]["Individual Dask Dl"] == "/individual-dask-dl"
     assert found["menu"] == 1 and found["runs"] == {} and found["individual"]
     assert found["bokeh_servers"] == 1  # distributed's own serves the page: the plugin added none
+    if found["rendered"] is not None:
+        assert found["rendered"].splitlines()[:2] == ["dask_dl training runs", "No runs yet: start one with"]
 
 
 # ---- a real run in a real browser ----------------------------------------------------------------------------
