@@ -1,7 +1,8 @@
 """Serving the dask_dl page on a running scheduler's dashboard.
 
-:func:`install` (which :func:`dask_dl.fit` calls) registers :class:`DashboardPlugin` on the scheduler. On start
-the plugin adds, on the scheduler's HTTP server:
+:func:`install` (which :func:`dask_dl.fit` calls) registers :class:`DashboardPlugin` on the scheduler. The plugin
+folds every run event into a :class:`~dask_dl.dashboard.events.RunStore` as it arrives and, on start, adds to the
+scheduler's HTTP server:
 
 - ``/dask-dl``: the page, a Bokeh document served like the dashboard's own pages and listed in the dashboard's
   "More..." menu for pages opened from then on (when the scheduler was started with the preload
