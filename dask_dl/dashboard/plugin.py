@@ -128,7 +128,19 @@ def serve(scheduler: Any) -> None:
 
 
 def runs_json(runs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """The runs' states (``{run_id: state}``), JSON-able, with ``problems`` where a run is malformed."""
+    """Return the runs' states as ``/dask-dl/runs.json`` serves them.
+
+    Parameters
+    ----------
+    runs
+        ``{run_id: state}`` as :class:`~dask_dl.dashboard.events.RunStore` keeps them.
+
+    Returns
+    -------
+    dict
+        The same, JSON-able (NaN as None, tuples as lists), with ``"problems"`` (:func:`check_run`'s lines) added
+        to each malformed run.
+    """
     out = {}
     for run_id, run in runs.items():
         out[run_id] = jsonable(run)
