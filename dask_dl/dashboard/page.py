@@ -147,7 +147,9 @@ class RunPanel:
             **_FIGURE,
         )
         self.per_label.hbar(y="label", right="auroc", height=0.7, source=self.labels, color="#9467bd")
-        self.per_label.text(x="text_at", y="label", text="text", source=self.labels, x_offset=4, text_baseline="middle")
+        values = self.per_label.text(x="text_at", y="label", text="text", source=self.labels, x_offset=4)
+        values.glyph.text_baseline = "middle"
+        values.glyph.text_font_size = "11px"
         self.per_label.visible = False
         for fig in (self.loss, self.auroc):
             fig.xaxis.ticker.min_interval = 1  # whole epochs

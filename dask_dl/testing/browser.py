@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import tempfile
 import threading
@@ -95,7 +97,10 @@ class Browser:
             "--remote-debugging-port=0",
             "about:blank",
         ]
-        self._proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        # a session of its own: closing ends Chromium's helper processes too, not only the browser process
+        self._proc = subprocess.Popen(
+            args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="dask-dl-browser", daemon=True)
         self._thread.start()
@@ -125,13 +130,24 @@ class Browser:
             self._thread.join(timeout=10)
         if not self._thread.is_alive():
             self._loop.close()
-        self._proc.terminate()
+        self._end(signal.SIGTERM)
         try:
             self._proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
-            self._proc.kill()
+            self._end(signal.SIGKILL)
             self._proc.wait()
-        self._profile.cleanup()
+        for _ in range(20):  # helpers that outlive the browser process may still write to the profile
+            try:
+                self._profile.cleanup()
+                break
+            except OSError:
+                time.sleep(0.25)
+        else:
+            shutil.rmtree(self._profile.name, ignore_errors=True)  # a leftover temporary directory is harmless
+
+    def _end(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):  # already gone
+            os.killpg(self._proc.pid, sig)  # its own process group (start_new_session)
 
     def __enter__(self) -> Browser:
         return self
