@@ -379,7 +379,9 @@ def predict_command(store, model, out, split, batch_size, overwrite, scheduler, 
     ds = open_dataset(store, split=split)
     client = get_client(scheduler=scheduler, n_workers=workers)
     try:
-        probs = client.compute(predict(ds, model, batch_size=batch_size)).result()
+        from dask_dl.cluster.workers import cpu_workers
+
+        probs = client.compute(predict(ds, model, batch_size=batch_size), workers=cpu_workers(client)).result()
     finally:
         if scheduler is not None:  # the client made for --scheduler is ours (close_client closes only clusters)
             client.close()

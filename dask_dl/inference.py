@@ -248,7 +248,9 @@ def predict(
         token="predict",
     )
     if client is not None:
-        probs = client.persist(probs)
+        from dask_dl.cluster.workers import cpu_workers
+
+        probs = client.persist(probs, workers=cpu_workers(client))  # GPU workers stay with the trainers
     return probs
 
 

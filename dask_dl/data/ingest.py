@@ -440,6 +440,8 @@ def _run(
     from distributed import as_completed
     from distributed import progress as progress_bar
 
+    from dask_dl.cluster.workers import cpu_workers
+
     run = uuid.uuid4().hex
     futures = client.map(
         _ingest_shard,
@@ -448,6 +450,7 @@ def _run(
         size=layout["size"],
         min_size=layout["min_size"],
         key=[f"ingest-shard-{run}-{job['shard']}" for job in jobs],
+        workers=cpu_workers(client),  # on a cluster with GPU workers, leave them to the trainers
     )
     try:
         if progress:

@@ -572,8 +572,11 @@ def _run_blocks(blocks: list[pd.DataFrame], *, size: int, seed: int, client, pro
     else:
         from distributed import as_completed
 
+        from dask_dl.cluster.workers import cpu_workers
+
+        workers = cpu_workers(client)  # on a cluster with GPU workers, leave them to the trainers
         futures = [
-            client.submit(_write_block, rows, size=size, seed=seed, block=block, pure=False)
+            client.submit(_write_block, rows, size=size, seed=seed, block=block, pure=False, workers=workers)
             for block, rows in enumerate(blocks)
         ]
         for future in as_completed(futures):

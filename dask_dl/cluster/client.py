@@ -1,0 +1,137 @@
+"""Turning ``client=None`` into a client, and closing exactly what was opened for it.
+
+Every dask_dl function that computes takes ``client=None``; :func:`get_client` turns that into a client: the one
+passed, else a cluster of the ``kind`` asked for (:func:`dask_dl.cluster.make`), else a connection to a running
+``scheduler`` address, else the current default client (``distributed.Client()`` made earlier in a notebook), else
+a new client of a local cluster. :func:`connect` is the one way dask_dl code opens a cluster for a piece of work: it
+yields a client and, on the way out, closes exactly what it opened (the client first, then the cluster, which for
+a batch system cancels its jobs) and nothing the caller brought, on success, on error and on Ctrl-C alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from dask_dl.cluster.tls import security_from
+
+if TYPE_CHECKING:  # pragma: no cover
+    from distributed import Client
+    from distributed.security import Security
+
+__all__ = ["close_client", "connect", "get_client"]
+
+logger = logging.getLogger(__name__)
+
+
+def get_client(
+    client: Client | None = None,
+    *,
+    scheduler: str | None = None,
+    n_workers: int | None = None,
+    kind: str | None = None,
+    security: Security | bool | None = None,
+    **kwargs: Any,
+) -> Client:
+    """Return a Dask client to run on.
+
+    Parameters
+    ----------
+    client
+        Use this client as it is.
+    scheduler
+        Address of a running scheduler to connect to (``tcp://...``, ``tls://...``).
+    n_workers
+        Workers of the cluster started when there is neither a client nor a scheduler address; default
+        ``dask-dl.cluster.n-workers`` (for ``kind="slurm"``: jobs, ``"gateway"``: workers).
+    kind
+        Make a cluster of this kind (``local``, ``cuda``, ``gateway``, ``slurm``) with :func:`dask_dl.cluster.make`
+        instead of using the default client; ``kwargs`` go to it.
+    security
+        TLS settings: a :class:`distributed.security.Security`, or True for throw-away certificates of a local
+        cluster (:func:`dask_dl.cluster.tls.security_from`).
+
+    Returns
+    -------
+    distributed.Client
+        A client whose cluster is closed with the client (:func:`close_client`) when dask_dl started it.
+    """
+    from distributed import Client
+
+    if client is not None:
+        return client
+    security = security_from(security)
+    if scheduler is not None:
+        client = Client(scheduler, security=security)
+        client._dask_dl_owns_client = True  # our connection to someone else's cluster: closed, cluster left
+        return client
+    if kind is None and security is None and not kwargs:
+        try:
+            from distributed import default_client
+
+            return default_client()
+        except ValueError:
+            pass
+    from dask_dl.cluster.make import make, wait_for_workers
+
+    cluster = make(kind, n_workers=n_workers, security=security, **kwargs)
+    try:
+        client = Client(cluster)  # takes the cluster's security
+        client._dask_dl_owns_cluster = True  # closed by close_client
+        wait_for_workers(client, cluster)
+    except BaseException:  # Ctrl-C while a batch queue holds the jobs back included: cancel them
+        _close(locals().get("client"), cluster)
+        raise
+    return client
+
+
+def close_client(client: Client) -> None:
+    """Close what :func:`get_client` opened for ``client``: the client, then its cluster when dask_dl started it.
+
+    A client that was passed in or was the default client is left open.
+    """
+    owns_cluster = getattr(client, "_dask_dl_owns_cluster", False)
+    if not (owns_cluster or getattr(client, "_dask_dl_owns_client", False)):
+        return
+    _close(client, client.cluster if owns_cluster else None)
+
+
+def _close(client: Client | None, cluster: Any) -> None:
+    if client is not None:
+        client.close()  # first: a client outliving its scheduler retries the lost connection and logs about it
+    if cluster is not None:
+        logger.info("closing %s", type(cluster).__name__)
+        cluster.close()
+
+
+@contextlib.contextmanager
+def connect(
+    client: Client | None = None,
+    *,
+    scheduler: str | None = None,
+    n_workers: int | None = None,
+    kind: str | None = None,
+    security: Security | bool | None = None,
+    **kwargs: Any,
+) -> Iterator[Client]:
+    """Yield a client to work on, and close on exit only what this call opened.
+
+    Takes the same arguments as :func:`get_client`: a client passed in (or the current default client) is yielded
+    as it is and stays open; a ``scheduler`` address gets a connection that is closed on exit; a ``kind`` gets a
+    new cluster of that kind (a SLURM cluster's jobs are cancelled on exit, also on error and Ctrl-C); otherwise a
+    local cluster is started and closed on exit, client first.
+
+    Examples
+    --------
+    >>> with connect(n_workers=2) as client:  # doctest: +SKIP
+    ...     ingest(catalog, "cxr.zarr", client=client)
+    >>> with connect(kind="slurm", n_workers=4, gpus_per_job=1, cpu_jobs=2) as client:  # doctest: +SKIP
+    ...     fit(dataset, trainers=4, client=client)
+    """
+    client = get_client(client, scheduler=scheduler, n_workers=n_workers, kind=kind, security=security, **kwargs)
+    try:
+        yield client
+    finally:
+        close_client(client)

@@ -1,0 +1,124 @@
+"""``make("slurm")``: GPU jobs and CPU jobs of a SLURM centre under one scheduler, through dask-jobqueue.
+
+Each job runs one worker. GPU jobs ask SLURM for ``--gres=gpu:N`` and advertise a ``GPU`` resource (trainers go
+there); CPU jobs, on ``cpu_queue`` when given, take the data work. The scheduler runs in this process (the batch
+script's or the notebook's); ``cluster.close()`` cancels every job (``scancel``), and :func:`dask_dl.cluster.connect`
+closes it on exit, also on error and Ctrl-C. With no settings at all one CPU job goes to the default partition.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import TYPE_CHECKING, Any
+
+from dask_dl import config
+from dask_dl.checks import positive_int
+from dask_dl.cluster.tls import security_from
+from dask_dl.cluster.workers import GPU_RESOURCE
+from dask_dl.errors import ConfigurationError, missing_dependency
+
+if TYPE_CHECKING:  # pragma: no cover
+    from distributed.security import Security
+
+__all__ = ["make_slurm"]
+
+
+def make_slurm(
+    *,
+    queue: str | None = None,
+    jobs: int | None = None,
+    n_workers: int | None = None,
+    gpus_per_job: int | None = None,
+    cpu_jobs: int | None = None,
+    cpu_queue: str | None = None,
+    cores: int | None = None,
+    memory: str | None = None,
+    walltime: str | None = None,
+    security: Security | bool | None = None,
+    **kwargs: Any,
+) -> Any:
+    """A ``dask_jobqueue.SLURMCluster`` with ``jobs`` (GPU) jobs plus ``cpu_jobs`` CPU jobs, one worker each.
+
+    Parameters
+    ----------
+    queue
+        Partition of the jobs (of the GPU jobs when ``gpus_per_job`` is set); default
+        ``dask-dl.cluster.slurm.queue``, then SLURM's default partition.
+    jobs, n_workers
+        Number of jobs (``n_workers`` is the same for callers that pass every kind one count); default
+        ``dask-dl.cluster.slurm.jobs``.
+    gpus_per_job
+        GPUs of each of those jobs (``--gres=gpu:N``, and a ``GPU`` worker resource); 0 makes them CPU jobs.
+    cpu_jobs, cpu_queue
+        CPU jobs beside the GPU jobs, for the data work, and their partition (default ``queue``).
+    cores, memory, walltime
+        Of each job; default ``dask-dl.cluster.slurm.*``.
+    security
+        True for TLS with throw-away certificates (the jobs read them from the job script), or a ``Security``.
+    **kwargs
+        Go to ``SLURMCluster`` (``account``, ``job_extra_directives``, ``job_script_prologue``, ``interface``, ...).
+
+    Returns
+    -------
+    dask_jobqueue.SLURMCluster
+        Its jobs are submitted; they start when the queue lets them (:func:`dask_dl.cluster.make.wait_for_workers`).
+
+    Raises
+    ------
+    ConfigurationError
+        A count is not a positive integer.
+    MissingDependencyError
+        dask-jobqueue is not installed.
+    """
+    try:
+        from dask_jobqueue import SLURMCluster
+    except ImportError:
+        raise missing_dependency("dask-jobqueue", "hpc", "make('slurm')") from None
+
+    n_jobs = positive_int("jobs", config.get("cluster.slurm.jobs", jobs if jobs is not None else n_workers))
+    gpus = _count("gpus_per_job", config.get("cluster.slurm.gpus-per-job", gpus_per_job))
+    n_cpu = _count("cpu_jobs", config.get("cluster.slurm.cpu-jobs", cpu_jobs))
+    queue = config.get("cluster.slurm.queue", queue)
+    extra_args = list(kwargs.pop("worker_extra_args", None) or [])
+    directives = list(kwargs.pop("job_extra_directives", None) or config.get("cluster.slurm.job-extra-directives"))
+    options: dict[str, Any] = {
+        "queue": queue,
+        "cores": config.get("cluster.slurm.cores", cores),
+        "memory": config.get("cluster.slurm.memory", memory),
+        "walltime": config.get("cluster.slurm.walltime", walltime),
+        "processes": 1,  # one worker per job: a trainer holds its job's GPUs and one process group
+        "worker_extra_args": extra_args + (["--resources", f"{GPU_RESOURCE}={gpus}"] if gpus else []),
+        "job_extra_directives": directives + ([f"--gres=gpu:{gpus}"] if gpus else []),
+        "scheduler_options": {"dashboard_address": "127.0.0.1:0"},
+    }
+    security = security_from(security)
+    if security is not None:
+        options |= {"security": security, "protocol": "tls://"}
+    options |= kwargs
+    cluster = SLURMCluster(**options)
+    try:
+        cluster.scale(jobs=n_jobs)
+        if n_cpu:
+            cpu = copy.deepcopy(cluster.new_spec)
+            cpu["options"] |= {
+                "queue": config.get("cluster.slurm.cpu-queue", cpu_queue) or queue,
+                "worker_extra_args": extra_args,
+                "job_extra_directives": directives,
+            }
+            for i in range(n_cpu):
+                cluster.worker_spec[f"cpu-{i}"] = copy.deepcopy(cpu)
+            cluster.sync(cluster._correct_state)  # submits the CPU jobs, as SpecCluster.scale does
+    except BaseException:
+        cluster.close()  # scancel what was submitted
+        raise
+    cluster._dask_dl_workers = n_jobs + n_cpu
+    return cluster
+
+
+def _count(name: str, value: Any) -> int:
+    if value in (None, 0):
+        return 0
+    try:
+        return positive_int(name, value)
+    except ConfigurationError:
+        raise ConfigurationError(f"{name} must be 0 or a positive integer, got {value!r}; pass e.g. {name}=1") from None

@@ -1,0 +1,130 @@
+"""Data where the workers are: object-storage settings given once, and paths checked from the workers' side.
+
+Gateway and HPC workers rarely share the client's disk, so stores, catalogs, checkpoints and ONNX models live on
+object storage (``s3://...``) reached through fsspec. :func:`set_storage_options` gives the storage options
+(endpoint, credentials) once: they become fsspec's defaults for that protocol in this process and, through a
+worker plugin, on every worker, including workers that join later, so no function needs ``storage_options=``.
+:func:`check_visible` asks every worker whether it can see a path before work starts, and names the ones that
+cannot.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING, Any
+
+from distributed.diagnostics.plugin import WorkerPlugin
+
+from dask_dl.errors import ConfigurationError, StoreNotFoundError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from distributed import Client
+
+__all__ = ["StorageOptions", "check_visible", "set_storage_options"]
+
+logger = logging.getLogger(__name__)
+
+
+class StorageOptions(WorkerPlugin):
+    """Worker plugin that sets fsspec's default options per protocol (``fsspec.config.conf``) on a worker."""
+
+    name = "dask-dl-storage-options"
+
+    def __init__(self, options: dict[str, dict[str, Any]]) -> None:
+        self.options = options
+
+    def setup(self, worker: Any = None) -> None:
+        _apply(self.options)
+
+
+def _apply(options: dict[str, dict[str, Any]]) -> None:
+    import fsspec.config
+
+    for protocol, values in options.items():
+        fsspec.config.conf[protocol] = dict(fsspec.config.conf.get(protocol, {})) | dict(values)
+        _forget_instances(protocol)
+
+
+def _forget_instances(protocol: str) -> None:
+    """Drop cached filesystems of ``protocol``: they were made with the old options."""
+    import fsspec
+
+    try:
+        cls = fsspec.get_filesystem_class(protocol)
+    except (ImportError, ValueError) as exc:
+        logger.debug("no fsspec filesystem for %r yet (%s): nothing cached to forget", protocol, exc)
+        return
+    cls.clear_instance_cache()
+
+
+def set_storage_options(client: Client | None, options: dict[str, dict[str, Any]]) -> None:
+    """Use ``options`` for every fsspec URL of a protocol, here and on every worker of ``client``'s cluster.
+
+    Parameters
+    ----------
+    client
+        Client of the cluster whose workers get the options (now and when they join later); None: only here.
+    options
+        ``{protocol: storage options}``, e.g. ``{"s3": {"endpoint_url": "http://127.0.0.1:9000", "key": ...,
+        "secret": ...}}``.
+
+    Raises
+    ------
+    ConfigurationError
+        ``options`` is not a mapping of protocol names to mappings.
+
+    Examples
+    --------
+    >>> set_storage_options(client, {"s3": {"endpoint_url": "https://minio.example.org"}})  # doctest: +SKIP
+    >>> dask_dl.ingest(catalog, "s3://bucket/cxr.zarr", client=client)  # doctest: +SKIP
+    """
+    if not isinstance(options, dict) or not all(isinstance(v, dict) for v in options.values()):
+        raise ConfigurationError(
+            f"storage options must map a protocol to its options, got {options!r}; pass e.g. "
+            "{'s3': {'endpoint_url': 'http://127.0.0.1:9000'}}"
+        )
+    _apply(options)
+    if client is not None:
+        client.register_plugin(StorageOptions(options))
+
+
+def _probe(path: str) -> str | None:
+    """On a worker: None when ``path`` exists, else why not."""
+    import fsspec
+
+    try:
+        fs, root = fsspec.core.url_to_fs(path)
+        return None if fs.exists(root) else "does not exist there"
+    except Exception as exc:  # a probe: every failure is an answer, reported with the worker's name
+        return f"{type(exc).__name__}: {exc}"
+
+
+def check_visible(client: Client, *paths: str | os.PathLike, workers: list[str] | None = None) -> None:
+    """Make sure every worker (or ``workers``) sees every path, before any work is sent.
+
+    Parameters
+    ----------
+    client
+        Client of the cluster.
+    *paths
+        Local paths or fsspec URLs of things the workers will open (a store, a model, a checkpoint folder).
+    workers
+        Only ask these workers (e.g. the trainers); default all.
+
+    Raises
+    ------
+    StoreNotFoundError
+        A worker cannot see a path; the message names the worker, the path and why, and the fix.
+    """
+    urls = [os.fspath(p) for p in paths if p is not None]
+    if not urls:
+        return
+    answers = client.run(lambda: {url: _probe(url) for url in urls}, workers=workers)
+    problems = [(w, url, why) for w, found in sorted(answers.items()) for url, why in found.items() if why]
+    if problems:
+        lines = "; ".join(f"worker {w} cannot see {url!r} ({why})" for w, url, why in problems)
+        raise StoreNotFoundError(
+            f"{lines}. The workers open these paths themselves: put them on storage every worker reaches (a "
+            f"shared filesystem, or s3://... with dask_dl.cluster.set_storage_options(client, {{'s3': {{...}}}}))"
+        )

@@ -1,0 +1,92 @@
+"""Which workers do what in a cluster with GPU workers next to CPU workers.
+
+Trainer workers advertise a ``GPU`` resource (dask-cuda's workers, ``dask worker --resources GPU=1``, a SLURM GPU
+job); the others are CPU workers. When a cluster has both, data work (ingest, synthesis, scoring) goes to the CPU
+workers so that the GPU workers' memory and cores stay with the trainers: :func:`cpu_workers` is the restriction
+the data room passes to ``client.map``/``client.persist``. On a cluster of one kind it is None: anywhere.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from distributed import Client
+
+__all__ = ["GPU_RESOURCE", "add_cpu_workers", "cpu_workers", "gpu_workers"]
+
+#: the worker resource that marks trainer (accelerator) workers; ``dask_dl.train.placement`` uses the same name
+GPU_RESOURCE = "GPU"
+
+
+def gpu_workers(client: Client, *, resource: str = GPU_RESOURCE) -> list[str]:
+    """Addresses of the workers that advertise ``resource``, sorted.
+
+    Examples
+    --------
+    >>> gpu_workers(client)  # doctest: +SKIP
+    ['tcp://127.0.0.1:40123']
+    """
+    workers = client.scheduler_info(n_workers=-1)["workers"]
+    return sorted(a for a, w in workers.items() if w.get("resources", {}).get(resource, 0) > 0)
+
+
+def cpu_workers(client: Client | None, *, resource: str = GPU_RESOURCE) -> list[str] | None:
+    """The workers data work should run on: the CPU workers when the cluster also has GPU workers, else None.
+
+    Parameters
+    ----------
+    client
+        Client of the cluster; None (work in this process) gives None.
+    resource
+        Worker resource that marks GPU workers.
+
+    Returns
+    -------
+    list of str or None
+        Addresses for ``client.map(..., workers=...)`` / ``client.persist(..., workers=...)``; None means any
+        worker (a cluster of one kind, or GPU workers only).
+
+    Examples
+    --------
+    >>> futures = client.map(decode, paths, workers=cpu_workers(client))  # doctest: +SKIP
+    """
+    if client is None:
+        return None
+    workers = client.scheduler_info(n_workers=-1)["workers"]
+    plain = sorted(a for a, w in workers.items() if not w.get("resources", {}).get(resource, 0) > 0)
+    if not plain or len(plain) == len(workers):
+        return None
+    return plain
+
+
+def add_cpu_workers(cluster: Any, n: int, *, prefix: str = "cpu", options: dict[str, Any] | None = None) -> None:
+    """Add ``n`` CPU workers to a ``SpecCluster`` whose workers are trainers, under the same scheduler.
+
+    The new workers take the cluster's worker template (host, security, threads, memory) without its resources,
+    plugins and environment, and with ``CUDA_VISIBLE_DEVICES`` empty, so they never touch a GPU.
+
+    Parameters
+    ----------
+    cluster
+        A started ``distributed.SpecCluster`` (``LocalCluster``, dask-cuda's ``LocalCUDACluster``).
+    n
+        Number of CPU workers; 0 adds none.
+    prefix
+        Their names are ``{prefix}-0``, ``{prefix}-1``, ...
+    options
+        Worker options that replace the template's (``nthreads``, ``memory_limit``, ...).
+    """
+    if n <= 0:
+        return
+    from distributed import Nanny
+
+    template = copy.copy(cluster.new_spec.get("options", {}))
+    for key in ("resources", "plugins", "env", "name", "data", "CUDA_VISIBLE_DEVICES"):
+        template.pop(key, None)
+    template["env"] = {"CUDA_VISIBLE_DEVICES": ""}
+    template.update(options or {})
+    for i in range(n):
+        cluster.worker_spec[f"{prefix}-{i}"] = {"cls": Nanny, "options": dict(template)}
+    cluster.sync(cluster._correct_state)  # starts the missing workers, as SpecCluster.scale does

@@ -1,0 +1,80 @@
+"""dask_dl.cluster.make: kinds, settings from arguments then dask.config, pass-through, errors that teach."""
+
+from __future__ import annotations
+
+import dask.config
+import pytest
+from distributed import Client
+
+from dask_dl import ClusterError, ConfigurationError, StoreNotFoundError
+from dask_dl.cluster import (
+    KINDS,
+    check_visible,
+    connect,
+    cpu_workers,
+    gpu_workers,
+    make,
+    security_from,
+    set_storage_options,
+    tls_files,
+)
+from dask_dl.cluster.cuda import gpu_count
+
+
+def test_kinds_are_listed_in_the_error_for_an_unknown_kind():
+    assert KINDS.names() == ["local", "cuda", "gateway", "slurm"]
+    with pytest.raises(ConfigurationError, match=r"unknown cluster kind 'k8s': the cluster kinds are local, cuda"):
+        make("k8s")
+
+
+def test_local_settings_come_from_arguments_then_config_and_unknown_kwargs_pass_through():
+    with (
+        dask.config.set({"dask-dl.cluster.n-workers": 1, "dask-dl.cluster.kind": "local"}),
+        make(name="dask-dl-made", threads_per_worker=2) as cluster,
+        Client(cluster) as client,
+    ):
+        assert cluster.name == "dask-dl-made"  # LocalCluster's own keyword, passed through
+        workers = client.scheduler_info(n_workers=-1)["workers"].values()
+        assert [w["nthreads"] for w in workers] == [2]  # argument
+        # safe defaults: the scheduler and the dashboard listen on 127.0.0.1 only
+        assert cluster.scheduler_address.startswith("tcp://127.0.0.1:")
+        assert cluster.dashboard_link.startswith("http://127.0.0.1:")
+        assert cpu_workers(client) is None and gpu_workers(client) == []  # one kind: anywhere
+
+
+def test_cuda_without_a_gpu_says_so_and_what_to_use():
+    if gpu_count():
+        pytest.skip("this machine has a GPU: make('cuda') is tested in test_cluster_gpu.py")
+    with pytest.raises(ClusterError, match=r"needs NVIDIA GPUs, and this machine has none.*make\('local'"):
+        make("cuda", cpu_workers=1)
+
+
+def test_bad_arguments_are_configuration_errors():
+    with pytest.raises(ConfigurationError, match="n_workers must be a positive integer, got 0"):
+        make("local", n_workers=0)
+    with pytest.raises(ConfigurationError, match="tagged_workers must be a positive integer, got -1"):
+        make("local", tagged_workers=-1)
+    with pytest.raises(ConfigurationError, match="security must be True"):
+        security_from("yes")
+    with pytest.raises(ConfigurationError, match=r"--tls-ca '/nonexistent/ca.pem' is not a file"):
+        tls_files(ca="/nonexistent/ca.pem", cert="/nonexistent/me.pem")
+    with pytest.raises(ConfigurationError, match="needs the gateway's address"):
+        make("gateway")
+    with pytest.raises(ConfigurationError, match="must map a protocol to its options"):
+        set_storage_options(None, {"endpoint_url": "http://127.0.0.1:1"})
+
+
+def test_tagged_stand_in_workers_and_check_visible(tmp_path):
+    """A stand-in for a GPU box: CPU workers advertising a GPU resource next to plain CPU workers."""
+    with connect(kind="local", n_workers=1, tagged_workers=1) as client:
+        workers = client.scheduler_info(n_workers=-1)["workers"]
+        tagged = [a for a, w in workers.items() if w["resources"] == {"GPU": 1}]
+        plain = [a for a, w in workers.items() if w["resources"] == {}]
+        assert gpu_workers(client) == tagged and len(tagged) == 1
+        assert cpu_workers(client) == plain and len(plain) == 1
+        # the CPU workers of a GPU box never see a GPU
+        assert client.run(lambda: __import__("os").environ.get("CUDA_VISIBLE_DEVICES"), workers=plain) == {plain[0]: ""}
+        check_visible(client, tmp_path)
+        missing = tmp_path / "not-here.zarr"
+        with pytest.raises(StoreNotFoundError, match=rf"worker {plain[0]} cannot see '{missing}' \(does not exist"):
+            check_visible(client, missing)
