@@ -9,6 +9,8 @@ TLS with certificates the gateway makes per cluster.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 from typing import TYPE_CHECKING, Any
 
 from dask_dl import config
@@ -21,6 +23,42 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["make_gateway"]
 
 _DOCS = "docs/gateway/dask_gateway_config.py (see the clusters how-to)"
+
+
+def _server_options(gateway_class: Any, connection: dict[str, Any]) -> Any:
+    """The cluster options the server offers, with its defaults.
+
+    Asked through an asynchronous ``Gateway`` on a thread of its own: a synchronous one logs a traceback when it is
+    garbage-collected after ``close()`` (dask-gateway 2026.3), and a notebook's thread already runs an event loop.
+    """
+
+    async def ask() -> Any:
+        async with gateway_class(**connection, asynchronous=True) as gateway:
+            return await gateway.cluster_options(use_local_defaults=False)
+
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dask-dl-gateway") as pool:
+        return pool.submit(asyncio.run, ask()).result()
+
+
+def _closing_cluster_class(base: type) -> type:
+    """``GatewayCluster`` whose ``close()`` leaves nothing for garbage collection to trip over.
+
+    dask-gateway 2026.3's ``Gateway.__del__`` calls ``close()`` again, which raises (and prints a traceback) once
+    the first ``close()`` has stopped its event loop; after closing, the cluster's gateway forgets its loop runner so
+    that ``__del__`` has nothing left to do.
+    """
+
+    class DaskDLGatewayCluster(base):
+        def close(self, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return super().close(*args, **kwargs)
+            finally:
+                gateway = getattr(self, "gateway", None)
+                if gateway is not None and not getattr(gateway, "asynchronous", True):
+                    gateway.__dict__.pop("_loop_runner", None)
+
+    DaskDLGatewayCluster.__name__ = DaskDLGatewayCluster.__qualname__ = base.__name__
+    return DaskDLGatewayCluster
 
 
 def make_gateway(
@@ -103,8 +141,7 @@ def make_gateway(
         "proxy_address": config.get("cluster.gateway.proxy-address", proxy_address),
         "public_address": config.get("cluster.gateway.public-address", public_address),
     }
-    with Gateway(**connection) as gateway:
-        options = gateway.cluster_options(use_local_defaults=False)
+    options = _server_options(Gateway, connection)
     missing = sorted(set(wanted) - set(options))
     if missing:
         raise ClusterError(
@@ -113,7 +150,7 @@ def make_gateway(
         )
     for name, value in wanted.items():
         options[name] = value
-    cluster = GatewayCluster(cluster_options=options, **connection)
+    cluster = _closing_cluster_class(GatewayCluster)(cluster_options=options, **connection)
     try:
         cluster.scale(n)
     except BaseException:

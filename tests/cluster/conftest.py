@@ -1,0 +1,85 @@
+"""The servers the cluster tests run against, started once per session and stopped by pid.
+
+dask-gateway-server (UnsafeLocalBackend, simple auth, free ports on 127.0.0.1, the config shipped in
+docs/gateway/), a single-node SLURM (munge, slurmctld, slurmd; set up by .ci/run or started here) and an
+S3-compatible server (moto). A fixture whose server cannot start skips its tests and says why.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+GATEWAY_CONFIG = REPO / "docs" / "gateway" / "dask_gateway_config.py"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_http(url: str, proc: subprocess.Popen, *, timeout: float, log: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except OSError:
+            time.sleep(0.2)
+    raise RuntimeError(f"{url} did not answer within {timeout:g} s:\n{log.read_text()[-3000:]}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Stop a server we started, by its pid: SIGTERM, then SIGKILL after 15 s."""
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(5)
+
+
+@pytest.fixture(scope="session")
+def gateway_server(tmp_path_factory):
+    """A real dask-gateway-server on free 127.0.0.1 ports; yields its connection settings."""
+    pytest.importorskip("sqlalchemy", reason="dask-gateway-server's backends need SQLAlchemy: pip install "
+                        "'dask-gateway-server[local]'")  # fmt: skip
+    exe = shutil.which("dask-gateway-server") or str(Path(sys.executable).parent / "dask-gateway-server")
+    if not os.path.exists(exe):
+        pytest.skip("dask-gateway-server is not installed: pip install 'dask-gateway-server[local]'")
+    root = tmp_path_factory.mktemp("gateway")
+    port, proxy = free_port(), free_port()
+    env = dict(os.environ)
+    env |= {
+        "DASK_GATEWAY_PASSWORD": "dask-dl-test",
+        "DASK_GATEWAY_ADDRESS": f"127.0.0.1:{port}",
+        "DASK_GATEWAY_PROXY_ADDRESS": f"127.0.0.1:{proxy}",
+        "DASK_GATEWAY_CLUSTERS_DIRECTORY": str(root / "clusters"),
+    }
+    log = root / "server.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([exe, "-f", str(GATEWAY_CONFIG)], cwd=root, env=env, stdout=out, stderr=out)
+    try:
+        wait_for_http(f"http://127.0.0.1:{proxy}/api/health", proc, timeout=60, log=log)
+    except RuntimeError as exc:
+        stop(proc)
+        pytest.skip(f"dask-gateway-server did not start: {exc}")
+    try:
+        # users talk to the proxy (HTTP API and scheduler traffic on one port); ``port`` is the private API
+        yield {"address": f"http://127.0.0.1:{proxy}", "password": "dask-dl-test", "log": log}
+    finally:
+        stop(proc)
