@@ -34,13 +34,17 @@ def cli() -> None:
 
 
 def scheduler_option(f):
-    """``--scheduler``/``--workers`` options shared by every command that runs on a cluster."""
+    """``--scheduler``/``--workers`` options shared by every command that runs on a cluster (with cluster_options)."""
+    f = cluster_options(f)
     f = click.option(
         "--workers",
         "-w",
+        "--jobs",
+        "workers",
         type=int,
         default=None,
-        help="Workers of the local cluster started when no --scheduler is given (default from config).",
+        help="Workers of the cluster started when no --scheduler is given, or jobs of --cluster slurm "
+        "(default from config).",
     )(f)
     return click.option(
         "--scheduler",
@@ -48,6 +52,52 @@ def scheduler_option(f):
         metavar="ADDRESS",
         help="Address of a running Dask scheduler (tcp://host:8786, tls://...). Default: start a local cluster.",
     )(f)
+
+
+def _set_config(key: str):
+    """Click callback: put an option's value into dask.config for the command's duration (dask_dl reads it there)."""
+
+    def callback(ctx: click.Context, param: click.Parameter, value):
+        if value is not None:
+            import dask.config
+
+            keys = {key: value} if isinstance(key, str) else {k: value for k in key}
+            if param.name.startswith("tls"):
+                keys["distributed.comm.require-encryption"] = True
+            ctx.with_resource(dask.config.set(keys))
+        return value
+
+    return callback
+
+
+def cluster_options(f):
+    """``--cluster KIND`` and ``--tls-ca/--tls-cert/--tls-key``, applied through dask.config (no parameters).
+
+    ``--cluster`` sets ``dask-dl.cluster.kind`` (the kind :func:`dask_dl.cluster.make` makes when no
+    ``--scheduler`` is given); the TLS files set ``distributed.comm.tls.*``, which a ``tls://`` scheduler address
+    and the clusters dask_dl makes both use.
+    """
+    from dask_dl.cluster.make import KINDS
+
+    tls = [
+        ("--tls-key", ("distributed.comm.tls.client.key", "distributed.comm.tls.scheduler.key",
+                       "distributed.comm.tls.worker.key"), "Private key of --tls-cert, when it is a file of its own."),
+        ("--tls-cert", ("distributed.comm.tls.client.cert", "distributed.comm.tls.scheduler.cert",
+                        "distributed.comm.tls.worker.cert"), "Certificate (PEM) of this client, and of the "
+         "scheduler and workers of a cluster dask-dl starts."),
+        ("--tls-ca", ("distributed.comm.tls.ca-file",), "Certificate authority (PEM) of a TLS cluster."),
+    ]  # fmt: skip
+    for name, keys, text in tls:
+        f = click.option(
+            name, type=click.Path(exists=True, dir_okay=False), default=None, expose_value=False, is_eager=True,
+            callback=_set_config(keys), help=text,
+        )(f)  # fmt: skip
+    return click.option(
+        "--cluster", type=click.Choice(KINDS.names()), default=None, expose_value=False, is_eager=True,
+        callback=_set_config("dask-dl.cluster.kind"),
+        help="Kind of cluster to start when no --scheduler is given: "
+        + "; ".join(f"{k}: {v}" for k, v in KINDS.help().items()) + " (default: dask-dl.cluster.kind, local).",
+    )(f)  # fmt: skip
 
 
 quiet_option = click.option("--quiet", "-q", is_flag=True, help="No progress bar: log lines only (batch jobs).")

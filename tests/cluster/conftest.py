@@ -83,3 +83,49 @@ def gateway_server(tmp_path_factory):
         yield {"address": f"http://127.0.0.1:{proxy}", "password": "dask-dl-test", "log": log}
     finally:
         stop(proc)
+
+
+SLURM_SCRIPT = REPO / ".ci" / "slurm"
+
+
+def _slurm(command: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(SLURM_SCRIPT), command], capture_output=True, text=True, timeout=120)
+
+
+class SlurmNode:
+    """The single-node SLURM the tests submit to, and what it holds."""
+
+    def jobs(self, name: str = "dask-worker") -> list[dict[str, str]]:
+        """Jobs called ``name`` that SLURM still holds (pending, running, completing)."""
+        out = subprocess.run(
+            ["squeue", "-h", "-n", name, "-o", "%i|%P|%b|%T"], capture_output=True, text=True, timeout=30, check=True
+        ).stdout
+        rows = [line.split("|") for line in out.splitlines() if line.strip()]
+        return [dict(zip(("id", "partition", "gres", "state"), row, strict=True)) for row in rows]
+
+    def wait_until_gone(self, name: str = "dask-worker", timeout: float = 60) -> list[dict[str, str]]:
+        """Wait for the jobs called ``name`` to leave the queue; return those still there after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while (jobs := self.jobs(name)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        return jobs
+
+
+@pytest.fixture(scope="session")
+def slurm():
+    """A running single-node SLURM: the one .ci/run started, else one started here (and stopped after)."""
+    if _slurm("status").returncode == 0:
+        yield SlurmNode()
+        return
+    if shutil.which("slurmctld") is None or shutil.which("sbatch") is None:
+        pytest.skip("SLURM is not installed (Debian: .ci/slurm install, or apt-get install slurmctld slurmd "
+                    "slurm-client munge)")  # fmt: skip
+    if os.geteuid() != 0:
+        pytest.skip("SLURM is not running and starting its daemons needs root (.ci/slurm start)")
+    started = _slurm("start")
+    if started.returncode != 0:
+        pytest.skip(f"SLURM could not start: {(started.stdout + started.stderr)[-2000:]}")
+    try:
+        yield SlurmNode()
+    finally:
+        _slurm("stop")
