@@ -54,7 +54,7 @@ def scheduler_option(f):
     )(f)
 
 
-def _set_config(key: str):
+def _set_config(key: str | tuple[str, ...]):
     """Click callback: put an option's value into dask.config for the command's duration (dask_dl reads it there)."""
 
     def callback(ctx: click.Context, param: click.Parameter, value):

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from dask_dl.cluster.tls import security_from
+from dask_dl.errors import ConfigurationError
 
 if TYPE_CHECKING:  # pragma: no cover
     from distributed import Client
@@ -57,13 +58,25 @@ def get_client(
     -------
     distributed.Client
         A client whose cluster is closed with the client (:func:`close_client`) when dask_dl started it.
+
+    Raises
+    ------
+    ConfigurationError
+        A ``tls://`` scheduler address without any certificates (argument or dask.config), or a bad option of the
+        cluster kind.
+    ClusterError
+        The workers of a cluster made here did not come (``dask-dl.cluster.wait-timeout``).
     """
+    import dask.config
     from distributed import Client
+    from distributed.security import Security
 
     if client is not None:
         return client
     security = security_from(security)
     if scheduler is not None:
+        if security is None and str(scheduler).startswith("tls://"):
+            _check_tls_config(scheduler)
         client = Client(scheduler, security=security)
         client._dask_dl_owns_client = True  # our connection to someone else's cluster: closed, cluster left
         return client
@@ -76,6 +89,9 @@ def get_client(
             pass
     from dask_dl.cluster.make import make, wait_for_workers
 
+    if security is None and dask.config.get("distributed.comm.require-encryption", False):
+        security = Security()  # the certificate files of dask.config (dask-dl --tls-ca/--tls-cert/--tls-key)
+
     cluster = make(kind, n_workers=n_workers, security=security, **kwargs)
     try:
         client = Client(cluster)  # takes the cluster's security
@@ -85,6 +101,19 @@ def get_client(
         _close(locals().get("client"), cluster)
         raise
     return client
+
+
+def _check_tls_config(scheduler: str) -> None:
+    """A ``tls://`` address with no certificates anywhere fails deep in ssl: say what to pass instead."""
+    from distributed.security import Security
+
+    configured = Security()
+    if configured.tls_ca_file is None and configured.tls_client_cert is None:
+        raise ConfigurationError(
+            f"the scheduler {scheduler} uses TLS, and no certificates were given: pass --tls-ca CA.pem --tls-cert "
+            "CERT.pem --tls-key KEY.pem (Python: security=dask_dl.cluster.tls_files(ca=..., cert=..., key=...)), "
+            "or set distributed.comm.tls.* in dask.config"
+        )
 
 
 def close_client(client: Client) -> None:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # pragma: no cover
     from distributed import Client
 
-__all__ = ["StoryResult", "small_story", "worker_of_tasks"]
+__all__ = ["StoryResult", "small_story", "worker_of_tasks", "write_tls_files"]
 
 
 @dataclass
@@ -102,3 +102,22 @@ def small_story(
         store=store, model=model_path, trainers=list(run.workers), images=len(catalog), scores=scores,
         ran_on=ran_on, history=run.history,
     )  # fmt: skip
+
+
+def write_tls_files(security: Any, folder: str | os.PathLike) -> dict[str, str]:
+    """Write the PEM texts of a ``Security.temporary()`` to files, for ``--tls-ca/--tls-cert/--tls-key``.
+
+    Returns
+    -------
+    dict
+        ``{"ca": path, "cert": path, "key": path}``.
+    """
+    texts = {"ca": security.tls_ca_file, "cert": security.tls_client_cert, "key": security.tls_client_key}
+    paths = {}
+    for name, text in texts.items():
+        path = os.path.join(os.fspath(folder), f"{name}.pem")
+        with open(path, "w") as f:
+            f.write(text)
+        os.chmod(path, 0o600)
+        paths[name] = path
+    return paths

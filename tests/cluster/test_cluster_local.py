@@ -9,13 +9,17 @@ refused.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from distributed import Client
 from distributed.security import Security
 
 from dask_dl.cluster import connect, cpu_workers, gpu_workers
-from dask_dl.testing.cluster import small_story
+from dask_dl.testing.cluster import small_story, write_tls_files
 
 
 @pytest.fixture(scope="module")
@@ -24,14 +28,17 @@ def tls_client():
         yield client
 
 
-def test_story_over_tls_puts_trainers_on_tagged_workers_and_data_work_on_the_cpu_worker(tls_client, tmp_path):
+@pytest.fixture(scope="module")
+def story(tls_client, tmp_path_factory):
+    return small_story(tls_client, tmp_path_factory.mktemp("tls-story"), trainers=2)
+
+
+def test_story_over_tls_puts_trainers_on_tagged_workers_and_data_work_on_the_cpu_worker(tls_client, story):
     client = tls_client
     assert client.scheduler.address.startswith("tls://127.0.0.1:")
     assert all(a.startswith("tls://") for a in client.scheduler_info(n_workers=-1)["workers"])
     tagged, plain = gpu_workers(client), cpu_workers(client)
     assert len(tagged) == 2 and len(plain) == 1
-
-    story = small_story(client, tmp_path, trainers=2)
 
     assert sorted(story.trainers) == tagged
     assert story.ran_on == {"synthesize": set(plain), "ingest": set(plain), "predict": set(plain)}
@@ -48,3 +55,20 @@ def test_a_client_without_the_certificates_is_refused(tls_client):
     with pytest.raises(OSError, match="TLS certificate does not match"):
         Client(address, security=Security.temporary(), timeout="3s")
     assert tls_client.submit(lambda: 1).result() == 1  # the cluster itself is unharmed
+
+
+def test_cli_over_tls_with_certificate_files_and_without(tls_client, story, tmp_path):
+    files = write_tls_files(tls_client.security, tmp_path)
+    address = tls_client.scheduler.address
+    raw = os.path.join(os.path.dirname(story.store), "raw")
+    command = [sys.executable, "-m", "dask_dl.cli", "ingest", raw, str(tmp_path / "cli.zarr"), "--size", "32", "-q"]
+    tls = ["--scheduler", address, "--tls-ca", files["ca"], "--tls-cert", files["cert"], "--tls-key", files["key"]]
+
+    done = subprocess.run(command + tls, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"ingested {story.images} images into {tmp_path / 'cli.zarr'}" in done.stdout
+
+    refused = subprocess.run(command + ["--scheduler", address], capture_output=True, text=True, timeout=180)
+    assert refused.returncode == 1
+    assert f"the scheduler {address} uses TLS, and no certificates were given: pass --tls-ca" in refused.stderr
+    assert "Traceback" not in refused.stderr
