@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import pickle
+import tempfile
 import uuid
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -249,7 +250,7 @@ def export_onnx(
     overwrite: bool = False,
     check: bool = True,
     example: Any = None,
-) -> Path:
+) -> Path | str:
     """Write a trained model as ONNX, with its labels and preprocessing, and check it against torch.
 
     Parameters
@@ -259,7 +260,8 @@ def export_onnx(
         file, a checkpoint directory (its highest ``epoch-NNNN.pt``), or a ``torch.nn.Module`` returning logits
         (then ``labels`` and ``input_size`` are required).
     path
-        The ``.onnx`` file to write (atomically: a reader never sees half a file).
+        The ``.onnx`` file to write (atomically: a reader never sees half a file); a local path or an fsspec URL
+        (``s3://...``: written and checked locally, then uploaded whole).
     labels, input_size, normalization, task
         Override what the checkpoint says. ``normalization`` defaults to
         :data:`dask_dl.models.DEFAULT_NORMALIZATION`, ``task`` to ``"multilabel"``.
@@ -275,8 +277,8 @@ def export_onnx(
 
     Returns
     -------
-    pathlib.Path
-        The file written.
+    pathlib.Path or str
+        The file written (the URL, for object storage).
 
     Raises
     ------
@@ -291,9 +293,19 @@ def export_onnx(
     >>> read_model_info(path).labels[:2]  # doctest: +SKIP
     ('Atelectasis', 'Cardiomegaly')
     """
+    from dask_dl.cluster.storage import exists, is_url, publish
+
+    if exists(path) and not overwrite:
+        raise ExportError(f"{os.fspath(path)!r} exists already; pass overwrite=True (CLI: --overwrite) to replace it")
+    if is_url(path):  # object storage: write and check a local file, then upload it whole
+        with tempfile.TemporaryDirectory(prefix="dask-dl-export-") as tmp:
+            local = export_onnx(
+                source, Path(tmp) / os.path.basename(os.fspath(path)), labels=labels, input_size=input_size,
+                normalization=normalization, task=task, opset=opset, check=check, example=example,
+            )  # fmt: skip
+            publish(local, os.fspath(path))
+        return os.fspath(path)
     path = Path(path)
-    if path.exists() and not overwrite:
-        raise ExportError(f"{str(path)!r} exists already; pass overwrite=True (CLI: --overwrite) to replace it")
     net, meta = _resolve(source)
     for key, value in (("labels", labels), ("input_size", input_size), ("normalization", normalization)):
         if value is not None:
@@ -409,6 +421,12 @@ def _annotate(model: onnx.ModelProto, info: ModelInfo) -> None:
 
 def load_onnx(path: str | os.PathLike) -> onnx.ModelProto:
     """Read an ONNX file (weights not loaded from external files), or raise a clear error."""
+    from dask_dl.cluster.storage import exists, fetch, is_url
+
+    if is_url(path):  # onnx reads local files: a model on object storage is fetched into a local cache
+        if not exists(path):
+            raise StoreNotFoundError(f"no ONNX model file at {os.fspath(path)!r}")
+        path = fetch(path)
     path = Path(path)
     if not path.is_file():
         raise StoreNotFoundError(f"no ONNX model file at {str(path)!r}")

@@ -54,8 +54,9 @@ def _default_providers() -> list[str]:
 
 
 def _stamp(path: str) -> tuple[int, int]:
-    st = os.stat(path)
-    return (st.st_mtime_ns, st.st_size)
+    from dask_dl.cluster.storage import file_stamp  # local files and fsspec URLs (s3://...)
+
+    return file_stamp(path)
 
 
 def get_session(path: str, stamp: tuple[int, int], providers: Sequence[str] | None, threads: int):
@@ -77,6 +78,8 @@ def get_session(path: str, stamp: tuple[int, int], providers: Sequence[str] | No
         raise ExportError(f"the model {path!r} changed after predict() was called; call predict() again")
     chosen = tuple(providers) if providers else tuple(_default_providers())
     key = (path, tuple(stamp), chosen, threads)
+    from dask_dl.cluster.storage import fetch  # onnxruntime reads local files: a model on s3:// is fetched once
+
     with _SESSIONS_LOCK:
         session = _SESSIONS.get(key)
         if session is None:
@@ -85,12 +88,12 @@ def get_session(path: str, stamp: tuple[int, int], providers: Sequence[str] | No
             options.inter_op_num_threads = 1
             options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
             try:
-                session = ort.InferenceSession(path, sess_options=options, providers=list(chosen))
+                session = ort.InferenceSession(fetch(path), sess_options=options, providers=list(chosen))
             except Exception:
                 if providers or chosen == ("CPUExecutionProvider",):
                     raise
                 # onnxruntime-gpu on a worker whose GPU is absent or unusable: the CPU still scores
-                session = ort.InferenceSession(path, sess_options=options, providers=["CPUExecutionProvider"])
+                session = ort.InferenceSession(fetch(path), sess_options=options, providers=["CPUExecutionProvider"])
             # sessions of an older version of the file would only hold memory
             for old in [k for k in _SESSIONS if k[0] == path and k[1] != key[1]]:
                 del _SESSIONS[old]
@@ -214,7 +217,9 @@ def predict(
     >>> probs = dask_dl.predict(ds, "cxr.onnx")  # doctest: +SKIP
     >>> probs.to_zarr("scores.zarr")  # doctest: +SKIP
     """
-    path = str(Path(model_path).resolve())
+    from dask_dl.cluster.storage import is_url
+
+    path = os.fspath(model_path) if is_url(model_path) else str(Path(model_path).resolve())
     info = read_model_info(path, input_size=input_size, labels=labels, normalization=normalization)
     batch_size = config.get("predict.batch-size", batch_size)
     if isinstance(batch_size, bool) or not isinstance(batch_size, int | np.integer) or batch_size < 1:

@@ -10,8 +10,10 @@ cannot.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import tempfile
 from typing import TYPE_CHECKING, Any
 
 from distributed.diagnostics.plugin import WorkerPlugin
@@ -21,7 +23,16 @@ from dask_dl.errors import ConfigurationError, StoreNotFoundError
 if TYPE_CHECKING:  # pragma: no cover
     from distributed import Client
 
-__all__ = ["StorageOptions", "check_visible", "set_storage_options"]
+__all__ = [
+    "StorageOptions",
+    "check_visible",
+    "exists",
+    "fetch",
+    "file_stamp",
+    "is_url",
+    "publish",
+    "set_storage_options",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -128,3 +139,71 @@ def check_visible(client: Client, *paths: str | os.PathLike, workers: list[str] 
             f"{lines}. The workers open these paths themselves: put them on storage every worker reaches (a "
             f"shared filesystem, or s3://... with dask_dl.cluster.set_storage_options(client, {{'s3': {{...}}}}))"
         )
+
+
+# ---- single files (ONNX models) on object storage ---------------------------------------------------------------
+# onnxruntime and onnx read local files only: a model on s3:// is fetched once per machine into a cache keyed by
+# its URL and version, and an exported model is written locally, checked, then uploaded.
+
+
+def is_url(path: str | os.PathLike) -> bool:
+    """True for an fsspec URL of a remote filesystem (``s3://...``), False for local paths and ``file://``."""
+    text = os.fspath(path)
+    return "://" in text and not text.startswith("file://")
+
+
+def file_stamp(path: str | os.PathLike) -> tuple[int, int]:
+    """``(version, size)`` of a file: modification time for local files, a hash of the ETag (or mtime) for URLs.
+
+    Raises
+    ------
+    FileNotFoundError
+        No file at ``path``.
+    """
+    if not is_url(path):
+        st = os.stat(path)
+        return (st.st_mtime_ns, st.st_size)
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(os.fspath(path))
+    info = fs.info(root)
+    version = str(info.get("ETag") or info.get("LastModified") or info.get("mtime") or "")
+    return (int(hashlib.sha256(version.encode()).hexdigest()[:15], 16), int(info["size"]))
+
+
+def fetch(path: str | os.PathLike) -> str:
+    """A local path with the contents of ``path``: itself when local, else a cached copy of the remote file."""
+    if not is_url(path):
+        return os.fspath(path)
+    import fsspec
+
+    url = os.fspath(path)
+    stamp = file_stamp(url)
+    name = hashlib.sha256(f"{url}|{stamp}".encode()).hexdigest()[:20] + "-" + os.path.basename(url)
+    folder = os.path.join(tempfile.gettempdir(), "dask-dl-fetched")
+    local = os.path.join(folder, name)
+    if not os.path.exists(local):
+        os.makedirs(folder, exist_ok=True)
+        partial = f"{local}.{os.getpid()}.part"
+        fs, root = fsspec.core.url_to_fs(url)
+        fs.get_file(root, partial)
+        os.replace(partial, local)  # atomic: other processes on this machine see the whole file or none
+    return local
+
+
+def exists(path: str | os.PathLike) -> bool:
+    """Whether a local path or fsspec URL exists."""
+    if not is_url(path):
+        return os.path.exists(path)
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(os.fspath(path))
+    return fs.exists(root)
+
+
+def publish(local: str | os.PathLike, url: str) -> None:
+    """Upload the finished local file ``local`` to ``url`` (one PUT: readers see the old object or the new one)."""
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(url)
+    fs.put_file(os.fspath(local), root)

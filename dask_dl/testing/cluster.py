@@ -51,6 +51,7 @@ def small_story(
     model_path: str | None = None,
     trainers: int = 2,
     n_images: int = 48,
+    upload_raw: str | None = None,
 ) -> StoryResult:
     """Synthesize, ingest, train one epoch, export and score on ``client``'s cluster.
 
@@ -66,6 +67,9 @@ def small_story(
         Data-parallel trainers.
     n_images
         Images in the synthetic collection (64 px, ingested at 32 px).
+    upload_raw
+        An fsspec URL to copy the raw collection to after synthesizing it; the catalog is then read from there, so
+        the workers decode the images from that storage.
 
     Returns
     -------
@@ -83,6 +87,12 @@ def small_story(
     model_path = model_path or os.path.join(workdir, "story.onnx")
     with get_task_stream(client) as stream:
         synthesize(raw, n_images=n_images, size=64, seed=0, client=client)
+        if upload_raw is not None:
+            import fsspec
+
+            fs, root = fsspec.core.url_to_fs(upload_raw)
+            fs.put(raw.rstrip("/") + "/", root, recursive=True)
+            raw = upload_raw
         catalog = dask_dl.read_catalog(raw)
         dask_dl.ingest(catalog, store, size=32, chunk=8, shard=1, client=client, progress=False)
         run = dask_dl.fit(

@@ -129,3 +129,30 @@ def slurm():
         yield SlurmNode()
     finally:
         _slurm("stop")
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """A real S3-compatible server (moto) on a free 127.0.0.1 port; yields the s3fs storage options."""
+    pytest.importorskip("moto.server", reason="the S3 tests need moto's server: pip install 'moto[server]'")
+    pytest.importorskip("s3fs", reason="the S3 tests need s3fs: pip install s3fs")
+    port = free_port()
+    log = tmp_path_factory.mktemp("s3") / "moto.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], stdout=out, stderr=out
+        )
+    try:
+        wait_for_http(f"http://127.0.0.1:{port}/moto-api/", proc, timeout=60, log=log)
+    except RuntimeError as exc:
+        stop(proc)
+        pytest.skip(f"the S3 server (moto) did not start: {exc}")
+    try:
+        yield {
+            "endpoint_url": f"http://127.0.0.1:{port}",
+            "key": "dask-dl-test",
+            "secret": "dask-dl-test",
+            "client_kwargs": {"region_name": "eu-west-1"},  # moto refuses us-east-1 as a bucket location
+        }
+    finally:
+        stop(proc)

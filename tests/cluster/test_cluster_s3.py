@@ -1,0 +1,55 @@
+"""Data where the workers are: every file on a real S3-compatible server (moto, on 127.0.0.1).
+
+The raw images, the Zarr store, the checkpoints and the ONNX model all live in one bucket; the storage options
+(endpoint, credentials) are given once with ``set_storage_options`` and every worker uses them. A worker without
+them cannot see the bucket, and ``check_visible`` says which worker, before any work starts.
+"""
+
+from __future__ import annotations
+
+import fsspec
+import numpy as np
+import pytest
+
+import dask_dl
+from dask_dl import StoreNotFoundError
+from dask_dl.cluster import check_visible, connect, set_storage_options
+from dask_dl.testing.cluster import small_story
+
+
+@pytest.fixture
+def bucket(s3_server):
+    set_storage_options(None, {"s3": s3_server})  # this process: to make the bucket and to look at it
+    fs = fsspec.filesystem("s3")
+    fs.mkdir("dask-dl")
+    yield "s3://dask-dl"
+    fs.rm("dask-dl", recursive=True)
+
+
+def test_ingest_train_export_score_with_every_file_on_s3(s3_server, bucket, tmp_path):
+    with connect(kind="local", n_workers=2) as client:
+        store = f"{bucket}/cxr.zarr"
+        # the workers start without the options: the bucket is invisible to them, and the check names them
+        client.run(lambda: __import__("fsspec").config.conf.pop("s3", None))
+        with pytest.raises(StoreNotFoundError, match=r"worker tcp://127\.0\.0\.1:\d+ cannot see 's3://dask-dl'"):
+            check_visible(client, bucket)
+
+        set_storage_options(client, {"s3": s3_server})  # once, for every worker
+        check_visible(client, bucket)
+        story = small_story(
+            client, tmp_path, upload_raw=f"{bucket}/raw", store=store, checkpoint_dir=f"{bucket}/checkpoints",
+            model_path=f"{bucket}/cxr.onnx",
+        )  # fmt: skip
+
+    fs = fsspec.filesystem("s3")
+    assert story.images == 48
+    assert fs.exists("dask-dl/cxr.zarr/zarr.json")
+    assert fs.exists("dask-dl/checkpoints/epoch-0000.pt")
+    assert fs.exists("dask-dl/cxr.onnx")
+    assert dask_dl.read_catalog(f"{bucket}/raw")["path"].str.startswith("s3://dask-dl/raw/images/").all()
+    test = dask_dl.open_dataset(store, split="test")
+    assert story.scores.shape == (test.sizes["sample"], 14)
+    # the scores from the model on S3 equal the exported model's own scores on the same images
+    expected = dask_dl.predict(test.image.values, story.model).compute()
+    np.testing.assert_allclose(story.scores, expected, rtol=1e-5, atol=1e-6)
+    assert not (tmp_path / "s3:").exists()  # nothing was written to a local folder named after the URL
