@@ -67,7 +67,13 @@ __all__ = [
 ]
 
 
+# sub-packages reachable as attributes without importing them first: ``dask_dl.cluster.make("slurm")``
+_SUBPACKAGES = ("cluster",)
+
+
 def __getattr__(name: str) -> Any:
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f"dask_dl.{name}")
     try:
         module = _LAZY[name]
     except KeyError:
