@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import signal
+
+import pytest
 from distributed import Client, LocalCluster
 
 from dask_dl.cluster import connect
@@ -27,3 +31,12 @@ def test_connect_leaves_a_passed_client_and_closes_its_own_connection():
         assert client.status == "closed"  # our connection is closed ...
         assert cluster.status.name == "running"  # ... the cluster someone else started is not
         assert mine.submit(lambda: 4).result() == 4
+
+
+def test_sigterm_closes_the_cluster_connect_started():
+    """``scancel`` of a batch script sends SIGTERM: the cluster (and a batch system's jobs) must still be closed."""
+    with pytest.raises(KeyboardInterrupt), connect(n_workers=1) as client:
+        cluster = client.cluster
+        os.kill(os.getpid(), signal.SIGTERM)
+    assert cluster.status.name == "closed"
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the handler lived only as long as the cluster

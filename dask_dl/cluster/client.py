@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import signal
+import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -161,6 +163,34 @@ def connect(
     """
     client = get_client(client, scheduler=scheduler, n_workers=n_workers, kind=kind, security=security, **kwargs)
     try:
-        yield client
+        with _sigterm_interrupts(getattr(client, "_dask_dl_owns_cluster", False)):
+            yield client
     finally:
         close_client(client)
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts(active: bool) -> Iterator[None]:
+    """While a cluster we made is open, SIGTERM raises KeyboardInterrupt, so that the way out still closes it.
+
+    ``scancel`` of a batch script, a gateway culling a notebook and ``kill`` send SIGTERM; by default Python dies
+    on it at once, leaving the cluster's jobs to their walltime. Only in the main thread (signals go there), and
+    only when nobody else installed a handler.
+    """
+    if not active or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous not in (signal.SIG_DFL, None):
+        yield
+        return
+
+    def interrupt(signum: int, frame: Any) -> None:
+        logger.warning("SIGTERM: closing the cluster dask_dl started (cancelling its jobs) before exiting")
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
