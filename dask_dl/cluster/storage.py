@@ -53,7 +53,7 @@ def _apply(options: dict[str, dict[str, Any]]) -> None:
     import fsspec.config
 
     for protocol, values in options.items():
-        fsspec.config.conf[protocol] = dict(fsspec.config.conf.get(protocol, {})) | dict(values)
+        fsspec.config.conf[protocol] = dict(values)  # replaces earlier options of the protocol, not merged
         _forget_instances(protocol)
 
 

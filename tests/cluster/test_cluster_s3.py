@@ -29,8 +29,9 @@ def bucket(s3_server):
 def test_ingest_train_export_score_with_every_file_on_s3(s3_server, bucket, tmp_path):
     with connect(kind="local", n_workers=2) as client:
         store = f"{bucket}/cxr.zarr"
-        # the workers start without the options: the bucket is invisible to them, and the check names them
-        client.run(lambda: __import__("fsspec").config.conf.pop("s3", None))
+        # workers given another endpoint (one they cannot reach) do not see the bucket, and the check names them
+        dead = {"endpoint_url": "http://127.0.0.1:9", "config_kwargs": {"retries": {"max_attempts": 1}}}
+        client.run(lambda: __import__("fsspec").config.conf.update(s3=dead))
         with pytest.raises(StoreNotFoundError, match=r"worker tcp://127\.0\.0\.1:\d+ cannot see 's3://dask-dl'"):
             check_visible(client, bucket)
 
