@@ -38,6 +38,9 @@ def test_make_gateway_trains_end_to_end_with_gpu_tagged_workers(gateway_server, 
     assert dask_gateway.Gateway(gateway_server["address"], auth=auth).list_clusters() == []
 
 
+# dask-gateway 2026.3's Gateway.__del__ closes an already closed gateway and prints a traceback at garbage
+# collection; make("gateway") avoids it (gateway.py), a user's own GatewayCluster still shows it.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_a_plain_gateway_cluster_works_through_the_default_client(gateway_server, tmp_path):
     """The path users take without dask_dl.cluster: their own GatewayCluster and ``cluster.get_client()``."""
     from dask_dl.data.synthetic import synthesize
