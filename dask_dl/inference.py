@@ -253,9 +253,12 @@ def predict(
         token="predict",
     )
     if client is not None:
+        from dask_dl.cluster.storage import check_visible
         from dask_dl.cluster.workers import cpu_workers
 
-        probs = client.persist(probs, workers=cpu_workers(client))  # GPU workers stay with the trainers
+        workers = cpu_workers(client)  # GPU workers stay with the trainers
+        check_visible(client, path, workers=workers)  # before any work: which worker cannot read the model
+        probs = client.persist(probs, workers=workers)
     return probs
 
 

@@ -116,7 +116,7 @@ def fit(
     >>> run = fit(ds, model="resnet18", epochs=10, trainers=2, compression="onebit", wait=False)  # doctest: +SKIP
     >>> run.history[["epoch", "train_loss", "val_auroc_mean"]]  # doctest: +SKIP
     """
-    from dask_dl.cluster import get_client
+    from dask_dl.cluster import check_visible, get_client
     from dask_dl.train.actor import TrainerSpec
 
     spec_args, meta = _check_dataset(dataset)
@@ -151,6 +151,7 @@ def fit(
         resume_from, history = _resume_point(checkpoint_dir, model, spec_args["labels"], trainers)
     client = get_client(client)
     workers = place_trainers(client, trainers)
+    check_visible(client, spec_args["store"], workers=workers)  # the trainers open the store themselves
 
     spec = TrainerSpec(
         **spec_args,

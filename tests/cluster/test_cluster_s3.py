@@ -42,6 +42,14 @@ def test_ingest_train_export_score_with_every_file_on_s3(s3_server, bucket, tmp_
             model_path=f"{bucket}/cxr.onnx",
         )  # fmt: skip
 
+        # fit and predict check what their workers will open before any work, and name who cannot see it
+        client.run(lambda: __import__("fsspec").config.conf.update(s3=dead))
+        worker = r"worker tcp://127\.0\.0\.1:\d+ cannot see "
+        with pytest.raises(StoreNotFoundError, match=worker + "'s3://dask-dl/cxr.zarr'"):
+            dask_dl.fit(dask_dl.open_dataset(store), model="small_cnn", trainers=2, batch_size=8, client=client)
+        with pytest.raises(StoreNotFoundError, match=worker + "'s3://dask-dl/cxr.onnx'"):
+            dask_dl.predict(dask_dl.open_dataset(store, split="test"), story.model, client=client)
+
     fs = fsspec.filesystem("s3")
     assert story.images == 48
     assert fs.exists("dask-dl/cxr.zarr/zarr.json")
