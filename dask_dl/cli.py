@@ -130,6 +130,26 @@ def info() -> None:
 # ---- catalog (data room: dask_dl.data.catalog) -------------------------------------------------------------
 
 
+class _LayoutChoice(click.Choice):
+    """The catalog layouts registered in ``dask_dl.data.layouts.LAYOUTS``, read when first needed.
+
+    Filling the registry imports the readers (pandas), which ``import dask_dl.cli`` must not do.
+    """
+
+    def __init__(self) -> None:
+        super().__init__([], case_sensitive=True)
+
+    @property
+    def choices(self):
+        from dask_dl.data.catalog import LAYOUTS
+
+        return tuple(sorted(LAYOUTS))
+
+    @choices.setter
+    def choices(self, value) -> None:  # click.Choice.__init__ assigns it
+        pass
+
+
 @cli.command()
 @click.argument("source", type=click.Path(exists=True))
 @click.option(
@@ -137,7 +157,7 @@ def info() -> None:
     help="Write the catalog to this Parquet file (labels and task kept in its metadata). Default: only print counts.",
 )  # fmt: skip
 @click.option(
-    "--layout", type=click.Choice(["parquet", "nih", "dicom", "folders"]), default=None,
+    "--layout", type=_LayoutChoice(), default=None,
     help="Reader to use. Default: detected from SOURCE (Data_Entry table -> nih, DICOM files -> dicom, "
     "class folders -> folders, .parquet -> parquet).",
 )  # fmt: skip
@@ -244,10 +264,20 @@ def synth(root, images, size, seed, patients, label_source, sites, rgba, corrupt
 @click.option("--size", "-s", type=int, default=None, help="Side of the square uint8 images (default from config).")
 @click.option("--chunk", type=int, default=None, help="Images per Zarr chunk (default from config).")
 @click.option("--shard", type=int, default=None, help="Chunks per Zarr shard, the unit one task writes (config).")
+@click.option(
+    "--min-size", type=int, default=None,
+    help="Reject images with a side under this many pixels (default from config, else a quarter of --size).",
+)  # fmt: skip
+@click.option(
+    "--max-reject-share", type=float, default=None,
+    help="Fail when more than this share of the images is rejected (default from config: 0.5).",
+)  # fmt: skip
 @click.option("--overwrite", is_flag=True, help="Replace STORE if it holds another dataset (size, catalog, ...).")
 @scheduler_option
 @quiet_option
-def ingest_command(source, store, size, chunk, shard, overwrite, scheduler, workers, quiet) -> None:
+def ingest_command(
+    source, store, size, chunk, shard, min_size, max_reject_share, overwrite, scheduler, workers, quiet
+) -> None:
     """Decode, grayscale and resize the images of SOURCE into the sharded Zarr store STORE.
 
     SOURCE is anything `dask-dl catalog` reads (a collection root or a catalog .parquet). Rerunning on a store
@@ -269,8 +299,8 @@ def ingest_command(source, store, size, chunk, shard, overwrite, scheduler, work
     client = get_client(scheduler=scheduler, n_workers=workers)
     try:
         result = ingest(
-            catalog, store, size=size, chunk=chunk, shard=shard, overwrite=overwrite, client=client,
-            progress=False if quiet else None,
+            catalog, store, size=size, chunk=chunk, shard=shard, min_size=min_size,
+            max_reject_share=max_reject_share, overwrite=overwrite, client=client, progress=False if quiet else None,
         )  # fmt: skip
     finally:
         if scheduler is not None:
@@ -456,10 +486,12 @@ def _write_scores_zarr(table, labels: list[str], out: str, *, overwrite: bool) -
     import numpy as np
     import xarray as xr
 
+    from dask_dl.data.store import COORDS
+
     probs = table[[f"p_{label}" for label in labels]].to_numpy()
     # object arrays of str become Zarr 3 variable-length strings (numpy's fixed-width '<U' has no Zarr 3 spec)
     coords = {"sample": table["sample"].to_numpy(), "label": np.array(labels, dtype=object)}
-    coords |= {c: ("sample", table[c].to_numpy(dtype=object)) for c in ("image_id", "patient_id", "split", "site")}
+    coords |= {c: ("sample", table[c].to_numpy(dtype=object)) for c in COORDS}
     ds = xr.Dataset({"probability": (("sample", "label"), probs)}, coords=coords)
     ds.to_zarr(out, mode="w" if overwrite else "w-", consolidated=False, zarr_format=3)
 

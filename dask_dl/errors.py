@@ -28,6 +28,19 @@ class DatasetError(DaskDLError, ValueError):
     """A dataset cannot be used as asked: a split is missing, labels are absent, a shard is too small."""
 
 
+class IngestError(DatasetError):
+    """An ingest kept no image, or rejected more than ``dask-dl.ingest.max-reject-share`` of them.
+
+    The store and its rejects table are written all the same; ``rejects`` holds that table and ``counts`` the
+    number of rejects per reason.
+    """
+
+    def __init__(self, message: str, *, rejects: object = None, counts: dict[str, int] | None = None) -> None:
+        super().__init__(message)
+        self.rejects = rejects
+        self.counts = dict(counts or {})
+
+
 class ClusterError(DaskDLError, RuntimeError):
     """The cluster cannot do what was asked, e.g. fewer workers than trainers."""
 

@@ -21,6 +21,7 @@ import numpy as np
 import pandas as pd
 
 from dask_dl import config
+from dask_dl.data.store import COORDS
 from dask_dl.errors import DatasetError, ExportError, StoreNotFoundError
 from dask_dl.export import ModelInfo, read_model_info
 from dask_dl.metrics import auroc
@@ -33,7 +34,6 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["evaluate", "predict", "scores_table"]
 
 PROB_PREFIX = "p_"
-_COORDS = ("image_id", "patient_id", "split", "site")
 
 # ---- one session per worker process ------------------------------------------------------------------------
 
@@ -295,7 +295,7 @@ def scores_table(ds: xr.Dataset, probs: Any, *, labels: Sequence[str] | None = N
     truth = ds["label"].data if "label" in ds and "finding" in ds.coords else None
     probs, truth = dask.compute(probs, truth)
     table = pd.DataFrame({"sample": np.asarray(ds["sample"].values, dtype=np.int64)})
-    for name in _COORDS:
+    for name in COORDS:
         if name in ds.coords:
             table[name] = np.asarray(ds[name].values).astype(str)
     probs = np.asarray(probs, dtype=np.float32)

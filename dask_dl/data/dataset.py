@@ -16,42 +16,12 @@ import dask.array as da
 import numpy as np
 import pandas as pd
 import xarray as xr
-import zarr
 
-from dask_dl.errors import DatasetError, StoreError, StoreNotFoundError
+from dask_dl.data import store as contract
+from dask_dl.data.store import open_store
+from dask_dl.errors import DatasetError
 
 __all__ = ["open_dataset", "summary"]
-
-_COORDS = ("image_id", "patient_id", "split", "site")
-
-
-def _store_attrs(url: str) -> dict:
-    try:
-        group = zarr.open_group(url, mode="r")
-    except FileNotFoundError:
-        if "://" not in url and os.path.exists(url):
-            raise StoreError(
-                f"{url!r} exists but is not a Zarr store; open a store written by dask_dl.ingest(catalog, store)"
-            ) from None
-        raise StoreNotFoundError(
-            f"no Zarr store at {url!r}; write one with dask_dl.ingest(catalog, {url!r}) or `dask-dl ingest SOURCE "
-            f"{url}`"
-        ) from None
-    except (ValueError, TypeError) as exc:
-        raise StoreError(f"{url!r} is not a Zarr 3 group ({exc}); open a store written by dask_dl.ingest") from None
-    attrs = dict(group.attrs)
-    meta = attrs.get("dask_dl")
-    if not isinstance(meta, dict) or "size" not in meta:
-        raise StoreError(
-            f"{url!r} is a Zarr group but not a dask_dl store (no 'dask_dl' attribute); write it with "
-            "dask_dl.ingest(catalog, store)"
-        )
-    if not meta.get("complete", False):
-        raise StoreError(
-            f"the store {url!r} is incomplete: an ingest into it did not finish. Run ingest again to resume it "
-            f"(same catalog and options): dask_dl.ingest(catalog, {url!r}) writes only the missing shards"
-        )
-    return attrs
 
 
 def _plain_str(values: np.ndarray) -> np.ndarray:
@@ -111,20 +81,30 @@ def open_dataset(
     >>> ds.image  # doctest: +SKIP
     <xarray.DataArray 'image' (sample: 78468, y: 224, x: 224)> dask.array<...>
     """
-    url = os.fspath(store)
-    attrs = _store_attrs(url)
-    meta = attrs["dask_dl"]
+    url, _, layout = open_store(os.fspath(store))
     ds = xr.open_zarr(url, consolidated=False, chunks={})
-    ds = ds.set_coords([c for c in _COORDS if c in ds.data_vars])
+    ds = ds.set_coords([c for c in contract.COORDS if c in ds.data_vars])
     # zarr 3 strings arrive as numpy's StringDType, which many numpy/pandas calls cannot cast: use plain str
     ds = ds.assign_coords(
-        {name: ("sample", _plain_str(ds[name].values)) for name in _COORDS}
-        | {"finding": ("finding", _plain_str(ds["finding"].values))}
+        {name: (contract.SAMPLE, _plain_str(ds[name].values)) for name in contract.COORDS}
+        | {contract.FINDING: (contract.FINDING, _plain_str(ds[contract.FINDING].values))}
     )
     keep = _select(ds, "split", split) & _select(ds, "site", site)
     if not include_rejected:
-        keep &= ds["valid"].values.astype(bool)
-    image = ds["image"].data if keep.all() else _keep_rows(ds["image"].data, keep)
+        valid = ds[contract.VALID].values.astype(bool)
+        if not valid.any():
+            raise DatasetError(
+                f"the store {url!r} has no valid image: all {layout.n} rows were rejected at ingest; see why with "
+                f"dask_dl.data.ingest.read_rejects({url!r}) and ingest again"
+            )
+        keep &= valid
+    if not keep.any():
+        asked = ", ".join(f"{name}={value!r}" for name, value in (("split", split), ("site", site)) if value)
+        raise DatasetError(
+            f"the store {url!r} has no valid image with {asked}: all of them were rejected at ingest; "
+            f"see dask_dl.data.ingest.read_rejects({url!r})"
+        )
+    image = ds[contract.IMAGE].data if keep.all() else _keep_rows(ds[contract.IMAGE].data, keep)
     # label/valid are small (n x labels bytes) and stored in few large chunks: read them once and hand them out as
     # dask arrays chunked like the images, so that all variables share one chunking and reading every label does
     # not decode a large chunk once per image chunk
@@ -133,7 +113,7 @@ def open_dataset(
     ds["image"] = (("sample", "y", "x"), image, {})
     for name, (dims, values, var_attrs) in small.items():
         ds[name] = (dims, da.from_array(values, chunks=(image.chunks[0], *values.shape[1:])), var_attrs)
-    ds.attrs = {"dask_dl": meta}
+    ds.attrs = {contract.ATTRIBUTE: layout.to_dict()}
     ds.encoding["source"] = url
     return ds
 

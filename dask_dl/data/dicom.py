@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -15,7 +16,18 @@ from typing import Any, BinaryIO
 import numpy as np
 import pandas as pd
 
-from dask_dl.errors import CatalogError, ConfigurationError, StoreNotFoundError, missing_dependency
+from dask_dl.checks import one_of
+from dask_dl.data.labels import NO_FINDING, parse_findings
+from dask_dl.data.layouts import LAYOUTS
+from dask_dl.data.schema import NIH_LABELS
+from dask_dl.data.splits import split_by_patient
+from dask_dl.errors import CatalogError, ConfigurationError, DatasetError, StoreNotFoundError, missing_dependency
+
+__all__ = ["DICOM_SUFFIXES", "is_dicom", "is_dicom_file", "read_dicom", "read_header", "read_pixels"]
+
+#: File name endings taken as DICOM without looking inside.
+DICOM_SUFFIXES: tuple[str, ...] = (".dcm", ".dicom")
+_MAGIC = b"DICM"  # at byte 128, after the preamble (PS3.10 7.1)
 
 #: Header fields read for the catalog; reading only these skips the pixel data.
 HEADER_TAGS: tuple[str, ...] = (
@@ -39,19 +51,38 @@ def _pydicom(purpose: str) -> Any:
     return pydicom
 
 
-def is_dicom_file(path: str) -> bool:
-    """Return True if ``path`` is a DICOM file: a ``.dcm``/``.dicom`` name or the ``DICM`` magic at byte 128."""
-    if path.lower().endswith((".dcm", ".dicom")):
+def is_dicom(name: str, head: bytes | None = None) -> bool:
+    """True if ``name`` ends in ``.dcm``/``.dicom``, or ``head`` (the file's first bytes) has the ``DICM`` magic.
+
+    Examples
+    --------
+    >>> is_dicom("chest.DCM"), is_dicom("chest", bytes(128) + b"DICM"), is_dicom("chest.png", b"")
+    (True, True, False)
+    """
+    if name.lower().endswith(DICOM_SUFFIXES):
         return True
-    if os.path.splitext(path)[1]:
-        # Other extensions (.png, .csv, ...) are not DICOM; only extension-less files are sniffed.
-        return False
-    try:
-        with open(path, "rb") as f:
-            f.seek(128)
-            return f.read(4) == b"DICM"
+    return head is not None and head[128:132] == _MAGIC
+
+
+def is_dicom_file(path: str) -> bool:
+    """Return True if ``path`` is a DICOM file: a ``.dcm``/``.dicom`` name or the ``DICM`` magic at byte 128.
+
+    Only extension-less files are opened and sniffed: other extensions (.png, .csv, ...) are not DICOM.
+    """
+    if is_dicom(path) or os.path.splitext(path)[1]:
+        return is_dicom(path)
+    try:  # O_NONBLOCK and a regular-file check: a FIFO in a collection must not hang the listing
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError:
         return False
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        return is_dicom(path, os.pread(fd, 132, 0))
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def _output_range(ds: Any) -> tuple[float, float]:
@@ -79,7 +110,7 @@ def _to_uint8(values: np.ndarray, lo: float, hi: float) -> np.ndarray:
     return np.clip(np.rint(scaled), 0, 255).astype(np.uint8)
 
 
-def read_pixels(path: str | os.PathLike | BinaryIO) -> np.ndarray:
+def read_pixels(path: str | os.PathLike | BinaryIO, *, reject_degenerate: bool = False) -> np.ndarray:
     """Read a DICOM image as a 2-D ``uint8`` array, as a radiologist would see it.
 
     The stored values go through the modality LUT (rescale slope/intercept), then the VOI LUT or window
@@ -91,6 +122,10 @@ def read_pixels(path: str | os.PathLike | BinaryIO) -> np.ndarray:
     ----------
     path : str, path or binary file object
         A DICOM file (a file object lets callers read remote files through fsspec).
+    reject_degenerate : bool
+        Raise a DatasetError for an image with non-finite values after the modality LUT (a broken
+        ``RescaleSlope``) or without contrast after scaling (constant stored values, or a window that maps
+        everything to black or white), instead of returning it.
 
     Returns
     -------
@@ -101,6 +136,8 @@ def read_pixels(path: str | os.PathLike | BinaryIO) -> np.ndarray:
     ------
     CatalogError
         If the file holds a colour or multi-frame image.
+    DatasetError
+        With ``reject_degenerate``, for a degenerate image (the message says which way).
     MissingDependencyError
         If pydicom is not installed.
 
@@ -123,6 +160,12 @@ def read_pixels(path: str | os.PathLike | BinaryIO) -> np.ndarray:
             "remove the file from the collection or convert it"
         )
     values = apply_modality_lut(ds.pixel_array, ds)
+    where = str(getattr(path, "name", path))
+    if reject_degenerate and not np.all(np.isfinite(values)):
+        raise DatasetError(
+            f"{where!r}: the modality LUT (RescaleSlope {ds.get('RescaleSlope')!r}, RescaleIntercept "
+            f"{ds.get('RescaleIntercept')!r}) gives non-finite values; fix the header or remove the file"
+        )
     has_voi = bool(ds.get("VOILUTSequence")) or (
         ds.get("WindowCenter") is not None and ds.get("WindowWidth") is not None
     )
@@ -132,9 +175,19 @@ def read_pixels(path: str | os.PathLike | BinaryIO) -> np.ndarray:
     else:
         lo, hi = float(np.min(values)), float(np.max(values))
     image = _to_uint8(values, lo, hi)
+    if reject_degenerate and image.size and image.min() == image.max():
+        raise DatasetError(
+            f"{where!r}: the image is constant after scaling (every pixel {int(image.flat[0])}; stored values "
+            f"{_range(ds.pixel_array)}, window {ds.get('WindowCenter')!r}/{ds.get('WindowWidth')!r}, rescale "
+            f"{ds.get('RescaleSlope')!r}/{ds.get('RescaleIntercept')!r}): no contrast is left to learn from"
+        )
     if photometric == "MONOCHROME1":
         image = 255 - image
     return image
+
+
+def _range(values: np.ndarray) -> str:
+    return f"{values.min()}..{values.max()}" if values.size else "none"
 
 
 def _age(value: Any) -> float:
@@ -183,9 +236,6 @@ def _dicom_files(root: Path) -> list[Path]:
 
 def _labels_from_csv(path: Path, frame: pd.DataFrame, labels: Sequence[str] | None) -> tuple[pd.DataFrame, list[str]]:
     """Label columns for ``frame`` from a CSV keyed (first column) by SOP UID, file name or path under root."""
-    from dask_dl.data.catalog import NO_FINDING, parse_findings
-    from dask_dl.data.schema import NIH_LABELS
-
     if not path.is_file():
         raise StoreNotFoundError(f"no labels table at {str(path)!r}")
     table = pd.read_csv(path, dtype=str, keep_default_na=False)
@@ -255,7 +305,7 @@ def read_dicom(
         ``image_id`` from the SOP Instance UID (default) or the path under ``root``, for collections where
         copies of one instance share a UID.
     seed, val_fraction, test_fraction
-        Passed to :func:`~dask_dl.data.catalog.split_by_patient`.
+        Passed to :func:`~dask_dl.data.splits.split_by_patient`.
 
     Returns
     -------
@@ -276,14 +326,11 @@ def read_dicom(
     --------
     >>> catalog = read_dicom("/data/dicom", labels_csv="/data/labels.csv")  # doctest: +SKIP
     """
-    from dask_dl.data.catalog import split_by_patient
-
     _pydicom("reading a DICOM collection")
     root = Path(root).expanduser().absolute()
     if not root.is_dir():
         raise StoreNotFoundError(f"the DICOM collection {str(root)!r} is not a directory")
-    if id_from not in ("uid", "path"):
-        raise ConfigurationError(f"id_from={id_from!r} is not one of ['uid', 'path']")
+    one_of("id_from", id_from, ("uid", "path"))
     if labels is not None and labels_csv is None:
         raise ConfigurationError("labels= names columns of a labels table: pass labels_csv= too")
     files = _dicom_files(root)
@@ -324,3 +371,6 @@ def read_dicom(
     )
     catalog.attrs = {"labels": label_names, "task": "multilabel"}
     return split_by_patient(catalog, seed=seed, val_fraction=val_fraction, test_fraction=test_fraction)
+
+
+LAYOUTS.register("dicom", read_dicom, help="a folder of DICOM files, labels from a CSV (labels_csv=)")

@@ -2,15 +2,19 @@
 
 The steps, and the choices made in each:
 
-1. **Read** the file's bytes (local path or fsspec URL). Absent file -> ``missing``; other I/O errors ->
-   ``unreadable``.
-2. **Decode.** DICOM files (``.dcm``/``.dicom`` or the ``DICM`` magic) go through
-   :func:`dask_dl.data.dicom.read_pixels` (modality/VOI LUT, MONOCHROME1 inverted, 8-bit). Other files are
-   identified by Pillow from their header; PNG pixels are then decoded with imagecodecs (about 20 % faster than
-   Pillow on NIH-sized PNGs), everything else with Pillow. A header Pillow does not know -> ``undecodable``; a
-   header that is fine but pixel data that ends early or is corrupt -> ``truncated``.
-3. **Size check** on the original image: a side shorter than ``min_size`` (``dask-dl.ingest.min-size``) ->
-   ``too_small``. It runs on the header alone, before the pixels are decoded.
+1. **Read** the file's bytes (local path or fsspec URL) through a :class:`~dask_dl.data.paths.PathPolicy`: a
+   scheme or root that is not allowed, or a NUL byte -> ``refused``; absent file -> ``missing``; not a regular
+   file (FIFO, device, folder) or another I/O error -> ``unreadable``; over ``max-file-bytes`` -> ``too_large``.
+2. **Size checks** from the header alone, before any pixel is decoded: decoded pixels (width x height x
+   channels x bytes per sample) over ``dask-dl.ingest.max-image-bytes`` -> ``too_large`` (a 0.65 MB PNG can need
+   gigabytes); a side shorter than ``min_size`` (``dask-dl.ingest.min-size``, by default a quarter of the output
+   ``size``) -> ``too_small``.
+3. **Decode.** DICOM files (``.dcm``/``.dicom`` or the ``DICM`` magic) go through
+   :func:`dask_dl.data.dicom.read_pixels` (modality/VOI LUT, MONOCHROME1 inverted, 8-bit); a decoder warning
+   (damaged compressed data) -> ``undecodable``, a constant result or non-finite values -> ``degenerate``.
+   Other files are identified by Pillow from their header; PNG pixels are then decoded with imagecodecs (about
+   20 % faster than Pillow on NIH-sized PNGs), everything else with Pillow. A header Pillow does not know ->
+   ``undecodable``; a header that is fine but pixel data that ends early or is corrupt -> ``truncated``.
 4. **Grayscale.** Gray stays gray; gray+alpha keeps the gray channel. RGB and RGBA become their ITU-R BT.601
    luma ``L = 0.299 R + 0.587 G + 0.114 B``, computed with exactly the integer arithmetic of Pillow's
    ``convert("L")`` so both decoders agree bit for bit. **Alpha is ignored**: NIH's RGBA files carry an opaque
@@ -32,33 +36,30 @@ from __future__ import annotations
 import io
 import os
 import threading
+import warnings
 import zlib
-from typing import Literal
+from typing import NamedTuple
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from dask_dl import config
-from dask_dl.errors import CatalogError, DaskDLError
+from dask_dl.data.dicom import is_dicom, read_pixels
+from dask_dl.data.paths import PathPolicy
+from dask_dl.data.rejects import REJECT_REASONS, ImageRejected, RejectReason
+from dask_dl.errors import CatalogError, DatasetError
 
-#: Why an image can be rejected, in the order the checks run.
-RejectReason = Literal["missing", "unreadable", "undecodable", "truncated", "too_small", "unsupported"]
-REJECT_REASONS: tuple[str, ...] = ("missing", "unreadable", "undecodable", "truncated", "too_small", "unsupported")
-
-_DICOM_SUFFIXES = (".dcm", ".dicom")
-
-
-class ImageRejected(DaskDLError, ValueError):
-    """An image that cannot be ingested; ``reason`` is one of :data:`REJECT_REASONS`."""
-
-    def __init__(self, reason: str, path: str, detail: str) -> None:
-        self.reason = reason
-        self.path = path
-        self.detail = detail
-        super().__init__(f"{reason}: {path}: {detail}")
+__all__ = ["REJECT_REASONS", "ImageRejected", "RejectReason", "load_image", "resize_square", "to_gray"]
 
 
-def load_image(path: str | os.PathLike, *, size: int | None = None, min_size: int | None = None) -> np.ndarray:
+def load_image(
+    path: str | os.PathLike,
+    *,
+    size: int | None = None,
+    min_size: int | None = None,
+    max_image_bytes: int | None = None,
+    policy: PathPolicy | None = None,
+) -> np.ndarray:
     """Read the image at ``path`` as a ``(size, size)`` uint8 grayscale array.
 
     Parameters
@@ -68,7 +69,13 @@ def load_image(path: str | os.PathLike, *, size: int | None = None, min_size: in
     size
         Side of the square output; default ``dask-dl.ingest.size``.
     min_size
-        Reject images with a side shorter than this; default ``dask-dl.ingest.min-size``.
+        Reject images with a side shorter than this; default ``dask-dl.ingest.min-size``, or ``size // 4`` when
+        that is unset (an image is upscaled at most four times).
+    max_image_bytes
+        Reject images whose decoded pixels (width x height x channels x bytes per sample, read from the header
+        before decoding) exceed this; default ``dask-dl.ingest.max-image-bytes``.
+    policy
+        Which paths may be read and how large a file may be; default :meth:`PathPolicy.from_config`.
 
     Returns
     -------
@@ -78,8 +85,7 @@ def load_image(path: str | os.PathLike, *, size: int | None = None, min_size: in
     Raises
     ------
     ImageRejected
-        With ``reason`` one of ``missing``, ``unreadable``, ``undecodable``, ``truncated``, ``too_small``,
-        ``unsupported``.
+        With ``reason`` one of :data:`~dask_dl.data.rejects.REJECT_REASONS`.
 
     Examples
     --------
@@ -91,64 +97,83 @@ def load_image(path: str | os.PathLike, *, size: int | None = None, min_size: in
     (64, 64)
     """
     size = int(config.get("ingest.size", size))
-    min_size = int(config.get("ingest.min-size", min_size))
+    min_size = config.get("ingest.min-size", min_size)
+    min_size = max(1, size // 4) if min_size is None else int(min_size)
+    limits = _Limits(min_size, int(config.get("ingest.max-image-bytes", max_image_bytes)))
     path = os.fspath(path)
-    data = _read_bytes(path)
-    decode = _decode_dicom if _is_dicom(path, data) else _decode_raster
-    pixels = decode(path, data, min_size)
+    data = (policy or PathPolicy.from_config()).read(path)
+    decode = _decode_dicom if is_dicom(path, data) else _decode_raster
+    pixels = decode(path, data, limits)
     out = resize_square(to_gray(pixels), size=size)
     # the PNG decode buffer is reused by the next call: never hand it out
     return out.copy() if np.shares_memory(out, pixels) else out
 
 
-def _read_bytes(path: str) -> bytes:
-    try:
-        if "://" in path:
-            import fsspec
+class _Limits(NamedTuple):
+    min_size: int
+    max_image_bytes: int
 
-            with fsspec.open(path, "rb") as f:
-                return f.read()
-        with open(path, "rb") as f:
-            return f.read()
-    except FileNotFoundError:
-        raise ImageRejected("missing", path, "no such file") from None
-    except OSError as exc:
-        raise ImageRejected("unreadable", path, f"{type(exc).__name__}: {exc}") from None
-
-
-def _is_dicom(path: str, data: bytes) -> bool:
-    return path.lower().endswith(_DICOM_SUFFIXES) or data[128:132] == b"DICM"
-
-
-def _check_size(path: str, width: int, height: int, min_size: int) -> None:
-    if min(width, height) < min_size:
-        raise ImageRejected(
-            "too_small",
-            path,
-            f"{width}x{height} pixels has a side under min-size {min_size} "
-            "(lower it with dask.config.set({'dask-dl.ingest.min-size': ...}) to keep such images)",
-        )
+    def check(self, path: str, width: int, height: int, channels: int, sample_bytes: int) -> None:
+        """Size checks from the header, before any pixel is decoded."""
+        if width < 1 or height < 1:
+            raise ImageRejected("undecodable", path, f"the header says {width}x{height} pixels")
+        need = width * height * channels * sample_bytes
+        if need > self.max_image_bytes:
+            raise ImageRejected(
+                "too_large",
+                path,
+                f"{width}x{height} pixels x {channels} channel(s) x {sample_bytes} byte(s) = {need} bytes decoded, "
+                f"over dask-dl.ingest.max-image-bytes = {self.max_image_bytes}; raise it if workers have the memory",
+            )
+        if min(width, height) < self.min_size:
+            raise ImageRejected(
+                "too_small",
+                path,
+                f"{width}x{height} pixels has a side under min-size {self.min_size} "
+                "(pass a smaller min_size= to ingest to keep such images)",
+            )
 
 
-def _decode_raster(path: str, data: bytes, min_size: int) -> np.ndarray:
+def _decode_raster(path: str, data: bytes, limits: _Limits) -> np.ndarray:
     try:
         image = Image.open(io.BytesIO(data))
-    except Image.DecompressionBombError as exc:  # over Image.MAX_IMAGE_PIXELS: raise that limit to read it
-        raise ImageRejected("unsupported", path, str(exc)) from None
+    except Image.DecompressionBombError as exc:  # over twice Image.MAX_IMAGE_PIXELS
+        raise ImageRejected("too_large", path, str(exc)) from None
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
         # Pillow's message names the BytesIO object (a memory address): keep status files deterministic
         raise ImageRejected(
             "undecodable", path, f"not an image format Pillow can identify ({type(exc).__name__})"
         ) from None
-    _check_size(path, image.width, image.height, min_size)
+    channels, sample_bytes = _png_depth(data) if image.format == "PNG" else _pillow_depth(image)
+    limits.check(path, image.width, image.height, channels, sample_bytes)
     if image.format == "PNG":
         return _decode_png(path, data, image)
     try:
-        image.load()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image.load()
+    except Image.DecompressionBombWarning as exc:
+        raise ImageRejected("too_large", path, str(exc)) from None
     except (OSError, SyntaxError, ValueError, zlib.error) as exc:
         reason = "truncated" if "truncated" in str(exc) else "undecodable"
         raise ImageRejected(reason, path, f"{type(exc).__name__}: {exc}") from None
     return _pillow_pixels(image)
+
+
+def _png_depth(data: bytes) -> tuple[int, int]:
+    """``(channels, bytes per sample)`` that imagecodecs decodes a PNG to, from its IHDR chunk (bytes 24, 25)."""
+    bit_depth, colour = data[24], data[25]
+    channels = {0: 1, 2: 3, 3: 4, 4: 2, 6: 4}.get(colour, 4)  # palette counted as RGBA: expanded, maybe with alpha
+    return channels, 2 if bit_depth == 16 else 1
+
+
+def _pillow_depth(image: Image.Image) -> tuple[int, int]:
+    """``(channels, bytes per sample)`` of a Pillow image's mode; palette images are expanded to RGBA."""
+    if image.mode.startswith("I;16"):
+        return 1, 2
+    if image.mode in ("I", "F"):
+        return 1, 4
+    return (4 if image.mode == "P" else len(image.getbands())), 1
 
 
 # channels of the 8-bit PNG modes whose decoded shape is sure; others are decoded into a new array
@@ -198,22 +223,34 @@ def _pillow_pixels(image: Image.Image) -> np.ndarray:
     return np.asarray(image.convert("RGB"))  # CMYK, YCbCr, LAB, HSV, ...
 
 
-def _decode_dicom(path: str, data: bytes, min_size: int) -> np.ndarray:
+def _decode_dicom(path: str, data: bytes, limits: _Limits) -> np.ndarray:
+    import pydicom
+
     try:
-        from dask_dl.data.dicom import read_pixels
-    except ImportError as exc:
-        raise ImageRejected("unsupported", path, f"DICOM decoding is not available ({exc})") from None
+        header = pydicom.dcmread(io.BytesIO(data), stop_before_pixels=True)
+        width, height = int(header.get("Columns", 0) or 0), int(header.get("Rows", 0) or 0)
+        frames = int(header.get("NumberOfFrames", 1) or 1)
+        channels = int(header.get("SamplesPerPixel", 1) or 1) * max(frames, 1)
+        sample_bytes = max(1, -(-int(header.get("BitsAllocated", 16) or 16) // 8))
+    except Exception as exc:  # pydicom raises many kinds of errors for broken headers
+        raise ImageRejected("undecodable", path, f"DICOM header: {type(exc).__name__}: {exc}") from None
+    limits.check(path, width, height, channels, sample_bytes)
     try:
-        pixels = read_pixels(io.BytesIO(data) if "://" in path else path)
-    except (ImportError, CatalogError) as exc:  # pydicom missing; colour or multi-frame DICOM
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            pixels = read_pixels(io.BytesIO(data), reject_degenerate=True)
+    except CatalogError as exc:  # colour or multi-frame DICOM
         raise ImageRejected("unsupported", path, str(exc)) from None
+    except DatasetError as exc:  # constant, or NaN before scaling
+        raise ImageRejected("degenerate", path, str(exc)) from None
     except Exception as exc:  # pydicom raises many kinds of errors for broken files
         reason = "truncated" if "truncated" in str(exc).lower() or isinstance(exc, EOFError) else "undecodable"
         raise ImageRejected(reason, path, f"{type(exc).__name__}: {exc}") from None
+    if caught:  # damaged compressed pixel data decodes to something far from the original, with a warning
+        raise ImageRejected("undecodable", path, f"the decoder warned: {caught[0].message}")
     pixels = np.asarray(pixels)
     if pixels.ndim != 2:
         raise ImageRejected("unsupported", path, f"DICOM pixel array has shape {pixels.shape}; need one 2-D frame")
-    _check_size(path, pixels.shape[1], pixels.shape[0], min_size)
     return pixels
 
 

@@ -1,25 +1,14 @@
 """Ingest a catalog into a sharded Zarr 3 store with one Dask task per shard.
 
-The store (the contract every reader builds on):
-
-==============  =====================  ==========================================================================
-array           shape, dtype           notes
-==============  =====================  ==========================================================================
-``image``       (n, S, S) uint8        dims ``sample, y, x``; chunks ``(chunk, S, S)`` inside shards of
-                                       ``chunk * shard`` images; zstd; rejected rows stay all zero
-``label``       (n, n_labels) uint8    dims ``sample, finding``
-``valid``       (n,) bool              False for rejected rows
-coordinates     (n,) str               ``image_id``, ``patient_id``, ``split``, ``site``; ``finding`` (labels);
-                                       ``sample`` int64 = row number 0..n-1
-==============  =====================  ==========================================================================
-
-The group attribute ``dask_dl`` holds ``format, size, chunk, shard, labels, task, n, complete``; row ``i`` is row
-``i`` of the validated catalog. Beside the arrays, in the store's ``_dask_dl/`` group:
+The layout of the store is the contract in :mod:`dask_dl.data.store`; row ``i`` of the store is row ``i`` of the
+validated catalog. Beside the arrays, in the store's ``_dask_dl/`` group:
 
 - ``status/shard-000012.json``: written (atomically) after shard 12 is written; it is how a restarted run knows
   which shards are done, and it holds that shard's per-row status (ok, reason);
 - ``rejects.parquet``: the rejected rows with their reason, also returned as :attr:`IngestResult.rejects` and read
-  back by :func:`read_rejects`. Rejected images do not fail the run.
+  back by :func:`read_rejects`. A rejected image does not fail the run; a run that keeps no image, or rejects more
+  than ``dask-dl.ingest.max-reject-share`` of them, fails with an :class:`~dask_dl.errors.IngestError` after
+  writing the table.
 
 The order of writes makes a killed run safe to restart: the skeleton (all arrays, ``valid`` all False,
 ``complete: false``) first; then the shards, each followed by its status file; then ``valid``, the rejects table
@@ -45,14 +34,15 @@ import numpy as np
 import pandas as pd
 import zarr
 from zarr.codecs import ZstdCodec
-from zarr.core.buffer import default_buffer_prototype
-from zarr.core.sync import sync
-from zarr.storage import FsspecStore, LocalStore
 
 from dask_dl import config
+from dask_dl.checks import one_of, positive_int
+from dask_dl.data import store as contract
 from dask_dl.data.images import ImageRejected, load_image
+from dask_dl.data.paths import PathPolicy
 from dask_dl.data.schema import labels_of, task_of, validate_catalog
-from dask_dl.errors import CatalogError, ConfigurationError, StoreError, StoreNotFoundError
+from dask_dl.data.store import StoreFiles, StoreLayout
+from dask_dl.errors import CatalogError, ConfigurationError, IngestError, StoreError, StoreNotFoundError
 
 if TYPE_CHECKING:  # pragma: no cover
     from distributed import Client
@@ -61,14 +51,21 @@ __all__ = ["IngestResult", "ingest", "read_rejects"]
 
 logger = logging.getLogger(__name__)
 
-FORMAT = 1
-COORDS: tuple[str, ...] = ("image_id", "patient_id", "split", "site")
-META_GROUP = "_dask_dl"
-STATUS_PREFIX = f"{META_GROUP}/status/"
-REJECTS_KEY = f"{META_GROUP}/rejects.parquet"
 # label/valid/coordinate arrays are small: chunk them by at least this many rows to keep the file count low
 _META_ROWS = 65536
 _STATUS_COLUMNS = ["row", "image_id", "ok", "reason", "message"]
+# what to do about the most frequent reject reason, for the IngestError message
+_FIXES = {
+    "too_small": "pass a smaller min_size= (or --min-size), e.g. min_size={min_side}, or ingest at a smaller size=",
+    "missing": "the files are not where the catalog's path column says: check the paths (workers must see them)",
+    "unreadable": "the files cannot be read: check permissions and that the workers can reach the storage",
+    "undecodable": "the files are not images dask_dl can decode: check the collection (see read_rejects(store))",
+    "truncated": "the files are damaged (cut short): copy the collection again",
+    "unsupported": "the images are of a kind dask_dl does not read (see the messages in read_rejects(store))",
+    "too_large": "the decoded images exceed dask-dl.ingest.max-image-bytes: raise it if the workers have the memory",
+    "refused": "the paths point where dask-dl.ingest.allowed-roots/allowed-schemes does not allow: allow them",
+    "degenerate": "the images are constant (no contrast): check the files and their DICOM rescale/window values",
+}
 
 
 @dataclass(frozen=True, eq=False)
@@ -140,6 +137,8 @@ def ingest(
     size: int | None = None,
     chunk: int | None = None,
     shard: int | None = None,
+    min_size: int | None = None,
+    max_reject_share: float | None = None,
     overwrite: bool = False,
     client: Client | None = None,
     progress: bool | None = None,
@@ -159,6 +158,12 @@ def ingest(
         catalog's paths.
     size, chunk, shard
         Image side, images per chunk, chunks per shard; default ``dask-dl.ingest.size/chunk/shard``.
+    min_size
+        Reject images with a side shorter than this. Default ``dask-dl.ingest.min-size``, and when that is unset
+        ``size // 4``: an image is upscaled at most four times, so a 32 px collection ingests at ``size=32``.
+    max_reject_share
+        Fail (after writing the store and its rejects table) when more than this share of the images is
+        rejected; default ``dask-dl.ingest.max-reject-share`` (0.5). A run that keeps no image always fails.
     overwrite
         Replace an existing store that holds something else (other size, catalog, ...).
     client
@@ -180,7 +185,11 @@ def ingest(
     StoreError
         The store holds another dataset and ``overwrite`` is False.
     ConfigurationError
-        ``size``, ``chunk`` or ``shard`` is not a positive integer.
+        ``size``, ``chunk``, ``shard`` or ``min_size`` is not a positive integer, or ``max_reject_share`` is not
+        a fraction.
+    IngestError
+        No image was kept, or more than ``max_reject_share`` were rejected; the message counts the reasons, shows
+        the first rejected rows and the fix.
 
     Examples
     --------
@@ -193,10 +202,16 @@ def ingest(
     catalog = validate_catalog(catalog)
     if not len(catalog):
         raise CatalogError("the catalog has no rows: there is nothing to ingest")
-    layout = _layout(catalog, size=size, chunk=chunk, shard=shard)
+    layout, options = _layout(catalog, size=size, chunk=chunk, shard=shard, min_size=min_size)
+    share = _share("max_reject_share", config.get("ingest.max-reject-share", max_reject_share))
+    reading = {  # the driver's settings, not each worker's
+        "max_image_bytes": positive_int("max-image-bytes", config.get("ingest.max-image-bytes")),
+        "policy": PathPolicy.from_config(),
+    }
     url = os.fspath(store)
-    group = _prepare_store(url, catalog, layout, overwrite=overwrite)
-    done = _finished_shards(group.store)
+    group = _prepare_store(url, catalog, layout, options, overwrite=overwrite)
+    files = StoreFiles(url)
+    done = _finished_shards(files)
     jobs = [job for job in _jobs(catalog, layout) if job["shard"] not in done]
     if progress is None:  # a bar where someone watches; log lines in batch jobs and CI logs
         progress = bool(config.get("ingest.progress")) and _interactive()
@@ -204,17 +219,17 @@ def ingest(
     if jobs:  # a finished store needs no cluster
         client_ = get_client(client)
         try:
-            tables = _run(client_, jobs, url, layout, progress=progress)
+            tables = _run(client_, jobs, url, layout, options, reading, progress=progress)
         finally:
             if client is None:
                 close_client(client_)
-    status = _all_status(group.store, layout, new=tables)
-    rejected = _finish(group, catalog, status, layout)
+    status = _all_status(files, layout, new=tables)
+    rejected = _finish(group, files, catalog, status, layout)
     if rejects is not None:
         rejected.to_parquet(os.fspath(rejects), index=False)
-    return IngestResult(
+    result = IngestResult(
         store=url,
-        n=layout["n"],
+        n=layout.n,
         n_written=int(sum(int(t["ok"].sum()) for t in tables)),
         n_rejected=len(rejected),
         rejects=rejected,
@@ -222,11 +237,13 @@ def ingest(
         shards_skipped=len(done),
         seconds=time.perf_counter() - started,
     )
+    _check_rejects(result, share=share, options=options)
+    return result
 
 
 def read_rejects(store: str | os.PathLike) -> pd.DataFrame:
     """Return the rejects table of a finished store: ``row, image_id, path, ..., reason, message``."""
-    data = _get(_open_store(os.fspath(store), read_only=True), REJECTS_KEY)
+    data = StoreFiles(store).get(contract.REJECTS_KEY)
     if data is None:
         raise StoreNotFoundError(
             f"no rejects table in {os.fspath(store)!r}: the store was not written by a finished dask_dl.ingest; "
@@ -244,65 +261,66 @@ def _interactive() -> bool:
 # ---- layout and store checks -------------------------------------------------------------------------------
 
 
-def _positive(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
-        raise ConfigurationError(f"{name} must be a positive integer; got {value!r}")
-    return int(value)
+def _share(name: str, value: Any) -> float:
+    try:
+        share = float(value)
+    except (TypeError, ValueError):
+        share = float("nan")
+    if isinstance(value, bool) or not 0.0 <= share <= 1.0:
+        raise ConfigurationError(f"{name} must be a fraction in [0, 1], got {value!r}; pass e.g. {name}=0.5")
+    return share
 
 
-def _layout(catalog: pd.DataFrame, *, size: int | None, chunk: int | None, shard: int | None) -> dict[str, Any]:
+def _layout(
+    catalog: pd.DataFrame, *, size: int | None, chunk: int | None, shard: int | None, min_size: int | None
+) -> tuple[StoreLayout, dict[str, Any]]:
+    """The store's layout, and the ingest options that decide which rows are rejected."""
     compressor = config.get("ingest.compressor")
     if compressor not in ("zstd", "none"):
         raise ConfigurationError(
             f"dask-dl.ingest.compressor is {compressor!r}; use 'zstd' or 'none', "
             "e.g. dask.config.set({'dask-dl.ingest.compressor': 'zstd'})"
         )
+    layout = StoreLayout(
+        size=positive_int("size", config.get("ingest.size", size), example=224),
+        chunk=positive_int("chunk", config.get("ingest.chunk", chunk), example=32),
+        shard=positive_int("shard", config.get("ingest.shard", shard), example=8),
+        labels=tuple(labels_of(catalog)),
+        task=one_of("task", task_of(catalog), contract.TASKS),
+        n=len(catalog),
+    )
+    min_size = config.get("ingest.min-size", min_size)
     image_ids = "\n".join(catalog["image_id"]).encode()
-    return {
-        "format": FORMAT,
-        "size": _positive("size", config.get("ingest.size", size)),
-        "chunk": _positive("chunk", config.get("ingest.chunk", chunk)),
-        "shard": _positive("shard", config.get("ingest.shard", shard)),
-        "labels": labels_of(catalog),
-        "task": task_of(catalog),
-        "n": len(catalog),
-        "min_size": _positive("min-size", config.get("ingest.min-size")),
+    options = {
+        "min_size": positive_int("min_size", max(1, layout.size // 4) if min_size is None else min_size),
         "compressor": compressor,
         "image_ids_sha256": hashlib.sha256(image_ids).hexdigest(),
     }
+    return layout, options
 
 
-# keys of the layout that go into the contract's ``dask_dl`` attribute; the rest go into ``dask_dl_ingest``
-_CONTRACT_KEYS = ("format", "size", "chunk", "shard", "labels", "task", "n")
-
-
-def _attrs(layout: dict[str, Any], *, complete: bool) -> dict[str, Any]:
-    return {
-        "dask_dl": {**{k: layout[k] for k in _CONTRACT_KEYS}, "complete": complete},
-        "dask_dl_ingest": {k: v for k, v in layout.items() if k not in _CONTRACT_KEYS},
-    }
-
-
-def _open_store(url: str, *, read_only: bool = False) -> LocalStore | FsspecStore:
-    if "://" in url and not url.startswith("file://"):
-        return FsspecStore.from_url(url, read_only=read_only)
-    return LocalStore(url.removeprefix("file://"), read_only=read_only)
-
-
-def _differences(attrs: dict[str, Any], layout: dict[str, Any]) -> list[str]:
-    stored = {**attrs.get("dask_dl_ingest", {}), **attrs.get("dask_dl", {})}
+def _differences(attrs: dict[str, Any], layout: StoreLayout, options: dict[str, Any]) -> list[str]:
+    stored = {**attrs.get(contract.INGEST_ATTRIBUTE, {}), **attrs.get(contract.ATTRIBUTE, {})}
+    asked = {**{k: v for k, v in layout.to_dict().items() if k != "complete"}, **options}
     names = {"image_ids_sha256": "catalog (hash of the image ids)"}
+    defaults = {"channels": 1}  # stores of round one did not write it
     return [
-        f"{names.get(key, key)}: store has {stored.get(key)!r}, asked for {layout[key]!r}"
-        for key in layout
-        if stored.get(key) != layout[key]
+        f"{names.get(key, key)}: store has {stored.get(key, defaults.get(key))!r}, asked for {value!r}"
+        for key, value in asked.items()
+        if stored.get(key, defaults.get(key)) != value
     ]
 
 
-def _prepare_store(url: str, catalog: pd.DataFrame, layout: dict[str, Any], *, overwrite: bool) -> zarr.Group:
+def _attrs(layout: StoreLayout, options: dict[str, Any]) -> dict[str, Any]:
+    return {contract.ATTRIBUTE: layout.to_dict(), contract.INGEST_ATTRIBUTE: dict(options)}
+
+
+def _prepare_store(
+    url: str, catalog: pd.DataFrame, layout: StoreLayout, options: dict[str, Any], *, overwrite: bool
+) -> zarr.Group:
     """Check an existing store against the request, then write the skeleton (arrays, coordinates, labels)."""
-    store = _open_store(url)
-    fresh = overwrite or sync(store.is_empty(""))
+    store = contract.zarr_store(url)
+    fresh = overwrite or StoreFiles(url).is_empty()
     if not fresh:
         try:
             existing = zarr.open_group(store, mode="r")
@@ -311,131 +329,127 @@ def _prepare_store(url: str, catalog: pd.DataFrame, layout: dict[str, Any], *, o
         except (FileNotFoundError, ValueError, TypeError):
             attrs = {}
     if not fresh:
-        if "dask_dl" not in attrs:
+        if contract.ATTRIBUTE not in attrs:
             raise StoreError(
                 f"{url!r} exists and is not a dask_dl store; choose another path, or pass overwrite=True "
                 "to delete what is there and ingest into it"
             )
-        diffs = _differences(attrs, layout)
+        diffs = _differences(attrs, layout, options)
         if diffs:
             raise StoreError(
                 f"the store {url!r} holds another dataset: {'; '.join(diffs)}. Pass overwrite=True to replace it "
                 "(or --overwrite on the command line), or ingest into a new store"
             )
     group = zarr.open_group(store, mode="w" if fresh else "r+", zarr_format=3)
-    group.attrs.update(_attrs(layout, complete=False))
-    if "image" not in group:  # also when a run was killed right after writing the attributes
-        _create_image(group, layout)
-    group.require_group(META_GROUP)
+    group.attrs.update(_attrs(layout, options))
+    if contract.IMAGE not in group:  # also when a run was killed right after writing the attributes
+        _create_image(group, layout, options)
+    group.require_group(contract.META_GROUP)
     _write_table_arrays(group, catalog, layout)
     return group
 
 
-def _create_image(group: zarr.Group, layout: dict[str, Any]) -> None:
-    n, size, chunk, shard = layout["n"], layout["size"], layout["chunk"], layout["shard"]
+def _create_image(group: zarr.Group, layout: StoreLayout, options: dict[str, Any]) -> None:
+    n, size = layout.n, layout.size
     group.create_array(
-        "image",
+        contract.IMAGE,
         shape=(n, size, size),
         dtype="uint8",
-        chunks=(chunk, size, size),
-        shards=(chunk * shard, size, size),
-        compressors=ZstdCodec(level=3) if layout["compressor"] == "zstd" else None,
+        chunks=(layout.chunk, size, size),
+        shards=(layout.shard_rows, size, size),
+        # spelled out: StoreLayout.shard_key relies on this encoding of the Zarr 3 specification
+        chunk_key_encoding={"name": "default", "separator": "/"},
+        compressors=ZstdCodec(level=3) if options["compressor"] == "zstd" else None,
         fill_value=0,
-        dimension_names=("sample", "y", "x"),
-        attributes={"coordinates": " ".join(COORDS)},
+        dimension_names=contract.DIMS[contract.IMAGE],
+        attributes={"coordinates": " ".join(contract.COORDS)},
     )
 
 
-def _write_table_arrays(group: zarr.Group, catalog: pd.DataFrame, layout: dict[str, Any]) -> None:
+def _write_table_arrays(group: zarr.Group, catalog: pd.DataFrame, layout: StoreLayout) -> None:
     """(Re)write ``label``, ``valid`` (all False) and the coordinates from the catalog."""
-    n, labels = layout["n"], layout["labels"]
-    shard_rows = layout["chunk"] * layout["shard"]
-    rows = min(n, -(-_META_ROWS // shard_rows) * shard_rows)
+    n, labels = layout.n, list(layout.labels)
+    rows = min(n, -(-_META_ROWS // layout.shard_rows) * layout.shard_rows)
 
-    def create(name: str, values: np.ndarray, dims: tuple[str, ...], **kwargs: Any) -> None:
+    def create(name: str, values: np.ndarray, **kwargs: Any) -> None:
+        dims = contract.DIMS[name]
         array = group.create_array(
             name,
             shape=values.shape,
             dtype=values.dtype if values.dtype.kind != "U" else str,
-            chunks=(rows, *values.shape[1:]) if dims[0] == "sample" else values.shape,
+            chunks=(rows, *values.shape[1:]) if dims[0] == contract.SAMPLE else values.shape,
             dimension_names=dims,
             overwrite=True,
             **kwargs,
         )
         array[...] = values
 
-    coords = {"coordinates": " ".join(COORDS)}
+    coords = {"coordinates": " ".join(contract.COORDS)}
     label = catalog[labels].to_numpy(np.uint8).reshape(n, len(labels))
-    create("label", label, ("sample", "finding"), attributes=coords)
-    create("valid", np.zeros(n, bool), ("sample",), attributes=coords)
-    create("sample", np.arange(n, dtype=np.int64), ("sample",))
-    create("finding", np.array(labels, dtype=str), ("finding",))
-    for name in COORDS:
-        create(name, catalog[name].to_numpy(dtype=str), ("sample",))
+    create(contract.LABEL, label, attributes=coords)
+    create(contract.VALID, np.zeros(n, bool), attributes=coords)
+    create(contract.SAMPLE, np.arange(n, dtype=np.int64))
+    create(contract.FINDING, np.array(labels, dtype=str))
+    for name in contract.COORDS:
+        create(name, catalog[name].to_numpy(dtype=str))
 
 
 # ---- shards ------------------------------------------------------------------------------------------------
 
 
-def _status_key(shard: int) -> str:
-    return f"{STATUS_PREFIX}shard-{shard:06d}.json"
-
-
-def _get(store: LocalStore | FsspecStore, key: str) -> bytes | None:
-    buffer = sync(store.get(key, prototype=default_buffer_prototype()))
-    return None if buffer is None else buffer.to_bytes()
-
-
-def _put(store: LocalStore | FsspecStore, key: str, data: bytes) -> None:
-    # LocalStore writes to a temporary file and renames it; object stores' puts are atomic anyway
-    sync(store.set(key, default_buffer_prototype().buffer.from_bytes(data)))
-
-
-def _finished_shards(store: LocalStore | FsspecStore) -> set[int]:
-    async def keys() -> list[str]:
-        return [key async for key in store.list_prefix(STATUS_PREFIX)]
-
-    names = [key.rsplit("/", 1)[-1] for key in sync(keys())]
+def _finished_shards(files: StoreFiles) -> set[int]:
+    names = files.list(contract.STATUS_PREFIX)
     return {int(name[len("shard-") : -len(".json")]) for name in names if name.startswith("shard-")}
 
 
-def _jobs(catalog: pd.DataFrame, layout: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    rows = layout["chunk"] * layout["shard"]
-    for shard, start in enumerate(range(0, layout["n"], rows)):
-        part = catalog.iloc[start : start + rows]
+def _jobs(catalog: pd.DataFrame, layout: StoreLayout) -> Iterator[dict[str, Any]]:
+    for shard in range(layout.n_shards):
+        rows = layout.shard_rows_of(shard)
+        part = catalog.iloc[rows.start : rows.stop]
         yield {
             "shard": shard,
-            "start": start,
+            "start": rows.start,
             "paths": part["path"].tolist(),
             "image_ids": part["image_id"].tolist(),
         }
 
 
-def _ingest_shard(job: dict[str, Any], *, url: str, size: int, min_size: int) -> pd.DataFrame:
+def _ingest_shard(
+    job: dict[str, Any], *, url: str, layout: dict[str, Any], min_size: int, max_image_bytes: int, policy: PathPolicy
+) -> pd.DataFrame:
     """The task: decode one shard's images, write the whole shard, then its status file."""
+    layout_ = StoreLayout.from_dict(layout)
+    size = layout_.size
     block = np.zeros((len(job["paths"]), size, size), np.uint8)
     status = []
     for i, (path, image_id) in enumerate(zip(job["paths"], job["image_ids"], strict=True)):
         row = job["start"] + i
         try:
-            block[i] = load_image(path, size=size, min_size=min_size)
+            block[i] = load_image(path, size=size, min_size=min_size, max_image_bytes=max_image_bytes, policy=policy)
             status.append((row, image_id, True, "", ""))
         except ImageRejected as exc:
             status.append((row, image_id, False, exc.reason, exc.detail))
-    store = _open_store(url)
-    image = zarr.open_array(store, path="image", mode="r+")
+    files = StoreFiles(url)
+    image = zarr.open_array(contract.zarr_store(url), path=contract.IMAGE, mode="r+")
     # zarr reads an existing shard before writing into it, even when the write covers all of it; the file a killed
     # run left may be half-written and unreadable, so start from nothing (this task is the shard's only writer)
-    sync(store.delete("image/" + image.metadata.encode_chunk_key((job["shard"], 0, 0))))
+    files.delete(layout_.shard_key(job["shard"]))
     image[job["start"] : job["start"] + len(block)] = block
     table = pd.DataFrame(status, columns=_STATUS_COLUMNS)
     record = {"shard": job["shard"], "start": job["start"], "status": table.to_dict(orient="list")}
-    _put(store, _status_key(job["shard"]), json.dumps(record).encode())
+    files.put(layout_.status_key(job["shard"]), json.dumps(record).encode())
     return table
 
 
 def _run(
-    client: Client, jobs: list[dict[str, Any]], url: str, layout: dict[str, Any], *, progress: bool
+    client: Client,
+    jobs: list[dict[str, Any]],
+    url: str,
+    layout: StoreLayout,
+    options: dict[str, Any],
+    reading: dict[str, Any],
+    *,
+    progress: bool,
 ) -> list[pd.DataFrame]:
     from distributed import as_completed
     from distributed import progress as progress_bar
@@ -447,8 +461,9 @@ def _run(
         _ingest_shard,
         jobs,
         url=url,
-        size=layout["size"],
-        min_size=layout["min_size"],
+        layout=layout.to_dict(),
+        min_size=options["min_size"],
+        **reading,
         key=[f"ingest-shard-{run}-{job['shard']}" for job in jobs],
         workers=cpu_workers(client),  # on a cluster with GPU workers, leave them to the trainers
     )
@@ -466,35 +481,75 @@ def _run(
         client.cancel(futures)
 
 
-def _all_status(store: LocalStore | FsspecStore, layout: dict[str, Any], *, new: list[pd.DataFrame]) -> pd.DataFrame:
+def _all_status(files: StoreFiles, layout: StoreLayout, *, new: list[pd.DataFrame]) -> pd.DataFrame:
     """Per-row status of the whole store: this run's tables plus the status files of earlier runs."""
     written = {int(t["row"].iloc[0]) for t in new if len(t)}
     tables = list(new)
-    for shard in sorted(_finished_shards(store)):
-        record = json.loads(_get(store, _status_key(shard)))
+    for shard in sorted(_finished_shards(files)):
+        record = json.loads(files.get(layout.status_key(shard)))
         if record["start"] not in written:
             tables.append(pd.DataFrame(record["status"], columns=_STATUS_COLUMNS))
     status = pd.concat(tables, ignore_index=True).sort_values("row", ignore_index=True)
-    if not np.array_equal(status["row"].to_numpy(), np.arange(layout["n"])):
+    if not np.array_equal(status["row"].to_numpy(), np.arange(layout.n)):
         raise StoreError(
-            f"the shard status files cover {len(status)} rows, not rows 0..{layout['n'] - 1}; the store is "
+            f"the shard status files cover {len(status)} rows, not rows 0..{layout.n - 1}; the store is "
             "damaged: ingest again with overwrite=True"
         )
     return status
 
 
-def _finish(group: zarr.Group, catalog: pd.DataFrame, status: pd.DataFrame, layout: dict[str, Any]) -> pd.DataFrame:
+def _finish(
+    group: zarr.Group, files: StoreFiles, catalog: pd.DataFrame, status: pd.DataFrame, layout: StoreLayout
+) -> pd.DataFrame:
     """Write ``valid`` and the rejects table, then mark the store complete; return the rejects."""
     if not (status["image_id"].to_numpy() == catalog["image_id"].to_numpy()).all():
         raise StoreError("the shard status files name other images than the catalog: ingest with overwrite=True")
     ok = status["ok"].to_numpy(bool)
-    group["valid"][:] = ok
+    group[contract.VALID][:] = ok
     rejected = status.loc[~ok, ["row", "image_id", "reason", "message"]].reset_index(drop=True)
     extra = catalog.iloc[rejected["row"].to_numpy()][["path", "patient_id", "split", "site"]].reset_index(drop=True)
     rejected = pd.concat([rejected[["row", "image_id"]], extra, rejected[["reason", "message"]]], axis=1)
     rejected["row"] = rejected["row"].astype(np.int64)
     buffer = io.BytesIO()
     rejected.to_parquet(buffer, index=False)
-    _put(group.store, REJECTS_KEY, buffer.getvalue())
-    group.attrs.update(_attrs(layout, complete=True))
+    files.put(contract.REJECTS_KEY, buffer.getvalue())
+    group.attrs.update({contract.ATTRIBUTE: layout.replace(complete=True).to_dict()})
     return rejected
+
+
+def _check_rejects(result: IngestResult, *, share: float, options: dict[str, Any]) -> None:
+    """Raise an IngestError when no image was kept or too many were rejected."""
+    n, rejected = result.n, result.n_rejected
+    if rejected == 0 or (rejected < n and rejected <= share * n):
+        return
+    table = result.rejects
+    counts = {str(k): int(v) for k, v in table["reason"].value_counts().items()}
+    reasons = ", ".join(f"{reason} {count}" for reason, count in counts.items())
+    shown = "\n".join(
+        f"  row {row.row} {row.image_id!r} ({row.path}): {row.reason}: {row.message}"
+        for row in table.head(3).itertuples()
+    )
+    top = next(iter(counts))
+    fix = _FIXES.get(top, "see read_rejects(store) for each image's reason").format(
+        min_side=_smallest_side(table) or max(1, options["min_size"] // 2)
+    )
+    kept = (
+        "no image was kept"
+        if rejected == n
+        else f"{rejected / n:.0%} were rejected, more than max_reject_share={share:g} (dask-dl.ingest.max-reject-share)"
+    )
+    accept = "" if rejected == n else " To keep the store as it is, pass max_reject_share=1.0."
+    raise IngestError(
+        f"ingest into {result.store!r} rejected {rejected} of {n} images ({reasons}): {kept}. First rejected rows:\n"
+        f"{shown}\nFix: {fix}; then ingest again with overwrite=True.{accept} The store and its rejects table "
+        f"are written: dask_dl.data.ingest.read_rejects({result.store!r})",
+        rejects=table,
+        counts=counts,
+    )
+
+
+def _smallest_side(rejects: pd.DataFrame) -> int | None:
+    """The smallest side among the too_small rejects (their message says ``WxH pixels``)."""
+    sides = rejects.loc[rejects["reason"] == "too_small", "message"].str.extract(r"(\d+)x(\d+) pixels")
+    sides = sides.dropna().astype(int)
+    return int(sides.min(axis=1).min()) if len(sides) else None

@@ -24,7 +24,6 @@ Dask, or gathers them once at the end with ``torch.distributed.all_gather_object
 from __future__ import annotations
 
 import math
-import os
 import queue
 import threading
 import time
@@ -37,10 +36,12 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-import zarr
 
 from dask_dl import config
-from dask_dl.errors import DatasetError, StoreError
+from dask_dl.checks import positive_int
+from dask_dl.data import store as contract
+from dask_dl.data.store import open_store
+from dask_dl.errors import ConfigurationError, DatasetError, StoreError
 from dask_dl.models import normalize
 
 __all__ = ["Augmentation", "ChunkLoader"]
@@ -148,6 +149,10 @@ class ChunkLoader:
 
     Raises
     ------
+    ConfigurationError
+        ``batch_size``, ``world_size``, ``window`` or ``prefetch`` is not a count, ``rank`` or ``seed`` out of range.
+    StoreNotFoundError
+        Nothing at ``store``.
     StoreError
         ``store`` is not a complete dask_dl store.
     DatasetError
@@ -175,28 +180,30 @@ class ChunkLoader:
         augment: bool | Augmentation = False,
         drop_last: bool = True,
     ) -> None:
-        self.batch_size = _positive("batch_size", batch_size)
-        self.world_size = _positive("world_size", world_size)
+        self.batch_size = positive_int("batch_size", batch_size, example=32)
+        self.world_size = positive_int("world_size", world_size)
         if not isinstance(rank, int | np.integer) or not 0 <= rank < world_size:
-            raise DatasetError(f"rank {rank!r} is not in 0..{world_size - 1}; pass the trainer's rank < world_size")
-        if not isinstance(seed, int | np.integer) or seed < 0:
-            raise DatasetError(f"seed must be a non-negative integer, got {seed!r}")
+            raise ConfigurationError(
+                f"rank {rank!r} is not in 0..{world_size - 1}; pass the trainer's rank < world_size"
+            )
+        if not isinstance(seed, int | np.integer) or isinstance(seed, bool) or seed < 0:
+            raise ConfigurationError(f"seed must be a non-negative integer, got {seed!r}; pass e.g. seed=0")
         self.rank, self.seed = int(rank), int(seed)
         self.shuffle, self.drop_last = bool(shuffle), bool(drop_last)
-        self.window = _positive("window", config.get("train.shuffle-window", window))
+        self.window = positive_int("window", config.get("train.shuffle-window", window), example=4)
         self.prefetch = _non_negative("prefetch", config.get("train.prefetch", prefetch))
         self.augmentation = Augmentation() if augment is True else (augment or None)
         if self.augmentation is not None and not isinstance(self.augmentation, Augmentation):
-            raise DatasetError(f"augment must be True, False or an Augmentation(...), got {augment!r}")
+            raise ConfigurationError(f"augment must be True, False or an Augmentation(...), got {augment!r}")
 
-        self.source, group = _open_store(store)
-        self._image = group["image"]
-        self.chunk = int(self._image.chunks[0])
-        self.image_size = int(self._image.shape[-1])
-        self.labels = list(group.attrs["dask_dl"]["labels"])
+        self.source, group, layout = open_store(store)
+        self._image = group[contract.IMAGE]
+        self.chunk = layout.chunk
+        self.image_size = layout.size
+        self.labels = list(layout.labels)
         # Labels of the whole store are n x n_labels bytes: read them once rather than once per chunk.
-        self._label = np.asarray(group["label"][:], dtype=np.float32)
-        valid = np.asarray(group["valid"][:], dtype=bool) if "valid" in group else None
+        self._label = np.asarray(group[contract.LABEL][:], dtype=np.float32)
+        valid = np.asarray(group[contract.VALID][:], dtype=bool) if contract.VALID in group else None
         self.samples = _check_samples(samples, n=self._image.shape[0], valid=valid, source=self.source)
 
         n, per_step = len(self.samples), self.batch_size * self.world_size
@@ -453,46 +460,10 @@ class _Producer:
 # ---- checks -------------------------------------------------------------------------------------------------------
 
 
-def _positive(name: str, value: Any) -> int:
-    if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < 1:
-        raise DatasetError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
-
-
 def _non_negative(name: str, value: Any) -> int:
     if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < 0:
-        raise DatasetError(f"{name} must be an integer >= 0, got {value!r}")
+        raise ConfigurationError(f"{name} must be an integer >= 0, got {value!r}; pass e.g. {name}=2")
     return int(value)
-
-
-def _open_store(store: Any) -> tuple[str, zarr.Group]:
-    if isinstance(store, zarr.Group):
-        group, source = store, str(store.store)
-    else:
-        if hasattr(store, "encoding") and hasattr(store, "data_vars"):  # an xarray.Dataset from open_dataset
-            if "source" not in store.encoding:
-                raise StoreError(
-                    "the dataset does not say which store it came from (no encoding['source']); "
-                    "pass the store path instead: ChunkLoader('path/to/store.zarr', ...)"
-                )
-            store = store.encoding["source"]
-        source = os.fspath(store)
-        try:
-            group = zarr.open_group(source, mode="r")
-        except FileNotFoundError as exc:
-            raise StoreError(f"no Zarr store at {source!r}; write one with dask_dl.ingest(catalog, store)") from exc
-    meta = group.attrs.get("dask_dl")
-    if not isinstance(meta, dict) or "image" not in group or "label" not in group:
-        raise StoreError(
-            f"{source!r} is not a dask_dl store (it lacks the 'dask_dl' attribute or the image/label arrays); "
-            "write one with dask_dl.ingest(catalog, store)"
-        )
-    if meta.get("complete") is False:
-        raise StoreError(
-            f"the store {source!r} is incomplete (an ingest did not finish), so some images would read as zeros; "
-            "run dask_dl.ingest(catalog, store) again: it writes only the missing shards"
-        )
-    return source, group
 
 
 def _check_samples(samples: Any, *, n: int, valid: np.ndarray | None, source: str) -> np.ndarray:

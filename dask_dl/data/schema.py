@@ -26,6 +26,7 @@ from collections.abc import Sequence
 import numpy as np
 import pandas as pd
 
+from dask_dl.data.layouts import LAYOUTS
 from dask_dl.errors import CatalogError, StoreNotFoundError
 
 #: The 14 NIH ChestX-ray14 findings, in the published order.
@@ -212,3 +213,6 @@ def make_catalog(frame: pd.DataFrame, labels: Sequence[str], *, task: str = "mul
     frame = frame.copy()
     frame.attrs = {"labels": list(labels), "task": task}
     return validate_catalog(frame)
+
+
+LAYOUTS.register("parquet", read_parquet_catalog, help="a catalog .parquet file written by write_catalog")

@@ -26,6 +26,9 @@ import numpy as np
 import pandas as pd
 from PIL import Image
 
+from dask_dl.checks import positive_int
+from dask_dl.data.labels import NO_FINDING
+from dask_dl.data.nih import NIH_HEADER
 from dask_dl.data.radiograph import draw
 from dask_dl.data.schema import NIH_LABELS
 from dask_dl.errors import CatalogError, ConfigurationError, StoreNotFoundError
@@ -35,12 +38,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["synthesize"]
 
-#: Header of the published 2017 ``Data_Entry_2017.csv``; its data lines end with one extra comma.
-NIH_HEADER = (
-    "Image Index,Finding Labels,Follow-up #,Patient ID,Patient Age,Patient Gender,View Position,"
-    "OriginalImage[Width,Height],OriginalImagePixelSpacing[x,y]"
-)
-NO_FINDING = "No Finding"
 _BLOCK = 64  # images per task; fixed, so that seeds (and files) do not depend on how the work is spread
 _CORRUPT_KINDS = ("truncated", "empty", "garbage")
 
@@ -545,9 +542,8 @@ def synthesize(
 
 
 def _check_options(n_images, size, n_patients, rgba_fraction, corrupt_fraction) -> None:
-    if int(n_images) != n_images or n_images < 1:
-        raise ConfigurationError(f"n_images={n_images!r} must be a positive integer, e.g. n_images=1000")
-    if int(size) != size or size < 64:
+    positive_int("n_images", n_images, example=1000)
+    if positive_int("size", size, example=256) < 64:
         raise ConfigurationError(f"size={size!r} is too small: images are at least 64 pixels wide, e.g. size=256")
     if n_patients is not None and not 1 <= n_patients <= n_images:
         raise ConfigurationError(

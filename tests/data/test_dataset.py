@@ -69,7 +69,7 @@ def test_open_dataset_contract(ingested):
     assert ds.valid.values.all()
     assert ds.attrs["dask_dl"] == {
         "format": 1, "size": 16, "chunk": 2, "shard": 3, "labels": LABELS, "task": "multilabel", "n": N,
-        "complete": True,
+        "channels": 1, "complete": True,
     }  # fmt: skip
     assert ds.encoding["source"] == str(store)
     # lazy, every variable chunked alike, and no dask chunk straddles two Zarr chunks (of 2 images)

@@ -10,55 +10,15 @@ import numpy as np
 import pandas as pd
 import pydicom
 import pytest
-from pydicom.dataset import Dataset, FileMetaDataset
-from pydicom.uid import ExplicitVRLittleEndian, SecondaryCaptureImageStorage, generate_uid
+from pydicom.dataset import Dataset
 
 from dask_dl.data.dicom import is_dicom_file, read_dicom, read_header, read_pixels
 from dask_dl.data.schema import NIH_LABELS
 from dask_dl.errors import CatalogError, ConfigurationError, MissingDependencyError, StoreNotFoundError
+from dask_dl.testing.data import write_dicom
 
 MONO2 = "1.2.276.0.7230010.3.1.4.8323329.6904.1517875201.850819.dcm"
 MONO1 = "Fake_MONOHR1.dcm"
-
-
-def write_dicom(
-    path: Path,
-    pixels: np.ndarray,
-    *,
-    bits: int = 12,
-    photometric: str = "MONOCHROME2",
-    uid: str | None = None,
-    patient: str | None = "P1",
-    **elements,
-) -> str:
-    """Write ``pixels`` as an uncompressed single-frame DICOM; ``elements`` are extra header keywords."""
-    uid = uid or generate_uid()
-    meta = FileMetaDataset()
-    meta.MediaStorageSOPClassUID = SecondaryCaptureImageStorage
-    meta.MediaStorageSOPInstanceUID = uid
-    meta.TransferSyntaxUID = ExplicitVRLittleEndian
-    ds = Dataset()
-    ds.file_meta = meta
-    ds.SOPClassUID = SecondaryCaptureImageStorage
-    ds.SOPInstanceUID = uid
-    if patient is not None:
-        ds.PatientID = patient
-    ds.Modality = "CR"
-    ds.SamplesPerPixel = 1
-    ds.PhotometricInterpretation = photometric
-    ds.Rows, ds.Columns = pixels.shape
-    ds.BitsAllocated = 16 if bits > 8 else 8
-    ds.BitsStored = bits
-    ds.HighBit = bits - 1
-    signed = pixels.dtype.kind == "i"
-    ds.PixelRepresentation = int(signed)
-    dtype = {(16, False): "<u2", (16, True): "<i2", (8, False): "u1", (8, True): "i1"}[(ds.BitsAllocated, signed)]
-    ds.PixelData = pixels.astype(dtype).tobytes()
-    for key, value in elements.items():
-        setattr(ds, key, value)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    ds.save_as(path, enforce_file_format=True)
-    return uid
 
 
 @pytest.fixture
@@ -312,7 +272,7 @@ def test_read_dicom_errors(dicom_root, tmp_path, monkeypatch):
         read_dicom(root, labels_csv=partial)
     with pytest.raises(ConfigurationError, match="pass labels_csv="):
         read_dicom(root, labels=["Mass"])
-    with pytest.raises(ConfigurationError, match="id_from='sop'"):
+    with pytest.raises(ConfigurationError, match="unknown id_from 'sop': use one of uid, path"):
         read_dicom(root, id_from="sop")
     with pytest.raises(StoreNotFoundError):
         read_dicom(tmp_path / "absent")

@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -18,14 +19,16 @@ import pandas as pd
 import pytest
 import xarray as xr
 import zarr
+from click.testing import CliRunner
 from PIL import Image
-from scipy.ndimage import gaussian_filter
 
 import dask_dl
+from dask_dl.cli import cli
 from dask_dl.data.images import load_image
 from dask_dl.data.ingest import IngestResult, read_rejects
 from dask_dl.data.schema import make_catalog, write_catalog
-from dask_dl.errors import CatalogError, StoreError
+from dask_dl.errors import CatalogError, DatasetError, IngestError, StoreError
+from dask_dl.testing.data import class_folders, png_collection
 
 LABELS = ["Effusion", "Mass", "Nodule"]
 
@@ -33,41 +36,9 @@ LABELS = ["Effusion", "Mass", "Nodule"]
 SIZE, CHUNK, SHARD = 32, 4, 2  # 8 images per shard
 
 
-def write_png(path: Path, seed: int, shape=(96, 96)) -> None:
-    noise = gaussian_filter(np.random.default_rng(seed).random(shape), 4)
-    Image.fromarray(np.rint((noise - noise.min()) / np.ptp(noise) * 255).astype(np.uint8)).save(path)
-
-
 def make_collection(root: Path, n: int = 36, bad: dict[int, str] | None = None) -> pd.DataFrame:
     """``n`` PNGs (80-112 px, some not square) and their catalog; rows in ``bad`` get a broken file."""
-    root.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for i in range(n):
-        path = root / f"{i:05d}.png"
-        write_png(path, seed=i, shape=(80 + 8 * (i % 5), 96))
-        patient = i // 3
-        rows.append(
-            {
-                "image_id": f"img{i:05d}",
-                "path": str(path),
-                "patient_id": f"p{patient:03d}",
-                "site": "north" if patient % 2 else "south",
-                "split": ("train", "train", "val", "test")[patient % 4],
-                **{label: int((i >> k) & 1) for k, label in enumerate(LABELS)},
-                "age": 20 + i,
-            }
-        )
-    for i, kind in (bad or {}).items():
-        path = Path(rows[i]["path"])
-        if kind == "missing":
-            path.unlink()
-        elif kind == "truncated":
-            path.write_bytes(path.read_bytes()[:200])
-        elif kind == "garbage":
-            path.write_bytes(b"\x89PNG but not really" * 20)
-        elif kind == "too_small":
-            write_png(path, seed=i, shape=(40, 96))
-    return make_catalog(pd.DataFrame(rows), LABELS)
+    return png_collection(root, n, labels=LABELS, bad=bad)
 
 
 BAD = {3: "missing", 9: "truncated", 10: "garbage", 30: "too_small"}
@@ -98,7 +69,7 @@ def test_round_trip(cluster_client, tmp_path):
     group = zarr.open_group(store, mode="r")
     assert group.attrs["dask_dl"] == {
         "format": 1, "size": SIZE, "chunk": CHUNK, "shard": SHARD, "labels": LABELS, "task": "multilabel",
-        "n": n, "complete": True,
+        "n": n, "channels": 1, "complete": True,
     }  # fmt: skip
     image = group["image"]
     assert (image.shape, image.dtype, image.chunks, image.shards) == (
@@ -178,7 +149,7 @@ def test_malformed_catalog_fails_before_any_work(tmp_path):
 
 def test_bad_options_fail_before_any_work(tmp_path):
     catalog = make_collection(tmp_path / "images", n=4)
-    with pytest.raises(dask_dl.ConfigurationError, match="chunk must be a positive integer; got 0"):
+    with pytest.raises(dask_dl.ConfigurationError, match="chunk must be a positive integer, got 0"):
         dask_dl.ingest(catalog, tmp_path / "s.zarr", size=SIZE, chunk=0)
     assert not (tmp_path / "s.zarr").exists()
 
@@ -270,6 +241,89 @@ def test_real_nih_pngs_and_dicoms(cluster_client, shared_data, tmp_path):
     assert ds.label.values[0].sum() >= 1 and not ds.label.values[2:].any()
 
 
+# ---- small images and too many rejects (issue 8) -----------------------------------------------------------
+
+
+def test_small_class_folder_collection_ingests_at_its_size(cluster_client, tmp_path):
+    """A 32x32 collection in class folders ingests at size=32 with no setting changed."""
+    root = class_folders(tmp_path / "digits", classes=("0", "1", "2"), per_class=6, size=32)
+    catalog = dask_dl.read_folders(root, val_fraction=0.2, test_fraction=0.2)
+    store = tmp_path / "digits.zarr"
+    result = dask_dl.ingest(catalog, store, size=32, chunk=4, shard=2, client=cluster_client, progress=False)
+    assert (result.n, result.n_rejected, result.n_written) == (18, 0, 18)
+    ds = dask_dl.open_dataset(store)
+    assert ds.image.shape == (18, 32, 32) and list(ds.finding.values) == ["0", "1", "2"]
+    for i, path in enumerate(catalog["path"]):  # 32 px at size 32: stored as they are
+        np.testing.assert_array_equal(ds.image.values[i], np.asarray(Image.open(path)))
+    np.testing.assert_array_equal(ds.label.values, catalog[["0", "1", "2"]].to_numpy(np.uint8))
+
+
+def test_ingest_that_keeps_no_image_fails_with_the_fix(cluster_client, tmp_path):
+    root = class_folders(tmp_path / "digits", classes=("a", "b"), per_class=5, size=32)
+    catalog = dask_dl.read_folders(root)
+    store = tmp_path / "s.zarr"
+    options = {"size": 32, "chunk": 2, "shard": 2, "client": cluster_client, "progress": False}
+    with pytest.raises(IngestError) as info:
+        dask_dl.ingest(catalog, store, min_size=64, **options)
+    message = str(info.value)
+    assert "rejected 10 of 10 images (too_small 10): no image was kept" in message
+    assert message.count("\n  row ") == 3 and "\n  row 0 'a/0000.png' (" in message  # the first rejected rows
+    assert "32x32 pixels has a side under min-size 64" in message
+    assert "pass a smaller min_size= (or --min-size), e.g. min_size=32" in message  # the fix, with a value that works
+    assert info.value.counts == {"too_small": 10}
+    assert isinstance(info.value, dask_dl.DatasetError)
+    # the rejects table is written all the same
+    pd.testing.assert_frame_equal(read_rejects(store), info.value.rejects)
+    assert len(info.value.rejects) == 10
+    # and open_dataset says in one line that nothing is there
+    with pytest.raises(DatasetError) as opened:
+        dask_dl.open_dataset(store)
+    assert "\n" not in str(opened.value)
+    assert f"the store {str(store)!r} has no valid image: all 10 rows were rejected at ingest" in str(opened.value)
+    # the fix works
+    result = dask_dl.ingest(catalog, store, min_size=32, overwrite=True, **options)
+    assert (result.n_rejected, result.n_written) == (0, 10)
+
+
+def test_too_many_rejects_fail_above_the_share(cluster_client, tmp_path):
+    catalog = make_collection(tmp_path / "images", n=10, bad={i: "garbage" for i in (1, 2, 4, 5, 7, 8)})
+    store = tmp_path / "s.zarr"
+    with pytest.raises(IngestError, match=r"rejected 6 of 10 images \(undecodable 6\): 60% were rejected, more "
+                       r"than max_reject_share=0\.5") as info:  # fmt: skip
+        run_ingest(catalog, store, cluster_client)
+    assert "pass max_reject_share=1.0" in str(info.value)
+    assert read_rejects(store)["row"].tolist() == [1, 2, 4, 5, 7, 8]
+    # the store is finished; accepting the share needs no new work
+    result = run_ingest(catalog, store, cluster_client, max_reject_share=0.6)
+    assert (result.n_rejected, result.shards_written, result.shards_skipped) == (6, 0, 2)
+    with dask.config.set({"dask-dl.ingest.max-reject-share": 0.7}):
+        assert run_ingest(catalog, store, cluster_client).n_rejected == 6
+    assert len(dask_dl.open_dataset(store).sample) == 4
+    # exactly half is not more than half
+    half = make_collection(tmp_path / "half", n=8, bad={i: "missing" for i in range(4)})
+    assert run_ingest(half, tmp_path / "half.zarr", cluster_client).n_rejected == 4
+
+
+@pytest.mark.parametrize("value", [-0.1, 1.5, "most", True])
+def test_bad_reject_share_is_a_configuration_error(tmp_path, value):
+    catalog = make_collection(tmp_path / "images", n=2)
+    with pytest.raises(dask_dl.ConfigurationError, match="max_reject_share must be a fraction in \\[0, 1\\]"):
+        dask_dl.ingest(catalog, tmp_path / "s.zarr", size=SIZE, max_reject_share=value)
+    assert not (tmp_path / "s.zarr").exists()
+
+
+def test_cli_ingest_small_images_and_the_reject_error(cluster_client, tmp_path):
+    root = class_folders(tmp_path / "digits", classes=("x", "y"), per_class=4, size=32)
+    address = ["--scheduler", cluster_client.scheduler.address, "--quiet"]
+    args = ["ingest", str(root), str(tmp_path / "s.zarr"), "--size", "32", "--chunk", "2", "--shard", "2"]
+    result = CliRunner().invoke(cli, [*args, *address])
+    assert result.exit_code == 0, result.output
+    assert f"ingested 8 images into {tmp_path / 's.zarr'}: 8 valid, 0 rejected" in result.output
+    result = CliRunner().invoke(cli, [*args, "--min-size", "40", "--overwrite", *address])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert "error: ingest into" in result.output and "no image was kept" in result.output
+
+
 # ---- resume after a real kill ---------------------------------------------------------------------------------
 
 
@@ -284,25 +338,30 @@ def store_files(store: Path) -> dict[str, bytes]:
 KILLED_RUN = textwrap.dedent(
     """
     import sys
+    import dask
     import dask_dl
     from dask_dl.data.schema import read_parquet_catalog
 
     if __name__ == "__main__":  # the worker processes are spawned and import this module
         catalog = read_parquet_catalog(sys.argv[1])
-        dask_dl.ingest(catalog, sys.argv[2], size=32, chunk=2, shard=2, progress=False)
+        with dask.config.set({"dask-dl.ingest.allowed-schemes": ["file", "http"]}):
+            dask_dl.ingest(catalog, sys.argv[2], size=32, chunk=2, shard=2, progress=False)
     """
 )
 
 
-def test_resume_after_kill_writes_only_missing_shards(cluster_client, tmp_path):
+def test_resume_after_kill_writes_only_missing_shards(cluster_client, tmp_path, request):
     catalog = make_collection(tmp_path / "images", n=48, bad={13: "garbage"})  # 12 shards of 4 images
-    # Rows 9 and 21 (shards 2 and 5) are FIFOs: reading them blocks like a hung network mount, so the killed
-    # run is stuck with both workers busy and some shards done, whatever order the scheduler picked.
+    # Rows 9 and 21 (shards 2 and 5) are URLs of a server that accepts connections and never answers, like a hung
+    # network mount, so the killed run is stuck with both workers busy and some shards done, whatever order the
+    # scheduler picked.
     hung = [9, 21]
+    server = socket.create_server(("127.0.0.1", 0), backlog=16)
+    request.addfinalizer(server.close)
+    hanging = catalog.copy()
     for row in hung:
-        path = Path(catalog["path"][row])
-        path.unlink()
-        os.mkfifo(path)
+        hanging.loc[row, "path"] = f"http://127.0.0.1:{server.getsockname()[1]}/{row}.png"
+    catalog, recovered = hanging, catalog
     write_catalog(catalog, tmp_path / "catalog.parquet")
     (tmp_path / "run.py").write_text(KILLED_RUN)
     store = tmp_path / "resumed.zarr"
@@ -339,11 +398,8 @@ def test_resume_after_kill_writes_only_missing_shards(cluster_client, tmp_path):
     half = store / "image" / "c" / str(missing[-1]) / "0" / "0"
     half.parent.mkdir(parents=True, exist_ok=True)
     half.write_bytes(b"\x00half a shard")
-    # the storage recovers: the hung files become the real images
-    for row in hung:
-        path = Path(catalog["path"][row])
-        path.unlink()
-        write_png(path, seed=row, shape=(80 + 8 * (row % 5), 96))
+    # the storage recovers: the catalog points at the images themselves (same image ids: the same dataset)
+    catalog = recovered
     finished = {s: os.stat(store / "image" / "c" / str(s) / "0" / "0") for s in done}
 
     result = dask_dl.ingest(catalog, store, size=32, chunk=2, shard=2, client=cluster_client, progress=False)

@@ -17,8 +17,10 @@ import zarr
 from zarr.storage import LocalStore, WrapperStore
 
 from dask_dl.data.loader import Augmentation, ChunkLoader
-from dask_dl.errors import DatasetError, StoreError
+from dask_dl.errors import ConfigurationError, DatasetError, StoreError
 from dask_dl.models import DEFAULT_NORMALIZATION
+from dask_dl.testing import data as kit
+from dask_dl.testing.data import corrupt_shard, row_pattern
 
 N, SIZE, CHUNK, SHARD = 50, 8, 4, 2
 LABELS = ["Atelectasis", "Effusion", "Mass"]
@@ -34,61 +36,15 @@ def split_of(i: int) -> str:
 
 
 def pattern(i: int) -> np.ndarray:
-    rng = np.random.default_rng(i)
-    image = rng.integers(0, 256, (SIZE, SIZE), dtype=np.uint8)
-    image[0, 0], image[0, 1] = i % 256, i // 256
-    return image
+    return row_pattern(i, SIZE)
 
 
 def write_store(path: Path, *, n: int = N, complete: bool = True) -> Path:
-    """Write a store exactly as dask_dl.ingest lays it out (sharded, zstd, dimension names, coordinates)."""
-    group = zarr.open_group(path, mode="w", zarr_format=3)
-    images = np.stack([pattern(i) for i in range(n)])
-    valid = np.ones(n, bool)
-    valid[list(REJECTED)] = False
-    images[~valid] = 0
-    labels = np.array([[(i >> j) & 1 for j in range(len(LABELS))] for i in range(n)], np.uint8)
-    coords = "image_id patient_id split site"
-    image = group.create_array(
-        "image",
-        shape=images.shape,
-        chunks=(CHUNK, SIZE, SIZE),
-        shards=(CHUNK * SHARD, SIZE, SIZE),
-        dtype="uint8",
-        dimension_names=["sample", "y", "x"],
-        compressors=zarr.codecs.ZstdCodec(),
-        attributes={"coordinates": coords},
-    )
-    image[:] = images
-    for name, data, dims in [
-        ("label", labels, ["sample", "finding"]),
-        ("valid", valid, ["sample"]),
-        ("sample", np.arange(n, dtype=np.int64), ["sample"]),
-    ]:
-        arr = group.create_array(name, shape=data.shape, dtype=data.dtype, dimension_names=dims)
-        arr[:] = data
-    strings = {
-        "image_id": [f"{i:08d}_000.png" for i in range(n)],
-        "patient_id": [f"p{i}" for i in range(n)],
-        "split": [split_of(i) for i in range(n)],
-        "site": ["nih"] * n,
-    }
-    for name, values in strings.items():
-        arr = group.create_array(name, shape=(n,), dtype=str, dimension_names=["sample"])
-        arr[:] = np.array(values)
-    finding = group.create_array("finding", shape=(len(LABELS),), dtype=str, dimension_names=["finding"])
-    finding[:] = np.array(LABELS)
-    group.attrs["dask_dl"] = {
-        "format": 1,
-        "size": SIZE,
-        "chunk": CHUNK,
-        "shard": SHARD,
-        "labels": LABELS,
-        "task": "multilabel",
-        "n": n,
-        "complete": complete,
-    }
-    return path
+    """A store exactly as dask_dl.ingest lays it out (sharded, zstd, dimension names, coordinates)."""
+    return kit.write_store(
+        path, n=n, size=SIZE, chunk=CHUNK, shard=SHARD, labels=LABELS, rejected=REJECTED, split_of=split_of,
+        complete=complete,
+    )  # fmt: skip
 
 
 @pytest.fixture
@@ -269,15 +225,6 @@ def test_thread_stops_on_break_and_on_close(store):
         next(loader.epoch(1))
 
 
-def corrupt_shard(store: Path, shard: int) -> None:
-    """Overwrite the chunk bytes of a shard, keeping its index, so that decoding fails."""
-    path = store / "image" / "c" / str(shard) / "0" / "0"
-    data = bytearray(path.read_bytes())
-    index_bytes = 16 * SHARD + 4
-    data[: len(data) - index_bytes] = b"\xff" * (len(data) - index_bytes)
-    path.write_bytes(bytes(data))
-
-
 @pytest.mark.parametrize("prefetch", [0, 2])
 def test_read_error_names_the_chunk_in_the_consumer(store, prefetch):
     corrupt_shard(store, 2)  # chunks 4 and 5
@@ -328,13 +275,28 @@ def test_accepts_a_dataset_with_its_source(store):
         (np.array([[1, 2]]), {}, "1-D array"),
         (np.array([]), {}, "empty"),
         (TRAIN, {"batch_size": 40, "world_size": 2}, "cannot fill one batch of 40 on each of 2 ranks"),
-        (TRAIN, {"rank": 2, "world_size": 2}, r"rank 2 is not in 0\.\.1"),
-        (TRAIN, {"window": 0}, "window must be a positive integer, got 0"),
     ],
 )
-def test_bad_arguments_are_explained(store, samples, options, match):
+def test_bad_data_is_explained(store, samples, options, match):
     with pytest.raises(DatasetError, match=match):
         ChunkLoader(store, samples, **{"batch_size": 2, **options})
+
+
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        ({"rank": 2, "world_size": 2}, r"rank 2 is not in 0\.\.1"),
+        ({"window": 0}, "window must be a positive integer, got 0"),
+        ({"batch_size": 0}, "batch_size must be a positive integer, got 0; pass e.g. batch_size=32"),
+        ({"world_size": True}, "world_size must be a positive integer, got True"),
+        ({"prefetch": -1}, "prefetch must be an integer >= 0, got -1"),
+        ({"seed": -3}, "seed must be a non-negative integer, got -3"),
+        ({"augment": "yes"}, "augment must be True, False or an Augmentation"),
+    ],
+)
+def test_bad_arguments_are_configuration_errors(store, options, match):
+    with pytest.raises(ConfigurationError, match=match):
+        ChunkLoader(store, TRAIN, **{"batch_size": 2, **options})
 
 
 def test_incomplete_or_foreign_store_is_refused(tmp_path):

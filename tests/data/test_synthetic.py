@@ -15,6 +15,7 @@ from PIL import Image
 from scipy import ndimage
 
 from dask_dl.cli import cli
+from dask_dl.data.nih import NIH_HEADER
 from dask_dl.data.radiograph import _Chest
 from dask_dl.data.radiograph import draw as _draw
 from dask_dl.data.schema import NIH_LABELS
@@ -22,7 +23,6 @@ from dask_dl.data.synthetic import (
     _IMAGES_PER_PATIENT,
     _NIH_COMBINATIONS,
     _NIH_FREQUENCIES,
-    NIH_HEADER,
     _plan,
     _sample_labels,
     _site_profile,
@@ -492,7 +492,9 @@ def test_any_size_from_64(size):
     ("options", "match"),
     [
         ({"size": 63}, "size=63 is too small"),
-        ({"n_images": 0}, "n_images=0"),
+        ({"n_images": 0}, "n_images must be a positive integer, got 0; pass e.g. n_images=1000"),
+        ({"n_images": 2.0}, "n_images must be a positive integer, got 2.0"),
+        ({"size": 64.5}, "size must be a positive integer, got 64.5"),
         ({"rgba_fraction": 1.5}, r"rgba_fraction=1.5 .* \[0, 1\]"),
         ({"corrupt_fraction": -0.1}, "corrupt_fraction"),
         ({"n_patients": 50}, "n_patients=50"),

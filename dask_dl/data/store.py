@@ -1,0 +1,341 @@
+"""The dask_dl store contract: how a store written by :func:`dask_dl.ingest` is laid out, in one place.
+
+A store is a Zarr 3 group:
+
+==============  =====================  ==========================================================================
+array           shape, dtype           notes
+==============  =====================  ==========================================================================
+``image``       (n, S, S) uint8        dims ``sample, y, x``; chunks ``(chunk, S, S)`` inside shards of
+                                       ``chunk * shard`` images; rejected rows stay all zero
+``label``       (n, n_labels) uint8    dims ``sample, finding``
+``valid``       (n,) bool              False for rejected rows
+coordinates     (n,) str               ``image_id``, ``patient_id``, ``split``, ``site``; ``finding`` (labels);
+                                       ``sample`` int64 = row number 0..n-1
+==============  =====================  ==========================================================================
+
+The group attribute ``dask_dl`` is a :class:`StoreLayout` (:meth:`StoreLayout.to_dict`); ``dask_dl_ingest``
+holds the ingest options that decide which rows are rejected. Beside the arrays, ``_dask_dl/`` holds one status
+file per finished shard and the rejects table. Everything here uses zarr's public API and fsspec only; the chunk
+keys follow the Zarr 3 specification's ``default`` encoding with ``/``, which the image array is created with.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from dask_dl.errors import StoreError, StoreNotFoundError
+
+if TYPE_CHECKING:  # pragma: no cover
+    import zarr
+
+__all__ = [
+    "ATTRIBUTE",
+    "COORDS",
+    "FORMAT",
+    "INGEST_ATTRIBUTE",
+    "META_GROUP",
+    "REJECTS_KEY",
+    "STATUS_PREFIX",
+    "StoreLayout",
+    "open_store",
+]
+
+#: Version of the layout below; stores of another format are refused.
+FORMAT = 1
+#: Group attribute holding the :class:`StoreLayout`.
+ATTRIBUTE = "dask_dl"
+#: Group attribute holding the ingest options (min_size, compressor, hash of the image ids).
+INGEST_ATTRIBUTE = "dask_dl_ingest"
+IMAGE, LABEL, VALID, SAMPLE, FINDING = "image", "label", "valid", "sample", "finding"
+#: Per-sample string coordinates, in the order they are written.
+COORDS: tuple[str, ...] = ("image_id", "patient_id", "split", "site")
+#: Dimension names of every array of the contract.
+DIMS: dict[str, tuple[str, ...]] = {
+    IMAGE: (SAMPLE, "y", "x"),
+    LABEL: (SAMPLE, FINDING),
+    VALID: (SAMPLE,),
+    SAMPLE: (SAMPLE,),
+    FINDING: (FINDING,),
+    **{name: (SAMPLE,) for name in COORDS},
+}
+META_GROUP = "_dask_dl"
+STATUS_PREFIX = f"{META_GROUP}/status/"
+REJECTS_KEY = f"{META_GROUP}/rejects.parquet"
+LEASE_KEY = f"{META_GROUP}/lease.json"
+TASKS: tuple[str, ...] = ("multilabel", "multiclass")
+
+
+@dataclass(frozen=True)
+class StoreLayout:
+    """What a dask_dl store holds and how it is cut: the ``dask_dl`` attribute of the store's group.
+
+    Parameters
+    ----------
+    size
+        Side of the square images.
+    chunk
+        Images per Zarr chunk (the unit a loader decodes).
+    shard
+        Chunks per Zarr shard (the unit one ingest task writes).
+    labels
+        Names of the label columns (the ``finding`` coordinate).
+    task
+        ``"multilabel"`` or ``"multiclass"``.
+    n
+        Rows (samples) in the store, rejected ones included.
+    channels
+        Image channels; dask_dl stores grayscale (1).
+    complete
+        True once every shard is written and verified, ``valid`` and the rejects table are final.
+    format
+        The contract's version, :data:`FORMAT`.
+
+    Examples
+    --------
+    >>> layout = StoreLayout(size=32, chunk=4, shard=2, labels=("a", "b"), task="multilabel", n=20)
+    >>> layout.shard_rows, layout.n_shards, layout.shard_key(1)
+    (8, 3, 'image/c/1/0/0')
+    >>> StoreLayout.from_dict(layout.to_dict()) == layout
+    True
+    """
+
+    size: int
+    chunk: int
+    shard: int
+    labels: tuple[str, ...]
+    task: str
+    n: int
+    channels: int = 1
+    complete: bool = False
+    format: int = field(default=FORMAT)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "labels", tuple(str(label) for label in self.labels))
+
+    @property
+    def shard_rows(self) -> int:
+        """Images per shard."""
+        return self.chunk * self.shard
+
+    @property
+    def n_shards(self) -> int:
+        """Shards of the image array."""
+        return -(-self.n // self.shard_rows)
+
+    def shard_of(self, row: int) -> int:
+        """The shard holding row ``row``."""
+        return int(row) // self.shard_rows
+
+    def shard_rows_of(self, shard: int) -> range:
+        """The rows of shard ``shard``."""
+        start = shard * self.shard_rows
+        return range(start, min(start + self.shard_rows, self.n))
+
+    def shard_key(self, shard: int) -> str:
+        """Key of shard ``shard``'s file under the store (Zarr 3 ``default`` chunk key encoding, ``/``)."""
+        return f"{IMAGE}/c/{int(shard)}/0/0"
+
+    @staticmethod
+    def status_key(shard: int) -> str:
+        """Key of shard ``shard``'s status file (written after the shard)."""
+        return f"{STATUS_PREFIX}shard-{int(shard):06d}.json"
+
+    def replace(self, **changes: Any) -> StoreLayout:
+        """A copy with ``changes`` applied."""
+        return StoreLayout(**{**asdict(self), **changes})
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form stored in the group attribute ``dask_dl``."""
+        out = asdict(self)
+        out["labels"] = list(self.labels)
+        return out
+
+    @classmethod
+    def from_dict(cls, meta: Any, *, where: str = "the store") -> StoreLayout:
+        """Read the ``dask_dl`` attribute back; a StoreError names what is missing or wrong."""
+        if not isinstance(meta, dict) or "size" not in meta:
+            raise StoreError(
+                f"{where} is a Zarr group but not a dask_dl store (no 'dask_dl' attribute); write it with "
+                "dask_dl.ingest(catalog, store)"
+            )
+        if meta.get("format", FORMAT) != FORMAT:
+            raise StoreError(
+                f"{where} has store format {meta.get('format')!r}; this dask_dl reads format {FORMAT}: ingest the "
+                "collection again with this version"
+            )
+        try:
+            return cls(
+                size=int(meta["size"]),
+                chunk=int(meta["chunk"]),
+                shard=int(meta["shard"]),
+                labels=tuple(meta["labels"]),
+                task=str(meta.get("task", "multilabel")),
+                n=int(meta["n"]),
+                channels=int(meta.get("channels", 1)),
+                complete=bool(meta.get("complete", False)),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise StoreError(
+                f"the 'dask_dl' attribute of {where} is damaged ({type(exc).__name__}: {exc}); ingest again with "
+                "overwrite=True"
+            ) from None
+
+
+# ---- files beside the arrays (fsspec, no zarr internals) ---------------------------------------------------
+
+
+class StoreFiles:
+    """The files of a store at ``url`` (local path or fsspec URL), read and written with fsspec.
+
+    Writes are atomic: a local file is written under a temporary name and renamed; object-store puts are atomic.
+    """
+
+    def __init__(self, url: str | os.PathLike) -> None:
+        import fsspec
+
+        self.url = os.fspath(url)
+        text = self.url.removeprefix("file://")
+        if "://" not in text:
+            text = os.path.abspath(os.path.expanduser(text))
+        self.fs, self.root = fsspec.core.url_to_fs(text)
+        self.local = "file" in _protocols(self.fs)
+
+    def path(self, key: str) -> str:
+        return posixpath.join(self.root, key) if not self.local else os.path.join(self.root, *key.split("/"))
+
+    def exists(self) -> bool:
+        return self.fs.exists(self.root)
+
+    def is_empty(self) -> bool:
+        """True when nothing (or an empty folder) is at the store's path."""
+        return not self.fs.exists(self.root) or (self.fs.isdir(self.root) and not self.fs.ls(self.root))
+
+    def get(self, key: str) -> bytes | None:
+        try:
+            return self.fs.cat_file(self.path(key))
+        except FileNotFoundError:
+            return None
+
+    def put(self, key: str, data: bytes) -> None:
+        target = self.path(key)
+        self.fs.makedirs(posixpath.dirname(target) if not self.local else os.path.dirname(target), exist_ok=True)
+        if not self.local:
+            self.fs.pipe_file(target, data)
+            return
+        temporary = f"{target}.{uuid.uuid4().hex}.partial"
+        with open(temporary, "wb") as f:
+            f.write(data)
+        os.replace(temporary, target)
+
+    def delete(self, key: str) -> None:
+        if self.fs.exists(self.path(key)):  # a missing file is what was asked for
+            self.fs.rm_file(self.path(key))
+
+    def list(self, prefix: str) -> list[str]:
+        """Names of the files directly under the folder ``prefix`` (``"_dask_dl/status/"``)."""
+        folder = self.path(prefix.rstrip("/"))
+        try:
+            entries = self.fs.ls(folder, detail=True)
+        except FileNotFoundError:
+            return []
+        return sorted(posixpath.basename(e["name"].rstrip("/")) for e in entries if e["type"] == "file")
+
+    def size(self, key: str) -> int | None:
+        try:
+            return int(self.fs.size(self.path(key)))
+        except FileNotFoundError:
+            return None
+
+
+def _protocols(fs: Any) -> tuple[str, ...]:
+    protocol = fs.protocol
+    return (protocol,) if isinstance(protocol, str) else tuple(protocol)
+
+
+def zarr_store(url: str | os.PathLike, *, read_only: bool = False) -> Any:
+    """The zarr store object of ``url``: a LocalStore for paths, an FsspecStore for URLs."""
+    from zarr.storage import FsspecStore, LocalStore
+
+    url = os.fspath(url)
+    if "://" in url and not url.startswith("file://"):
+        return FsspecStore.from_url(url, read_only=read_only)
+    return LocalStore(url.removeprefix("file://"), read_only=read_only)
+
+
+# ---- open and verify ---------------------------------------------------------------------------------------
+
+
+def open_store(store: Any, *, require_complete: bool = True) -> tuple[str, zarr.Group, StoreLayout]:
+    """Open a dask_dl store for reading and check it against the contract.
+
+    Parameters
+    ----------
+    store
+        A path or fsspec URL, an open ``zarr.Group``, or a dataset from :func:`dask_dl.open_dataset` (its
+        ``encoding["source"]`` names the store).
+    require_complete
+        Refuse a store whose ingest did not finish (its unfinished shards read as zeros).
+
+    Returns
+    -------
+    (str, zarr.Group, StoreLayout)
+        The store's path or URL, its group, its layout.
+
+    Raises
+    ------
+    StoreNotFoundError
+        Nothing at ``store``.
+    StoreError
+        Not a Zarr group, not a dask_dl store (no ``dask_dl`` attribute or no image/label arrays), another
+        format, or incomplete while ``require_complete``.
+    """
+    import zarr
+
+    if isinstance(store, zarr.Group):
+        group, url = store, str(store.store)
+    else:
+        if hasattr(store, "encoding") and hasattr(store, "data_vars"):  # an xarray.Dataset from open_dataset
+            if "source" not in store.encoding:
+                raise StoreError(
+                    "the dataset does not say which store it came from (no encoding['source']); "
+                    "pass the store path instead, e.g. 'path/to/store.zarr'"
+                )
+            store = store.encoding["source"]
+        url = os.fspath(store)
+        group = _open_group(url)
+    layout = StoreLayout.from_dict(dict(group.attrs).get(ATTRIBUTE), where=repr(url))
+    missing = [name for name in (IMAGE, LABEL) if name not in group]
+    if missing:
+        raise StoreError(
+            f"{url!r} is not a dask_dl store: it lacks the {' and '.join(missing)} array(s); write it with "
+            "dask_dl.ingest(catalog, store)"
+        )
+    if require_complete and not layout.complete:
+        raise StoreError(
+            f"the store {url!r} is incomplete: an ingest into it did not finish, so some images would read as "
+            f"zeros. Run ingest again to resume it (same catalog and options): dask_dl.ingest(catalog, {url!r}) "
+            "writes only the missing shards"
+        )
+    return url, group, layout
+
+
+def _open_group(url: str) -> zarr.Group:
+    import zarr
+
+    try:
+        return zarr.open_group(url, mode="r")
+    except FileNotFoundError:
+        if "://" not in url and os.path.exists(url):
+            raise StoreError(
+                f"{url!r} exists but is not a Zarr store; open a store written by dask_dl.ingest(catalog, store)"
+            ) from None
+        raise StoreNotFoundError(
+            f"no Zarr store at {url!r}; write one with dask_dl.ingest(catalog, {url!r}) or `dask-dl ingest SOURCE "
+            f"{url}`"
+        ) from None
+    except (ValueError, TypeError) as exc:
+        raise StoreError(f"{url!r} is not a Zarr 3 group ({exc}); open a store written by dask_dl.ingest") from None
