@@ -6,6 +6,7 @@ so that reading PNG collections never needs it.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import stat
@@ -24,6 +25,8 @@ from dask_dl.data.splits import split_by_patient
 from dask_dl.errors import CatalogError, ConfigurationError, DatasetError, StoreNotFoundError, missing_dependency
 
 __all__ = ["DICOM_SUFFIXES", "is_dicom", "is_dicom_file", "read_dicom", "read_header", "read_pixels"]
+
+logger = logging.getLogger(__name__)
 
 #: File name endings taken as DICOM without looking inside.
 DICOM_SUFFIXES: tuple[str, ...] = (".dcm", ".dicom")
@@ -310,8 +313,10 @@ def read_dicom(
     Returns
     -------
     pandas.DataFrame
-        A ``multilabel`` catalog with ``patient_id`` from PatientID (the image id when absent), ``age`` (years),
-        ``sex``, ``view``, ``orig_width``, ``orig_height``, ``spacing_x``, ``spacing_y`` from the headers.
+        A ``multilabel`` catalog of the files whose header can be read (the others, each with its reason, are
+        logged and listed in ``catalog.attrs["skipped"]``), with ``patient_id`` from PatientID (the image id when
+        absent), ``age`` (years), ``sex``, ``view``, ``orig_width``, ``orig_height``, ``spacing_x``, ``spacing_y``
+        from the headers.
 
     Raises
     ------
@@ -336,7 +341,28 @@ def read_dicom(
     files = _dicom_files(root)
     if not files:
         raise CatalogError(f"no DICOM files (.dcm, .dicom or with the DICM marker) under {str(root)!r}")
-    frame = pd.DataFrame([read_header(str(p)) for p in files])
+    headers, skipped = [], []
+    for p in files:
+        try:
+            headers.append(read_header(str(p)))
+        except Exception as exc:  # pydicom raises many kinds of errors for broken headers: one file, one skip
+            skipped.append({"path": str(p), "reason": f"{type(exc).__name__}: {exc}"})
+    files = [p for p in files if str(p) not in {s["path"] for s in skipped}]
+    if skipped:
+        logger.warning(
+            "read_dicom(%r): skipped %d file(s) whose header cannot be read (listed in catalog.attrs['skipped']), "
+            "e.g. %s: %s",
+            str(root),
+            len(skipped),
+            skipped[0]["path"],
+            skipped[0]["reason"],
+        )
+    if not files:
+        raise CatalogError(
+            f"none of the {len(skipped)} DICOM files under {str(root)!r} has a readable header, e.g. "
+            f"{skipped[0]['path']}: {skipped[0]['reason']}"
+        )
+    frame = pd.DataFrame(headers)
     relative = pd.Series([p.relative_to(root).as_posix() for p in files])
     frame["file_name"] = [p.name for p in files]
     frame["relative"] = relative
@@ -369,7 +395,7 @@ def read_dicom(
         [frame[["image_id", "path", "patient_id", "site", "split"]], label_frame.set_axis(frame.index), frame[meta]],
         axis=1,
     )
-    catalog.attrs = {"labels": label_names, "task": "multilabel"}
+    catalog.attrs = {"labels": label_names, "task": "multilabel", **({"skipped": skipped} if skipped else {})}
     return split_by_patient(catalog, seed=seed, val_fraction=val_fraction, test_fraction=test_fraction)
 
 

@@ -8,7 +8,8 @@ that tests build what they need in a line instead of copying helpers from one an
 - :func:`write_dicom`: one uncompressed single-frame DICOM file (needs pydicom);
 - :func:`write_store`: a store laid out exactly as :func:`dask_dl.ingest` writes it, without a cluster, where
   image ``i`` carries its row number in its first two pixels;
-- :func:`corrupt_shard`: damage one shard's chunk bytes, keeping its index.
+- :func:`corrupt_shard`: damage one shard's chunk bytes, keeping its index;
+- :func:`png_bomb`: a small PNG that decodes to hundreds of megabytes.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from dask_dl.data.store import StoreLayout
 __all__ = [
     "class_folders",
     "corrupt_shard",
+    "png_bomb",
     "png_collection",
     "row_pattern",
     "write_dicom",
@@ -267,3 +269,29 @@ def corrupt_shard(store: str | os.PathLike, shard: int) -> None:
     index_bytes = 16 * layout.shard + 4
     data[: len(data) - index_bytes] = b"\xff" * (len(data) - index_bytes)
     path.write_bytes(bytes(data))
+
+
+def png_bomb(path: str | os.PathLike, *, side: int = 9000) -> Path:
+    """Write a 16-bit RGBA PNG of ``side x side`` black pixels: under 1 MB on disk, 8 x side**2 bytes decoded.
+
+    At 9000 px it stays under Pillow's pixel limit yet needs 648 MB (3.7 GiB through a float pipeline) to decode:
+    a decompression bomb.
+    """
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    # Every run of rows compresses to the same bytes after a full flush (which resets the window), so one run is
+    # compressed and repeated: the zlib stream is built in well under a second instead of deflating 648 MB.
+    rows = next(k for k in (100, 64, 50, 10, 8, 5, 4, 2, 1) if side % k == 0)
+    deflate = zlib.compressobj(9, zlib.DEFLATED, -15)
+    piece = deflate.compress(bytes((1 + side * 8) * rows)) + deflate.flush(zlib.Z_FULL_FLUSH)
+    final = zlib.compressobj(9, zlib.DEFLATED, -15).flush(zlib.Z_FINISH)
+    adler = (((1 + side * 8) * side % 65521) << 16) | 1  # Adler-32 of n zero bytes: a = 1, b = n mod 65521
+    data = b"\x78\xda" + piece * (side // rows) + final + struct.pack(">I", adler)
+    ihdr = struct.pack(">IIBBBBB", side, side, 16, 6, 0, 0, 0)
+    path = Path(path)
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", data) + chunk(b"IEND", b""))
+    return path

@@ -288,3 +288,23 @@ def test_read_dicom_errors(dicom_root, tmp_path, monkeypatch):
         read_dicom(root)
     with pytest.raises(MissingDependencyError, match="pydicom"):
         read_pixels(str(root / "p1" / "a.dcm"))
+
+
+def test_one_bad_header_skips_one_file(tmp_path, ramp12, caplog):
+    """An unknown VR in (0028,0030) no longer makes read_dicom refuse the folder: that file is skipped, by name."""
+    root = tmp_path / "dicoms"
+    write_dicom(root / "good.dcm", ramp12, uid="1.2.3.1", PixelSpacing=[0.1, 0.1])
+    write_dicom(root / "bad.dcm", ramp12, uid="1.2.3.2", PixelSpacing=[0.1, 0.1])
+    data = (root / "bad.dcm").read_bytes()
+    tag = b"\x28\x00\x30\x00DS"  # (0028,0030) PixelSpacing, explicit VR
+    assert data.count(tag) == 1
+    (root / "bad.dcm").write_bytes(data.replace(tag, b"\x28\x00\x30\x00ZZ"))
+    with caplog.at_level("WARNING", logger="dask_dl.data.dicom"):
+        catalog = read_dicom(root)
+    assert list(catalog["image_id"]) == ["1.2.3.1"]
+    [skipped] = catalog.attrs["skipped"]
+    assert skipped["path"] == str(root / "bad.dcm") and "Unknown Value Representation" in skipped["reason"]
+    assert "skipped 1 file(s)" in caplog.text and "bad.dcm" in caplog.text
+    (root / "good.dcm").unlink()
+    with pytest.raises(CatalogError, match="none of the 1 DICOM files .* has a readable header, e.g. .*bad.dcm"):
+        read_dicom(root)

@@ -28,7 +28,7 @@ from dask_dl.data.images import load_image
 from dask_dl.data.ingest import IngestResult, read_rejects
 from dask_dl.data.schema import make_catalog, write_catalog
 from dask_dl.errors import CatalogError, DatasetError, IngestError, StoreError
-from dask_dl.testing.data import class_folders, png_collection
+from dask_dl.testing.data import class_folders, png_bomb, png_collection, write_dicom
 
 LABELS = ["Effusion", "Mass", "Nodule"]
 
@@ -322,6 +322,48 @@ def test_cli_ingest_small_images_and_the_reject_error(cluster_client, tmp_path):
     result = CliRunner().invoke(cli, [*args, "--min-size", "40", "--overwrite", *address])
     assert result.exit_code == 1 and "Traceback" not in result.output
     assert "error: ingest into" in result.output and "no image was kept" in result.output
+
+
+# ---- hostile input (issue 11): one bad item is one reject, never a failed or hung job --------------------------
+
+
+@pytest.mark.timeout(120)
+def test_hostile_rows_are_rejects_and_the_rest_is_ingested(cluster_client, tmp_path):
+    catalog = make_collection(tmp_path / "images", n=16)
+    hostile = tmp_path / "hostile"
+    hostile.mkdir()
+    os.mkfifo(hostile / "fifo.png")  # hung ingest forever
+    (hostile / "zero.png").symlink_to("/dev/zero")  # was read without bound: workers killed
+    png_bomb(hostile / "bomb.png")  # 0.6 MB, 648 MB decoded: workers killed
+    ramp = np.arange(64 * 64, dtype=np.uint16).reshape(64, 64) % 4096
+    write_dicom(hostile / "flat.dcm", ramp, RescaleSlope=0, RescaleIntercept=7)  # constant: accepted before
+    server = socket.create_server(("127.0.0.1", 0))
+    paths = {
+        1: hostile / "fifo.png",
+        4: hostile / "zero.png",
+        6: f"{tmp_path}/a\x00b.png",  # failed the whole ingest with ValueError: embedded null byte
+        9: f"http://127.0.0.1:{server.getsockname()[1]}/x.png",  # was fetched from anywhere
+        11: hostile / "bomb.png",
+        14: hostile / "flat.dcm",
+    }
+    for row, path in paths.items():
+        catalog.loc[row, "path"] = str(path)
+    try:
+        result = run_ingest(catalog, tmp_path / "s.zarr", cluster_client, max_reject_share=0.5)
+    finally:
+        server.close()
+    assert result.rejects.set_index("row")["reason"].to_dict() == {
+        1: "unreadable", 4: "unreadable", 6: "refused", 9: "refused", 11: "too_large", 14: "degenerate",
+    }  # fmt: skip
+    messages = result.rejects.set_index("row")["message"]
+    assert "a FIFO (named pipe)" in messages[1] and "a character device" in messages[4]
+    assert "NUL byte" in messages[6] and "scheme 'http' is not allowed" in messages[9]
+    assert "648000000 bytes decoded" in messages[11] and "constant after scaling" in messages[14]
+    ds = dask_dl.open_dataset(tmp_path / "s.zarr")
+    keep = [i for i in range(16) if i not in paths]
+    np.testing.assert_array_equal(ds.sample.values, keep)
+    for i in keep:
+        np.testing.assert_array_equal(ds.image.sel(sample=i).values, load_image(catalog["path"][i], size=SIZE))
 
 
 # ---- resume after a real kill ---------------------------------------------------------------------------------
