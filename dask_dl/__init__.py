@@ -33,13 +33,14 @@ _LAZY = {
     "validate_catalog": "dask_dl.data.schema",
     "write_catalog": "dask_dl.data.schema",
     "read_catalog": "dask_dl.data.catalog",
-    "read_nih": "dask_dl.data.catalog",
-    "read_folders": "dask_dl.data.catalog",
-    "read_dicom": "dask_dl.data.catalog",
-    "split_by_patient": "dask_dl.data.catalog",
+    "read_nih": "dask_dl.data.nih",
+    "read_folders": "dask_dl.data.folders",
+    "read_dicom": "dask_dl.data.dicom",
+    "split_by_patient": "dask_dl.data.splits",
     "synthesize": "dask_dl.data.synthetic",
     "ingest": "dask_dl.data.ingest",
     "open_dataset": "dask_dl.data.dataset",
+    "check_store": "dask_dl.data.check",
     "fit": "dask_dl.train.run",
     "TrainingRun": "dask_dl.train.run",
     "build_model": "dask_dl.models",
@@ -91,10 +92,15 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # pragma: no cover
     from dask_dl.cluster import get_client
-    from dask_dl.data.catalog import read_catalog, read_dicom, read_folders, read_nih, split_by_patient
+    from dask_dl.data.catalog import read_catalog
+    from dask_dl.data.check import check_store
     from dask_dl.data.dataset import open_dataset
+    from dask_dl.data.dicom import read_dicom
+    from dask_dl.data.folders import read_folders
     from dask_dl.data.ingest import ingest
+    from dask_dl.data.nih import read_nih
     from dask_dl.data.schema import NIH_LABELS, make_catalog, validate_catalog, write_catalog
+    from dask_dl.data.splits import split_by_patient
     from dask_dl.data.synthetic import synthesize
     from dask_dl.export import export_onnx
     from dask_dl.inference import evaluate, predict, scores_table

@@ -321,6 +321,21 @@ def summary_command(store) -> None:
     click.echo(table.T.to_string())
 
 
+@cli.command("check")
+@click.argument("store")
+def check_command(store) -> None:
+    """Verify STORE (from dask-dl ingest): metadata, shapes, labels, coordinates, shard files, every chunk.
+
+    Prints the problems found with the samples they touch, and exits with status 1 when there is one.
+    """
+    from dask_dl.data.check import check_store
+
+    report = check_store(store)
+    click.echo(report.summary())
+    if not report.ok:
+        sys.exit(1)
+
+
 # ---- train (training room: dask_dl.train.run) ---------------------------------------------------------------
 
 

@@ -26,6 +26,7 @@ import logging
 import os
 import time
 import uuid
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -39,9 +40,10 @@ from dask_dl import config
 from dask_dl.checks import one_of, positive_int
 from dask_dl.data import store as contract
 from dask_dl.data.images import ImageRejected, load_image
+from dask_dl.data.lease import StoreLease
 from dask_dl.data.paths import PathPolicy
 from dask_dl.data.schema import labels_of, task_of, validate_catalog
-from dask_dl.data.store import StoreFiles, StoreLayout
+from dask_dl.data.store import StoreFiles, StoreLayout, lost_shards
 from dask_dl.errors import CatalogError, ConfigurationError, IngestError, StoreError, StoreNotFoundError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -209,22 +211,24 @@ def ingest(
         "policy": PathPolicy.from_config(),
     }
     url = os.fspath(store)
-    group = _prepare_store(url, catalog, layout, options, overwrite=overwrite)
-    files = StoreFiles(url)
-    done = _finished_shards(files)
-    jobs = [job for job in _jobs(catalog, layout) if job["shard"] not in done]
-    if progress is None:  # a bar where someone watches; log lines in batch jobs and CI logs
-        progress = bool(config.get("ingest.progress")) and _interactive()
-    tables: list[pd.DataFrame] = []
-    if jobs:  # a finished store needs no cluster
-        client_ = get_client(client)
-        try:
-            tables = _run(client_, jobs, url, layout, options, reading, progress=progress)
-        finally:
-            if client is None:
-                close_client(client_)
-    status = _all_status(files, layout, new=tables)
-    rejected = _finish(group, files, catalog, status, layout)
+    _check_store(url, layout, options, overwrite=overwrite)  # before the lease: never write into a foreign folder
+    with StoreLease(url) as lease:
+        group = _prepare_store(url, catalog, layout, options, overwrite=overwrite, lease=lease)
+        files = StoreFiles(url)
+        done = _finished_shards(files)
+        jobs = [job for job in _jobs(catalog, layout) if job["shard"] not in done]
+        if progress is None:  # a bar where someone watches; log lines in batch jobs and CI logs
+            progress = bool(config.get("ingest.progress")) and _interactive()
+        tables: list[pd.DataFrame] = []
+        if jobs:  # a finished store needs no cluster
+            client_ = get_client(client)
+            try:
+                tables = _run(client_, jobs, url, layout, options, reading, progress=progress)
+            finally:
+                if client is None:
+                    close_client(client_)
+        status = _all_status(files, layout, new=tables)
+        rejected = _finish(group, files, catalog, status, layout)
     if rejects is not None:
         rejected.to_parquet(os.fspath(rejects), index=False)
     result = IngestResult(
@@ -315,32 +319,48 @@ def _attrs(layout: StoreLayout, options: dict[str, Any]) -> dict[str, Any]:
     return {contract.ATTRIBUTE: layout.to_dict(), contract.INGEST_ATTRIBUTE: dict(options)}
 
 
+def _check_store(url: str, layout: StoreLayout, options: dict[str, Any], *, overwrite: bool) -> bool:
+    """Whether the store is to be written from scratch; a StoreError when it holds something else."""
+    if overwrite or StoreFiles(url).is_empty():
+        return True
+    try:
+        existing = zarr.open_group(contract.zarr_store(url, read_only=True), mode="r")
+        attrs = dict(existing.attrs)
+        with warnings.catch_warnings():  # the lease's folder is not a Zarr group yet: expected, not news
+            warnings.filterwarnings("ignore", message=f"Object at {contract.META_GROUP} is not recognized")
+            keys = list(existing.keys())
+        if not attrs and not keys:  # a run killed right after creating the group
+            return True
+    except (FileNotFoundError, ValueError, TypeError):
+        attrs = {}
+    if contract.ATTRIBUTE not in attrs:
+        raise StoreError(
+            f"{url!r} exists and is not a dask_dl store; choose another path, or pass overwrite=True "
+            "to delete what is there and ingest into it"
+        )
+    diffs = _differences(attrs, layout, options)
+    if diffs:
+        raise StoreError(
+            f"the store {url!r} holds another dataset: {'; '.join(diffs)}. Pass overwrite=True to replace it "
+            "(or --overwrite on the command line), or ingest into a new store"
+        )
+    return False
+
+
 def _prepare_store(
-    url: str, catalog: pd.DataFrame, layout: StoreLayout, options: dict[str, Any], *, overwrite: bool
+    url: str,
+    catalog: pd.DataFrame,
+    layout: StoreLayout,
+    options: dict[str, Any],
+    *,
+    overwrite: bool,
+    lease: StoreLease,
 ) -> zarr.Group:
-    """Check an existing store against the request, then write the skeleton (arrays, coordinates, labels)."""
-    store = contract.zarr_store(url)
-    fresh = overwrite or StoreFiles(url).is_empty()
-    if not fresh:
-        try:
-            existing = zarr.open_group(store, mode="r")
-            attrs = dict(existing.attrs)
-            fresh = not attrs and not list(existing.keys())  # a run killed right after creating the group
-        except (FileNotFoundError, ValueError, TypeError):
-            attrs = {}
-    if not fresh:
-        if contract.ATTRIBUTE not in attrs:
-            raise StoreError(
-                f"{url!r} exists and is not a dask_dl store; choose another path, or pass overwrite=True "
-                "to delete what is there and ingest into it"
-            )
-        diffs = _differences(attrs, layout, options)
-        if diffs:
-            raise StoreError(
-                f"the store {url!r} holds another dataset: {'; '.join(diffs)}. Pass overwrite=True to replace it "
-                "(or --overwrite on the command line), or ingest into a new store"
-            )
-    group = zarr.open_group(store, mode="w" if fresh else "r+", zarr_format=3)
+    """Check the store again under the lease (another ingest may have finished), then write the skeleton."""
+    fresh = _check_store(url, layout, options, overwrite=overwrite)
+    group = zarr.open_group(contract.zarr_store(url), mode="w" if fresh else "r+", zarr_format=3)
+    if fresh:
+        lease.renew()  # mode "w" cleared the store, lease included
     group.attrs.update(_attrs(layout, options))
     if contract.IMAGE not in group:  # also when a run was killed right after writing the attributes
         _create_image(group, layout, options)
@@ -436,7 +456,13 @@ def _ingest_shard(
     files.delete(layout_.shard_key(job["shard"]))
     image[job["start"] : job["start"] + len(block)] = block
     table = pd.DataFrame(status, columns=_STATUS_COLUMNS)
-    record = {"shard": job["shard"], "start": job["start"], "status": table.to_dict(orient="list")}
+    # zarr writes no file for an all-zero shard: say so, so that a missing file can be told from a lost one
+    record = {
+        "shard": job["shard"],
+        "start": job["start"],
+        "empty": not block.any(),
+        "status": table.to_dict(orient="list"),
+    }
     files.put(layout_.status_key(job["shard"]), json.dumps(record).encode())
     return table
 
@@ -504,6 +530,15 @@ def _finish(
     """Write ``valid`` and the rejects table, then mark the store complete; return the rejects."""
     if not (status["image_id"].to_numpy() == catalog["image_id"].to_numpy()).all():
         raise StoreError("the shard status files name other images than the catalog: ingest with overwrite=True")
+    missing = lost_shards(files, layout)
+    if missing:  # e.g. deleted by a process that ignored the lease: rewrite them on the next run
+        for shard in missing:
+            files.delete(layout.status_key(shard))
+        rows = ", ".join(f"{layout.shard_rows_of(s).start}..{layout.shard_rows_of(s).stop - 1}" for s in missing[:5])
+        raise StoreError(
+            f"after writing, the store {files.url!r} lacks the file(s) of shard(s) {missing[:5]} (samples {rows}); "
+            "it is not marked complete. Run ingest again: it rewrites those shards"
+        )
     ok = status["ok"].to_numpy(bool)
     group[contract.VALID][:] = ok
     rejected = status.loc[~ok, ["row", "image_id", "reason", "message"]].reset_index(drop=True)

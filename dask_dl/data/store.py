@@ -126,10 +126,6 @@ class StoreLayout:
         """Shards of the image array."""
         return -(-self.n // self.shard_rows)
 
-    def shard_of(self, row: int) -> int:
-        """The shard holding row ``row``."""
-        return int(row) // self.shard_rows
-
     def shard_rows_of(self, shard: int) -> range:
         """The rows of shard ``shard``."""
         start = shard * self.shard_rows
@@ -211,8 +207,16 @@ class StoreFiles:
         return self.fs.exists(self.root)
 
     def is_empty(self) -> bool:
-        """True when nothing (or an empty folder) is at the store's path."""
-        return not self.fs.exists(self.root) or (self.fs.isdir(self.root) and not self.fs.ls(self.root))
+        """True when nothing (or an empty folder, or only an ingest's lease) is at the store's path."""
+        if not self.fs.exists(self.root):
+            return True
+        if not self.fs.isdir(self.root):
+            return False
+        names = [posixpath.basename(p.rstrip("/")) for p in self.fs.ls(self.root, detail=False)]
+        if names == [META_GROUP]:
+            inside = self.fs.ls(self.path(META_GROUP), detail=False)
+            return [posixpath.basename(p.rstrip("/")) for p in inside] == [LEASE_KEY.rsplit("/", 1)[-1]]
+        return not names
 
     def get(self, key: str) -> bytes | None:
         try:
@@ -339,3 +343,27 @@ def _open_group(url: str) -> zarr.Group:
         ) from None
     except (ValueError, TypeError) as exc:
         raise StoreError(f"{url!r} is not a Zarr 3 group ({exc}); open a store written by dask_dl.ingest") from None
+
+
+def lost_shards(files: StoreFiles, layout: StoreLayout) -> list[int]:
+    """Shards whose status file says they hold pixels but whose file is missing.
+
+    zarr writes no file for an all-zero shard, so a missing file is only a loss when the shard's status file
+    says it was not empty (status files of round one, without that flag, count as not empty when a row is valid).
+    """
+    import json
+
+    lost = []
+    for shard in range(layout.n_shards):
+        if files.size(layout.shard_key(shard)) is not None:
+            continue
+        data = files.get(layout.status_key(shard))
+        if data is None:
+            continue  # not written yet: an unfinished shard, not a lost one
+        record = json.loads(data)
+        empty = record.get("empty")
+        if empty is None:
+            empty = not any(record.get("status", {}).get("ok", []))
+        if not empty:
+            lost.append(shard)
+    return lost

@@ -14,6 +14,8 @@ that tests build what they need in a line instead of copying helpers from one an
 
 from __future__ import annotations
 
+import io
+import json
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -24,7 +26,7 @@ import pandas as pd
 
 from dask_dl.data import store as contract
 from dask_dl.data.schema import make_catalog
-from dask_dl.data.store import StoreLayout
+from dask_dl.data.store import StoreFiles, StoreLayout
 
 __all__ = [
     "class_folders",
@@ -206,7 +208,8 @@ def write_store(
     """Write a store exactly as :func:`dask_dl.ingest` lays it out (sharded, zstd, dims, coordinates), fast.
 
     Image ``i`` is :func:`row_pattern` (rows in ``rejected`` are all zero and not valid); label ``j`` of row
-    ``i`` is bit ``j`` of ``i``; ``image_id`` is ``f"{i:08d}_000.png"``, patient ``f"p{i}"``.
+    ``i`` is bit ``j`` of ``i``; ``image_id`` is ``f"{i:08d}_000.png"``, patient ``f"p{i}"``. The status file of
+    every shard is written, and the rejects table when ``complete``.
     """
     import zarr
     from zarr.codecs import ZstdCodec
@@ -255,6 +258,34 @@ def write_store(
             attributes=coords if name in (contract.LABEL, contract.VALID) else None,
         )
         array[...] = data
+    # the side files: a status file per shard, and the rejects table of a finished store
+    files = StoreFiles(path)
+    for shard in range(layout.n_shards):
+        rows = list(layout.shard_rows_of(shard))
+        status = {
+            "row": rows,
+            "image_id": [strings["image_id"][i] for i in rows],
+            "ok": [bool(valid[i]) for i in rows],
+            "reason": ["" if valid[i] else "undecodable" for i in rows],
+            "message": ["" if valid[i] else "written rejected by write_store" for i in rows],
+        }
+        record = {"shard": shard, "start": rows[0], "empty": not images[rows].any(), "status": status}
+        files.put(layout.status_key(shard), json.dumps(record).encode())
+    if complete:
+        bad = [i for i in range(n) if not valid[i]]
+        rejects = pd.DataFrame(
+            {
+                "row": np.array(bad, dtype=np.int64),
+                "image_id": [strings["image_id"][i] for i in bad],
+                "path": [f"/nowhere/{strings['image_id'][i]}" for i in bad],
+                **{name: [strings[name][i] for i in bad] for name in ("patient_id", "split", "site")},
+                "reason": ["undecodable"] * len(bad),
+                "message": ["written rejected by write_store"] * len(bad),
+            }
+        )
+        buffer = io.BytesIO()
+        rejects.to_parquet(buffer, index=False)
+        files.put(contract.REJECTS_KEY, buffer.getvalue())
     group.attrs[contract.ATTRIBUTE] = layout.replace(complete=complete).to_dict()
     return path
 

@@ -458,3 +458,84 @@ def test_resume_after_kill_writes_only_missing_shards(cluster_client, tmp_path, 
     assert result.rejects["row"].tolist() == [13]
     np.testing.assert_array_equal(dask_dl.open_dataset(store).image.values, dask_dl.open_dataset(clean).image.values)
     assert json.loads((store / "zarr.json").read_text())["attributes"]["dask_dl"]["complete"] is True
+
+
+# ---- one writer per store (issue 11) ----------------------------------------------------------------------------
+
+RACING_RUN = textwrap.dedent(
+    """
+    import sys, time
+    from distributed import Client
+    import dask_dl
+    from dask_dl.data.schema import read_parquet_catalog
+
+    catalog = read_parquet_catalog(sys.argv[1])
+    time.sleep(float(sys.argv[4]))
+    with Client(sys.argv[3]) as client:
+        try:
+            result = dask_dl.ingest(catalog, sys.argv[2], size=32, chunk=2, shard=2, client=client, progress=False)
+        except dask_dl.StoreError as exc:
+            print("REFUSED", exc)
+            sys.exit(3)
+    print("DONE", result.shards_written, result.shards_skipped)
+    """
+)
+
+
+def test_two_ingests_into_one_store_never_both_write(cluster_client, tmp_path):
+    catalog = make_collection(tmp_path / "images", n=40)
+    write_catalog(catalog, tmp_path / "catalog.parquet")
+    (tmp_path / "race.py").write_text(RACING_RUN)
+    store = tmp_path / "raced.zarr"
+    address = cluster_client.scheduler.address
+    runs = [
+        subprocess.Popen(
+            [sys.executable, str(tmp_path / "race.py"), str(tmp_path / "catalog.parquet"), str(store), address, delay],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for delay in ("0", "0.15")
+    ]
+    outputs = [run.communicate(timeout=240)[0] for run in runs]
+    codes = sorted(run.returncode for run in runs)
+    assert codes in ([0, 0], [0, 3]), outputs
+    refused = [out for out in outputs if "REFUSED" in out]
+    for out in refused:  # refused clearly, naming the holder, while the first one writes
+        assert "another ingest is writing" in out and "pid" in out and "wait for it to finish" in out
+    if codes == [0, 0]:  # the second started after the first had finished: it found every shard done
+        assert any("DONE 0 10" in out for out in outputs), outputs
+    assert dask_dl.check_store(store).ok
+    assert not (store / "_dask_dl" / "lease.json").exists()
+    clean = tmp_path / "clean.zarr"
+    dask_dl.ingest(catalog, clean, size=32, chunk=2, shard=2, client=cluster_client, progress=False)
+    assert store_files(store) == store_files(clean)
+
+
+def _lease(store: Path, **record) -> None:
+    (store / "_dask_dl").mkdir(parents=True, exist_ok=True)
+    (store / "_dask_dl" / "lease.json").write_text(json.dumps({"token": "theirs", **record}))
+
+
+def test_a_live_lease_refuses_and_a_stale_one_is_taken_over(cluster_client, tmp_path, caplog):
+    catalog = make_collection(tmp_path / "images", n=8)
+    store = tmp_path / "s.zarr"
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        _lease(store, host=socket.gethostname(), pid=sleeper.pid, heartbeat=time.time())
+        with pytest.raises(StoreError, match=f"another ingest is writing .* pid {sleeper.pid}"):
+            run_ingest(catalog, store, cluster_client)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    with caplog.at_level(logging.WARNING, logger="dask_dl.data.lease"):
+        result = run_ingest(catalog, store, cluster_client)  # its process is gone: stale
+    assert result.n_written == 8 and f"its process {sleeper.pid} on this host is gone" in caplog.text
+    assert not (store / "_dask_dl" / "lease.json").exists()
+
+    other = tmp_path / "other.zarr"
+    _lease(other, host="elsewhere", pid=1, heartbeat=time.time())
+    with pytest.raises(StoreError, match="another ingest is writing .*host elsewhere"):
+        run_ingest(catalog, other, cluster_client)
+    _lease(other, host="elsewhere", pid=1, heartbeat=time.time() - 1000)  # no heartbeat for 1000 s > 300 s
+    assert run_ingest(catalog, other, cluster_client).n_written == 8
