@@ -37,11 +37,10 @@ import io
 import os
 import threading
 import warnings
-import zlib
 from typing import NamedTuple
 
 import numpy as np
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 
 from dask_dl import config
 from dask_dl.data.dicom import is_dicom, read_pixels
@@ -104,7 +103,10 @@ def load_image(
     data = (policy or PathPolicy.from_config()).read(path)
     decode = _decode_dicom if is_dicom(path, data) else _decode_raster
     pixels = decode(path, data, limits)
-    out = resize_square(to_gray(pixels), size=size)
+    try:
+        out = resize_square(to_gray(pixels), size=size)
+    except ValueError as exc:  # e.g. a TIFF with five samples per pixel
+        raise ImageRejected("unsupported", path, str(exc)) from None
     # the PNG decode buffer is reused by the next call: never hand it out
     return out.copy() if np.shares_memory(out, pixels) else out
 
@@ -136,28 +138,35 @@ class _Limits(NamedTuple):
 
 def _decode_raster(path: str, data: bytes, limits: _Limits) -> np.ndarray:
     try:
-        image = Image.open(io.BytesIO(data))
+        # header warnings (a corrupt EXIF block) say nothing about the pixels: kept out of the worker's log
+        with warnings.catch_warnings(record=True):
+            warnings.simplefilter("always")
+            image = Image.open(io.BytesIO(data))
+            channels, sample_bytes = _png_depth(data) if image.format == "PNG" else _pillow_depth(image)
     except Image.DecompressionBombError as exc:  # over twice Image.MAX_IMAGE_PIXELS
         raise ImageRejected("too_large", path, str(exc)) from None
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
+    except Exception as exc:  # Pillow's plugins raise many kinds of errors for hostile headers
         # Pillow's message names the BytesIO object (a memory address): keep status files deterministic
         raise ImageRejected(
             "undecodable", path, f"not an image format Pillow can identify ({type(exc).__name__})"
         ) from None
-    channels, sample_bytes = _png_depth(data) if image.format == "PNG" else _pillow_depth(image)
     limits.check(path, image.width, image.height, channels, sample_bytes)
     if image.format == "PNG":
         return _decode_png(path, data, image)
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             image.load()
+            pixels = _pillow_pixels(image)
     except Image.DecompressionBombWarning as exc:
         raise ImageRejected("too_large", path, str(exc)) from None
-    except (OSError, SyntaxError, ValueError, zlib.error) as exc:
+    except Exception as exc:  # OSError, SyntaxError, struct.error, IndexError ... from hostile pixel data
         reason = "truncated" if "truncated" in str(exc) else "undecodable"
         raise ImageRejected(reason, path, f"{type(exc).__name__}: {exc}") from None
-    return _pillow_pixels(image)
+    if caught:  # the decoder went on past something it did not understand
+        raise ImageRejected("undecodable", path, f"the decoder warned: {caught[0].message}")
+    return pixels
 
 
 def _png_depth(data: bytes) -> tuple[int, int]:
@@ -227,7 +236,9 @@ def _decode_dicom(path: str, data: bytes, limits: _Limits) -> np.ndarray:
     import pydicom
 
     try:
-        header = pydicom.dcmread(io.BytesIO(data), stop_before_pixels=True)
+        with warnings.catch_warnings(record=True):  # header value warnings: kept out of the worker's log
+            warnings.simplefilter("always")
+            header = pydicom.dcmread(io.BytesIO(data), stop_before_pixels=True)
         width, height = int(header.get("Columns", 0) or 0), int(header.get("Rows", 0) or 0)
         frames = int(header.get("NumberOfFrames", 1) or 1)
         channels = int(header.get("SamplesPerPixel", 1) or 1) * max(frames, 1)

@@ -104,7 +104,9 @@ def _nih_image_paths(root: CollectionRoot, image_ids: pd.Series) -> pd.Series:
         if root.fs.isdir(folder):
             found.update(root.files_in(folder))
     fallback = root.url(root.join("images")) + (os.sep if root.local else "/") + image_ids
-    return image_ids.map(found).fillna(fallback).astype(str)
+    # a plain lookup: Series.map(...).fillna(...) warns when no image is found (all-NaN float column)
+    paths = [found.get(i, f) for i, f in zip(image_ids, fallback, strict=True)]
+    return pd.Series(paths, index=image_ids.index, dtype=str)
 
 
 def _read_list(root: CollectionRoot, name: str) -> pd.Index:
