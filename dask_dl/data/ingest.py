@@ -19,11 +19,14 @@ updates them.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import io
 import json
 import logging
 import os
+import re
 import time
 import uuid
 import warnings
@@ -185,7 +188,8 @@ def ingest(
     CatalogError
         The catalog is malformed (missing columns, duplicated ids, a patient in two splits, ...).
     StoreError
-        The store holds another dataset and ``overwrite`` is False.
+        The store holds another dataset and ``overwrite`` is False; another ingest is writing it (its lease);
+        the store's disk is full (free space and run again: it resumes).
     ConfigurationError
         ``size``, ``chunk``, ``shard`` or ``min_size`` is not a positive integer, or ``max_reject_share`` is not
         a fraction.
@@ -212,7 +216,7 @@ def ingest(
     }
     url = os.fspath(store)
     _check_store(url, layout, options, overwrite=overwrite)  # before the lease: never write into a foreign folder
-    with StoreLease(url) as lease:
+    with _disk_full(url, "its metadata"), StoreLease(url) as lease:
         group = _prepare_store(url, catalog, layout, options, overwrite=overwrite, lease=lease)
         files = StoreFiles(url)
         done = _finished_shards(files)
@@ -419,7 +423,7 @@ def _write_table_arrays(group: zarr.Group, catalog: pd.DataFrame, layout: StoreL
 
 def _finished_shards(files: StoreFiles) -> set[int]:
     names = files.list(contract.STATUS_PREFIX)
-    return {int(name[len("shard-") : -len(".json")]) for name in names if name.startswith("shard-")}
+    return {int(name[6:12]) for name in names if re.fullmatch(r"shard-\d{6}\.json", name)}
 
 
 def _jobs(catalog: pd.DataFrame, layout: StoreLayout) -> Iterator[dict[str, Any]]:
@@ -453,8 +457,6 @@ def _ingest_shard(
     image = zarr.open_array(contract.zarr_store(url), path=contract.IMAGE, mode="r+")
     # zarr reads an existing shard before writing into it, even when the write covers all of it; the file a killed
     # run left may be half-written and unreadable, so start from nothing (this task is the shard's only writer)
-    files.delete(layout_.shard_key(job["shard"]))
-    image[job["start"] : job["start"] + len(block)] = block
     table = pd.DataFrame(status, columns=_STATUS_COLUMNS)
     # zarr writes no file for an all-zero shard: say so, so that a missing file can be told from a lost one
     record = {
@@ -463,8 +465,26 @@ def _ingest_shard(
         "empty": not block.any(),
         "status": table.to_dict(orient="list"),
     }
-    files.put(layout_.status_key(job["shard"]), json.dumps(record).encode())
+    rows = layout_.shard_rows_of(job["shard"])
+    with _disk_full(url, f"shard {job['shard']} (samples {rows.start}..{rows.stop - 1})"):
+        files.delete(layout_.shard_key(job["shard"]))
+        image[job["start"] : job["start"] + len(block)] = block
+        files.put(layout_.status_key(job["shard"]), json.dumps(record).encode())
     return table
+
+
+@contextlib.contextmanager
+def _disk_full(url: str, what: str) -> Iterator[None]:
+    """Turn "no space left" while writing into a StoreError that says how to go on."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise StoreError(
+            f"no space left on the device of the store {url!r} while writing {what} ({exc.strerror}); free space "
+            "or move the store, then run ingest again: it resumes with the shards that are missing"
+        ) from None
 
 
 def _run(

@@ -231,9 +231,14 @@ class StoreFiles:
             self.fs.pipe_file(target, data)
             return
         temporary = f"{target}.{uuid.uuid4().hex}.partial"
-        with open(temporary, "wb") as f:
-            f.write(data)
-        os.replace(temporary, target)
+        try:
+            with open(temporary, "wb") as f:
+                f.write(data)
+            os.replace(temporary, target)
+        except BaseException:
+            if os.path.exists(temporary):  # a full disk leaves half a file: never a status file's look-alike
+                os.remove(temporary)
+            raise
 
     def delete(self, key: str) -> None:
         if self.fs.exists(self.path(key)):  # a missing file is what was asked for

@@ -539,3 +539,36 @@ def test_a_live_lease_refuses_and_a_stale_one_is_taken_over(cluster_client, tmp_
         run_ingest(catalog, other, cluster_client)
     _lease(other, host="elsewhere", pid=1, heartbeat=time.time() - 1000)  # no heartbeat for 1000 s > 300 s
     assert run_ingest(catalog, other, cluster_client).n_written == 8
+
+
+# ---- disk full (issue 11) -----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A real 160 KiB tmpfs: a store on it runs out of space part-way. Needs the right to mount (root)."""
+    mount = tmp_path / "tiny"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=160k", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here ({done.stderr.decode().strip() or 'not root'})")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_disk_full_is_a_clear_error_and_resume_is_identical(cluster_client, tmp_path, tiny_disk):
+    catalog = make_collection(tmp_path / "images", n=64)  # noise images: shards hardly compress
+    store = tiny_disk / "s.zarr"
+    with pytest.raises(StoreError, match=r"no space left on the device of the store .*s\.zarr.* run ingest again"):
+        run_ingest(catalog, store, cluster_client, size=48, chunk=2, shard=2)
+    assert not (store / "_dask_dl" / "lease.json").exists()
+    write_catalog(catalog, tmp_path / "catalog.parquet")
+    args = ["ingest", str(tmp_path / "catalog.parquet"), str(store), "--size", "48", "--chunk", "2", "--shard", "2"]
+    result = CliRunner().invoke(cli, [*args, "--scheduler", cluster_client.scheduler.address, "--quiet"])
+    assert result.exit_code == 1 and "Traceback" not in result.output and "no space left" in result.output
+    subprocess.run(["mount", "-o", "remount,size=8m", str(tiny_disk)], check=True)
+    resumed = run_ingest(catalog, store, cluster_client, size=48, chunk=2, shard=2)
+    assert resumed.shards_skipped > 0
+    clean = run_ingest(catalog, tmp_path / "clean.zarr", cluster_client, size=48, chunk=2, shard=2)
+    assert store_files(store) == store_files(tmp_path / "clean.zarr")
+    pd.testing.assert_frame_equal(resumed.rejects, clean.rejects)
