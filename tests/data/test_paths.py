@@ -149,3 +149,24 @@ def test_dicom_window_that_maps_everything_to_white_is_degenerate(tmp_path):
     write_dicom(tmp_path / "white.dcm", ramp, WindowCenter=-5000, WindowWidth=10)
     error = rejected(tmp_path / "white.dcm")
     assert error.reason == "degenerate" and "every pixel 255" in error.detail
+
+
+def test_damaged_compressed_dicom_pixels_are_rejected(tmp_path):
+    import pydicom
+    from pydicom.uid import RLELossless
+
+    ramp = (np.add.outer(np.arange(64), np.arange(64)) * 30).astype(np.uint16) % 4096
+    write_dicom(tmp_path / "plain.dcm", ramp, WindowCenter=2048, WindowWidth=4096)
+    ds = pydicom.dcmread(tmp_path / "plain.dcm")
+    ds.compress(RLELossless)
+    ds.save_as(tmp_path / "rle.dcm")
+    expected = load_image(tmp_path / "plain.dcm", size=32)
+    np.testing.assert_array_equal(load_image(tmp_path / "rle.dcm", size=32), expected)
+    data = bytearray((tmp_path / "rle.dcm").read_bytes())
+    for i in range(len(data) - 300, len(data) - 250):  # damage inside the RLE segments
+        data[i] ^= 0x5A
+    (tmp_path / "damaged.dcm").write_bytes(bytes(data))
+    error = rejected(tmp_path / "damaged.dcm")  # decoded, it is far from the original: pydicom warns
+    assert error.reason == "undecodable" and error.detail.startswith("the decoder warned: The decoded RLE segment")
+    (tmp_path / "cut.dcm").write_bytes(bytes(data[:-40]))
+    assert rejected(tmp_path / "cut.dcm").reason in ("undecodable", "truncated")
