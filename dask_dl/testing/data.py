@@ -259,6 +259,7 @@ def write_store(
         )
         array[...] = data
     # the side files: a status file per shard, and the rejects table of a finished store
+    group.require_group(contract.META_GROUP)
     files = StoreFiles(path)
     for shard in range(layout.n_shards):
         rows = list(layout.shard_rows_of(shard))
