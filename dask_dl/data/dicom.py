@@ -157,16 +157,16 @@ def read_pixels(path: str | os.PathLike | BinaryIO, *, reject_degenerate: bool =
     photometric = str(ds.get("PhotometricInterpretation", "MONOCHROME2")).upper()
     if photometric not in ("MONOCHROME1", "MONOCHROME2") or int(ds.get("NumberOfFrames", 1) or 1) != 1:
         raise CatalogError(
-            f"{str(getattr(path, 'name', path))!r} is not a single-frame grayscale DICOM "
+            f"{_where(path)}not a single-frame grayscale DICOM "
             f"(PhotometricInterpretation {photometric!r}, "
             f"NumberOfFrames {ds.get('NumberOfFrames', 1)}); dask_dl reads single-frame MONOCHROME1/2 images: "
             "remove the file from the collection or convert it"
         )
     values = apply_modality_lut(ds.pixel_array, ds)
-    where = str(getattr(path, "name", path))
+    where = _where(path)
     if reject_degenerate and not np.all(np.isfinite(values)):
         raise DatasetError(
-            f"{where!r}: the modality LUT (RescaleSlope {ds.get('RescaleSlope')!r}, RescaleIntercept "
+            f"{where}the modality LUT (RescaleSlope {ds.get('RescaleSlope')!r}, RescaleIntercept "
             f"{ds.get('RescaleIntercept')!r}) gives non-finite values; fix the header or remove the file"
         )
     has_voi = bool(ds.get("VOILUTSequence")) or (
@@ -180,13 +180,20 @@ def read_pixels(path: str | os.PathLike | BinaryIO, *, reject_degenerate: bool =
     image = _to_uint8(values, lo, hi)
     if reject_degenerate and image.size and image.min() == image.max():
         raise DatasetError(
-            f"{where!r}: the image is constant after scaling (every pixel {int(image.flat[0])}; stored values "
+            f"{where}the image is constant after scaling (every pixel {int(image.flat[0])}; stored values "
             f"{_range(ds.pixel_array)}, window {ds.get('WindowCenter')!r}/{ds.get('WindowWidth')!r}, rescale "
             f"{ds.get('RescaleSlope')!r}/{ds.get('RescaleIntercept')!r}): no contrast is left to learn from"
         )
     if photometric == "MONOCHROME1":
         image = 255 - image
     return image
+
+
+def _where(path: Any) -> str:
+    """``'chest.dcm': `` to start a message; nothing for an unnamed file object (its repr holds a memory address,
+    which would make ingest's status files differ from run to run)."""
+    name = path if isinstance(path, str | os.PathLike) else getattr(path, "name", None)
+    return f"{os.fspath(name)!r}: " if isinstance(name, str | os.PathLike) else ""
 
 
 def _range(values: np.ndarray) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from dask_dl.errors import DaskDLError
@@ -32,5 +33,6 @@ class ImageRejected(DaskDLError, ValueError):
     def __init__(self, reason: str, path: str, detail: str) -> None:
         self.reason = reason
         self.path = path
-        self.detail = detail
-        super().__init__(f"{reason}: {path}: {detail}")
+        # decoders name in-memory files by their repr, a memory address: keep status files the same from run to run
+        self.detail = re.sub(r"<_io\.BytesIO object at 0x[0-9a-fA-F]+>", "the file", detail)
+        super().__init__(f"{reason}: {path}: {self.detail}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import warnings
 from pathlib import Path
 
 import dask.config
@@ -142,6 +143,17 @@ def test_dicom_with_a_zero_rescale_slope_is_degenerate(tmp_path):
     assert error.reason == "degenerate" and "constant after scaling" in error.detail
     write_dicom(tmp_path / "fine.dcm", ramp, RescaleSlope=1, RescaleIntercept=100)
     assert load_image(tmp_path / "fine.dcm", size=32).std() > 10
+
+
+def test_dicom_with_a_nan_rescale_slope_is_degenerate(tmp_path):
+    ramp = np.arange(64 * 64, dtype=np.uint16).reshape(64, 64) % 4096
+    with warnings.catch_warnings():  # pydicom warns that 'NaN' is no valid DS: the file is broken on purpose
+        warnings.simplefilter("ignore")
+        write_dicom(tmp_path / "nan.dcm", ramp, RescaleSlope="NaN", RescaleIntercept=0)
+    error = rejected(tmp_path / "nan.dcm")
+    assert error.reason == "degenerate"
+    # deterministic (no memory address of a file object), so that status files are identical from run to run
+    assert error.detail.startswith("the modality LUT (RescaleSlope 'NaN'") and "0x" not in error.detail
 
 
 def test_dicom_window_that_maps_everything_to_white_is_degenerate(tmp_path):
