@@ -48,14 +48,14 @@ class PathPolicy:
 
     Examples
     --------
-    >>> policy = PathPolicy(schemes=("file",), roots=(), max_file_bytes=1024)
-    >>> policy.check("http://example.org/x.png")
+    >>> policy = PathPolicy(schemes=("file", "s3"), roots=(), max_file_bytes=1024)
+    >>> policy.check("http://example.org/x.png")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
     dask_dl.data.rejects.ImageRejected: refused: http://example.org/x.png: the scheme 'http' is not allowed ...
     """
 
-    schemes: tuple[str, ...] = ("file",)
+    schemes: tuple[str, ...] = ("file", "s3", "gs", "gcs", "az", "abfs", "abfss")
     roots: tuple[str, ...] = ()
     max_file_bytes: int = 256 * 2**20
 

@@ -100,8 +100,10 @@ def test_url_schemes_must_be_allowed(tmp_path):
     finally:
         server.close()
     assert error.reason == "refused"
-    assert "the scheme 'http' is not allowed (dask-dl.ingest.allowed-schemes is ['file'])" in error.detail
-    assert "dask.config.set({'dask-dl.ingest.allowed-schemes': ['file', 'http']})" in error.detail
+    schemes = ["file", "s3", "gs", "gcs", "az", "abfs", "abfss"]  # files and object stores, not http
+    assert f"the scheme 'http' is not allowed (dask-dl.ingest.allowed-schemes is {schemes})" in error.detail
+    assert f"dask.config.set({{'dask-dl.ingest.allowed-schemes': {[*schemes, 'http']}}})" in error.detail
+    assert rejected("ftp://127.0.0.1/x.png").reason == "refused"
     with dask.config.set({"dask-dl.ingest.allowed-schemes": ["file", "memory"]}):
         import fsspec
 
