@@ -45,9 +45,10 @@ from dask_dl.data import store as contract
 from dask_dl.data.images import ImageRejected, load_image
 from dask_dl.data.lease import StoreLease
 from dask_dl.data.paths import PathPolicy
+from dask_dl.data.rejects import check_share
 from dask_dl.data.schema import labels_of, task_of, validate_catalog
 from dask_dl.data.store import StoreFiles, StoreLayout, lost_shards
-from dask_dl.errors import CatalogError, ConfigurationError, IngestError, StoreError, StoreNotFoundError
+from dask_dl.errors import CatalogError, ConfigurationError, StoreError, StoreNotFoundError
 
 if TYPE_CHECKING:  # pragma: no cover
     from distributed import Client
@@ -59,18 +60,6 @@ logger = logging.getLogger(__name__)
 # label/valid/coordinate arrays are small: chunk them by at least this many rows to keep the file count low
 _META_ROWS = 65536
 _STATUS_COLUMNS = ["row", "image_id", "ok", "reason", "message"]
-# what to do about the most frequent reject reason, for the IngestError message
-_FIXES = {
-    "too_small": "pass a smaller min_size= (or --min-size), e.g. min_size={min_side}, or ingest at a smaller size=",
-    "missing": "the files are not where the catalog's path column says: check the paths (workers must see them)",
-    "unreadable": "the files cannot be read: check permissions and that the workers can reach the storage",
-    "undecodable": "the files are not images dask_dl can decode: check the collection (see read_rejects(store))",
-    "truncated": "the files are damaged (cut short): copy the collection again",
-    "unsupported": "the images are of a kind dask_dl does not read (see the messages in read_rejects(store))",
-    "too_large": "the decoded images exceed dask-dl.ingest.max-image-bytes: raise it if the workers have the memory",
-    "refused": "the paths point where dask-dl.ingest.allowed-roots/allowed-schemes does not allow: allow them",
-    "degenerate": "the images are constant (no contrast): check the files and their DICOM rescale/window values",
-}
 
 
 @dataclass(frozen=True, eq=False)
@@ -215,8 +204,14 @@ def ingest(
         "policy": PathPolicy.from_config(),
     }
     url = os.fspath(store)
-    _check_store(url, layout, options, overwrite=overwrite)  # before the lease: never write into a foreign folder
-    with _disk_full(url, "its metadata"), StoreLease(url) as lease:
+    lease = StoreLease(url)
+    lease.refuse_if_held()  # a store another ingest is creating looks half-made: name that ingest instead
+    try:  # before the lease: never write into a foreign folder
+        _check_store(url, layout, options, overwrite=overwrite)
+    except StoreError:
+        lease.refuse_if_held()  # another ingest started in between: that is the news, not its half-made store
+        raise
+    with _disk_full(url, "its metadata"), lease:
         group = _prepare_store(url, catalog, layout, options, overwrite=overwrite, lease=lease)
         files = StoreFiles(url)
         done = _finished_shards(files)
@@ -245,7 +240,7 @@ def ingest(
         shards_skipped=len(done),
         seconds=time.perf_counter() - started,
     )
-    _check_rejects(result, share=share, options=options)
+    check_share(store=url, n=result.n, rejects=rejected, share=share, min_size=options["min_size"])
     return result
 
 
@@ -570,41 +565,3 @@ def _finish(
     files.put(contract.REJECTS_KEY, buffer.getvalue())
     group.attrs.update({contract.ATTRIBUTE: layout.replace(complete=True).to_dict()})
     return rejected
-
-
-def _check_rejects(result: IngestResult, *, share: float, options: dict[str, Any]) -> None:
-    """Raise an IngestError when no image was kept or too many were rejected."""
-    n, rejected = result.n, result.n_rejected
-    if rejected == 0 or (rejected < n and rejected <= share * n):
-        return
-    table = result.rejects
-    counts = {str(k): int(v) for k, v in table["reason"].value_counts().items()}
-    reasons = ", ".join(f"{reason} {count}" for reason, count in counts.items())
-    shown = "\n".join(
-        f"  row {row.row} {row.image_id!r} ({row.path}): {row.reason}: {row.message}"
-        for row in table.head(3).itertuples()
-    )
-    top = next(iter(counts))
-    fix = _FIXES.get(top, "see read_rejects(store) for each image's reason").format(
-        min_side=_smallest_side(table) or max(1, options["min_size"] // 2)
-    )
-    kept = (
-        "no image was kept"
-        if rejected == n
-        else f"{rejected / n:.0%} were rejected, more than max_reject_share={share:g} (dask-dl.ingest.max-reject-share)"
-    )
-    accept = "" if rejected == n else " To keep the store as it is, pass max_reject_share=1.0."
-    raise IngestError(
-        f"ingest into {result.store!r} rejected {rejected} of {n} images ({reasons}): {kept}. First rejected rows:\n"
-        f"{shown}\nFix: {fix}; then ingest again with overwrite=True.{accept} The store and its rejects table "
-        f"are written: dask_dl.data.ingest.read_rejects({result.store!r})",
-        rejects=table,
-        counts=counts,
-    )
-
-
-def _smallest_side(rejects: pd.DataFrame) -> int | None:
-    """The smallest side among the too_small rejects (their message says ``WxH pixels``)."""
-    sides = rejects.loc[rejects["reason"] == "too_small", "message"].str.extract(r"(\d+)x(\d+) pixels")
-    sides = sides.dropna().astype(int)
-    return int(sides.min(axis=1).min()) if len(sides) else None

@@ -94,15 +94,27 @@ class StoreLease:
                 continue
             why = self._stale(holder) if holder else "it cannot be read"
             if why is None:
-                since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(holder.get("heartbeat", 0))))
-                raise StoreError(
-                    f"another ingest is writing {self.url!r} (host {holder.get('host')}, pid {holder.get('pid')}, "
-                    f"alive at {since}); wait for it to finish, then run this one again (it resumes). If that "
-                    f"process is gone, delete {contract.LEASE_KEY} in the store"
-                )
+                raise self._held(holder)
             logger.warning("taking over the stale lease of %r: %s", self.url, why)
             self.files.delete(contract.LEASE_KEY)
         raise StoreError(f"could not take the lease of {self.url!r}: other ingests keep taking it; run one at a time")
+
+    def _held(self, holder: dict[str, Any]) -> StoreError:
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(holder.get("heartbeat", 0))))
+        return StoreError(
+            f"another ingest is writing {self.url!r} (host {holder.get('host')}, pid {holder.get('pid')}, "
+            f"alive at {since}); wait for it to finish, then run this one again (it resumes). If that "
+            f"process is gone, delete {contract.LEASE_KEY} in the store"
+        )
+
+    def refuse_if_held(self) -> None:
+        """Raise the StoreError of :meth:`acquire` when a live lease is there, without taking it.
+
+        Checked before looking at the store: a store another ingest is creating looks half-made.
+        """
+        holder = self._holder()
+        if holder and self._stale(holder) is None:
+            raise self._held(holder)
 
     def renew(self) -> None:
         """Write the lease again (after a store was cleared under it), exclusively: refuse if another took it."""
