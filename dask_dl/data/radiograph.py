@@ -17,7 +17,7 @@ from scipy import ndimage
 
 from dask_dl.data.schema import NIH_LABELS
 
-__all__ = ["draw"]
+__all__ = ["BOX_FINDINGS", "draw", "draw_with_boxes"]
 
 # ---- drawing -----------------------------------------------------------------------------------------------
 # Coordinates are normalized: x from -1 (image left, the patient's right) to 1, y from -1 (top) to 1. Pixels
@@ -386,6 +386,73 @@ def draw(
     ``(*key, 1 + j)``, so the same seed and key give the same chest with or without any finding. Each
     finding's strength is uniform in [0, 1] (faint to obvious) unless ``strength`` fixes it.
     """
+    return _draw(size, labels, seed=seed, key=key, view=view, gain=gain, gamma=gamma, noise=noise,
+                 strength=strength, boxes=None)  # fmt: skip
+
+
+def draw_with_boxes(
+    size: int,
+    labels: np.ndarray | Sequence[str],
+    *,
+    seed: int = 0,
+    key: tuple[int, ...] = (),
+    view: str = "PA",
+    gain: float = 1.0,
+    gamma: float = 1.0,
+    noise: float = 1.0,
+    strength: float | None = None,
+) -> tuple[np.ndarray, list[tuple[str, float, float, float, float]]]:
+    """:func:`draw`, and the bounding box of each drawn finding of :data:`BOX_FINDINGS`.
+
+    The pixels are those :func:`draw` returns for the same arguments. A box is ``(finding, x, y, w, h)`` in
+    pixels of the returned image (x right, y down, as in NIH's ``BBox_List_2017.csv``): the smallest rectangle
+    around where the finding changes the drawing by at least a quarter of its largest change. Findings drawn on
+    both sides (effusion, infiltration) get one box per side; cardiomegaly's box is the heart.
+    """
+    found: list[tuple[str, float, float, float, float]] = []
+    pixels = _draw(size, labels, seed=seed, key=key, view=view, gain=gain, gamma=gamma, noise=noise,
+                   strength=strength, boxes=found)  # fmt: skip
+    return pixels, found
+
+
+#: The findings NIH's ``BBox_List_2017.csv`` has boxes for (NIH spells Infiltration ``Infiltrate`` there).
+BOX_FINDINGS = (
+    "Atelectasis",
+    "Cardiomegaly",
+    "Effusion",
+    "Infiltration",
+    "Mass",
+    "Nodule",
+    "Pneumonia",
+    "Pneumothorax",
+)
+_PER_SIDE = ("Effusion", "Infiltration")  # drawn on one side or both: one box per side, as a reader would draw
+_BOX_LEVEL = 0.25  # share of a finding's largest change that counts as inside its box
+
+
+def _box(chest: _Chest, mask: np.ndarray) -> tuple[float, float, float, float]:
+    """``(x, y, w, h)`` in output pixels of the cells of ``mask`` (the anatomy's grid may be coarser)."""
+    rows, cols = np.flatnonzero(mask.any(axis=1)), np.flatnonzero(mask.any(axis=0))
+    scale = chest.out / chest.size
+    x0, y0 = cols[0] * scale, rows[0] * scale
+    return (round(float(x0), 3), round(float(y0), 3), round(float((cols[-1] + 1) * scale - x0), 3),
+            round(float((rows[-1] + 1) * scale - y0), 3))  # fmt: skip
+
+
+def _finding_boxes(chest: _Chest, name: str, change: np.ndarray) -> list[tuple[str, float, float, float, float]]:
+    peak = float(change.max())
+    if peak <= 0:
+        return []
+    sides = (chest.right, ~chest.right) if name in _PER_SIDE else (np.ones(change.shape, bool),)
+    found = []
+    for side in sides:
+        part = np.where(side, change, 0)
+        if part.max() >= _BOX_LEVEL * peak:
+            found.append((name, *_box(chest, part >= _BOX_LEVEL * peak)))
+    return found
+
+
+def _draw(size, labels, *, seed, key, view, gain, gamma, noise, strength, boxes: list | None) -> np.ndarray:
     names = labels if not isinstance(labels, np.ndarray) else [n for n, v in zip(NIH_LABELS, labels, strict=True) if v]
     present = [name in names for name in NIH_LABELS]
     chest = _Chest(size, np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(*key, 0))), view)
@@ -399,7 +466,12 @@ def draw(
         if name in _SHAPE_FINDINGS:
             _FINDINGS[name](chest, rng, strength)
     chest.draw_anatomy()
+    if boxes is not None and "Cardiomegaly" in names:
+        boxes.extend(_finding_boxes(chest, "Cardiomegaly", chest.heart_mask))
     for name, rng, strength in findings:
         if name not in _SHAPE_FINDINGS:
+            before = chest.opacity + chest.lucency if boxes is not None and name in BOX_FINDINGS else None
             _FINDINGS[name](chest, rng, strength)
+            if before is not None:
+                boxes.extend(_finding_boxes(chest, name, np.abs(chest.opacity + chest.lucency - before)))
     return chest.expose(gain, gamma, noise)

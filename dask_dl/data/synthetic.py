@@ -29,7 +29,7 @@ from PIL import Image
 from dask_dl.checks import positive_int
 from dask_dl.data.labels import NO_FINDING
 from dask_dl.data.nih import NIH_HEADER
-from dask_dl.data.radiograph import draw
+from dask_dl.data.radiograph import draw_with_boxes
 from dask_dl.data.schema import NIH_LABELS
 from dask_dl.errors import CatalogError, ConfigurationError, StoreNotFoundError
 
@@ -419,15 +419,41 @@ def _write_tables(table: pd.DataFrame) -> None:
 _BLOCK_COLUMNS = ("path", "view", "gain", "gamma", "noise", "rgba", "corrupt_kind", *NIH_LABELS)
 
 
-def _write_block(rows: pd.DataFrame, *, size: int, seed: int, block: int) -> int:
-    """Draw and write the PNGs of one block of rows; every image's randomness comes from ``(seed, block, i)``."""
+def _write_block(rows: pd.DataFrame, *, size: int, seed: int, block: int) -> tuple[int, list[tuple]]:
+    """Draw and write the PNGs of one block of rows; every image's randomness comes from ``(seed, block, i)``.
+
+    Returns the number of images and the boxes of their findings, ``(path, finding, x, y, w, h)`` rows (none for
+    corrupt files: there is nothing to point at).
+    """
     labels = rows[list(NIH_LABELS)].to_numpy().astype(bool)
+    boxes = []
     for i, row in enumerate(rows.itertuples(index=False)):
         key = (1, block, i)
-        pixels = draw(size, labels[i], seed=seed, key=key, view=row.view, gain=row.gain, gamma=row.gamma,
-                       noise=row.noise)  # fmt: skip
+        pixels, found = draw_with_boxes(size, labels[i], seed=seed, key=key, view=row.view, gain=row.gain,
+                                        gamma=row.gamma, noise=row.noise)  # fmt: skip
         _save_png(row.path, pixels, rgba=row.rgba, corrupt=row.corrupt_kind, seed=seed, key=key)
-    return len(rows)
+        if not row.corrupt_kind:
+            boxes.extend((row.path, *box) for box in found)
+    return len(rows), boxes
+
+
+#: Header of NIH's ``BBox_List_2017.csv``; its data lines have the six values only.
+NIH_BOX_HEADER = "Image Index,Finding Label,Bbox [x,y,w,h],,,"
+
+
+def _write_boxes(table: pd.DataFrame, boxes: list[tuple]) -> None:
+    """Write ``BBox_List_2017.csv`` of every site root: NIH's form, coordinates in pixels of the written images."""
+    by_path = {}
+    for path, finding, x, y, w, h in boxes:
+        by_path.setdefault(path, []).append((finding, x, y, w, h))
+    for site_root, frame in table.groupby("site_root", sort=False):
+        lines = [NIH_BOX_HEADER]
+        for image_id, path in zip(frame["image_id"], frame["path"], strict=True):
+            for finding, x, y, w, h in by_path.get(path, ()):
+                name = "Infiltrate" if finding == "Infiltration" else finding  # as NIH spells it in this table
+                lines.append(f"{image_id},{name},{x:g},{y:g},{w:g},{h:g}")
+        with open(os.path.join(site_root, "BBox_List_2017.csv"), "w", newline="") as f:
+            f.write("\n".join(lines) + "\n")
 
 
 def _save_png(path: str, pixels: np.ndarray, *, rgba: bool, corrupt: str, seed: int, key: tuple) -> None:
@@ -467,7 +493,10 @@ def synthesize(
 
     ``root/images/<8-digit patient>_<3-digit follow-up>.png`` (8-bit grayscale, ``size`` x ``size``),
     ``root/Data_Entry_2017.csv`` in the published 2017 form (its header, and one trailing comma on every data
-    line), ``root/train_val_list.txt`` and ``root/test_list.txt`` (about 20% of the patients in test). With
+    line), ``root/train_val_list.txt`` and ``root/test_list.txt`` (about 20% of the patients in test), and
+    ``root/BBox_List_2017.csv`` in NIH's form with the box of every drawn finding NIH boxes (Atelectasis,
+    Cardiomegaly, Effusion, Infiltrate, Mass, Nodule, Pneumonia, Pneumothorax; coordinates in pixels of the
+    written ``size`` x ``size`` images: read it with ``read_boxes(path, image_size=size)``). With
     ``sites`` each site is a complete NIH root of its own, ``root/<site>/...``. The same arguments write
     byte-identical files, with or without a Dask ``client``.
 
@@ -537,7 +566,8 @@ def synthesize(
     )  # fmt: skip
     _write_tables(table)
     blocks = [table.iloc[start : start + _BLOCK][list(_BLOCK_COLUMNS)] for start in range(0, len(table), _BLOCK)]
-    _run_blocks(blocks, size=size, seed=seed, client=client, progress=progress)
+    boxes = _run_blocks(blocks, size=size, seed=seed, client=client, progress=progress)
+    _write_boxes(table, boxes)
     return _result(table)
 
 
@@ -554,15 +584,16 @@ def _check_options(n_images, size, n_patients, rgba_fraction, corrupt_fraction) 
             raise ConfigurationError(f"{name}={value!r} is a share of the images: pass a value in [0, 1]")
 
 
-def _run_blocks(blocks: list[pd.DataFrame], *, size: int, seed: int, client, progress: bool) -> None:
+def _run_blocks(blocks: list[pd.DataFrame], *, size: int, seed: int, client, progress: bool) -> list[tuple]:
     bar = None
     if progress:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=sum(len(b) for b in blocks), desc="synthesize", unit="image")
+    boxes: list[list[tuple]] = [[] for _ in blocks]
     if client is None:
         for block, rows in enumerate(blocks):
-            done = _write_block(rows, size=size, seed=seed, block=block)
+            done, boxes[block] = _write_block(rows, size=size, seed=seed, block=block)
             if bar is not None:
                 bar.update(done)
     else:
@@ -575,12 +606,14 @@ def _run_blocks(blocks: list[pd.DataFrame], *, size: int, seed: int, client, pro
             client.submit(_write_block, rows, size=size, seed=seed, block=block, pure=False, workers=workers)
             for block, rows in enumerate(blocks)
         ]
+        index = {future.key: block for block, future in enumerate(futures)}
         for future in as_completed(futures):
-            done = future.result()  # re-raises a task's error here
+            done, boxes[index[future.key]] = future.result()  # re-raises a task's error here
             if bar is not None:
                 bar.update(done)
     if bar is not None:
         bar.close()
+    return [box for block in boxes for box in block]
 
 
 def _result(table: pd.DataFrame) -> pd.DataFrame:

@@ -66,10 +66,11 @@ def test_same_seed_writes_identical_bytes(tmp_path):
     synthesize(tmp_path / "b", seed=3, **options)
     synthesize(tmp_path / "c", seed=4, **options)
     a, b, c = _hashes(tmp_path / "a"), _hashes(tmp_path / "b"), _hashes(tmp_path / "c")
-    assert len(a) == 70 + 3
+    assert len(a) == 70 + 4  # images, Data_Entry_2017.csv, the two split lists, BBox_List_2017.csv
     assert a == b
     assert a["Data_Entry_2017.csv"] != c["Data_Entry_2017.csv"]
-    common = sorted(set(a) & set(c) - {"Data_Entry_2017.csv", "train_val_list.txt", "test_list.txt"})
+    tables = {"Data_Entry_2017.csv", "train_val_list.txt", "test_list.txt", "BBox_List_2017.csv"}
+    common = sorted(set(a) & set(c) - tables)
     assert sum(a[k] != c[k] for k in common) > 0.9 * len(common)
 
 
@@ -243,7 +244,7 @@ def test_sites_are_complete_roots_with_their_own_patients_and_mix(tmp_path):
     for site in "ABC":
         root = tmp_path / site
         assert {p.name for p in root.iterdir()} == {"images", "Data_Entry_2017.csv", "train_val_list.txt",
-                                                    "test_list.txt"}  # fmt: skip
+                                                    "test_list.txt", "BBox_List_2017.csv"}  # fmt: skip
         frame = pd.read_csv(root / "Data_Entry_2017.csv", index_col=False)
         assert len(frame) == 30 and len(list((root / "images").iterdir())) == 30
         patients[site] = set(frame["Patient ID"])
