@@ -568,6 +568,57 @@ def demo(out, images, size, epochs, model, trainers, compression, batch_size, da
     click.echo(str(report))
 
 
+# ---- explain (room: explanations) --------------------------------------------------------------------------
+
+
+@cli.command("explain")
+@click.argument("store")
+@click.argument("model", type=click.Path(exists=True))
+@click.option("--labels", "-l", default=None, help="Findings to explain, comma-separated. Default: all of the model's.")
+@click.option("--out", "-o", required=True, help="Zarr store for the maps: explanation(sample, finding, y, x).")
+@click.option("--method", type=click.Choice(["gradcam", "occlusion"]), default="gradcam", show_default=True,
+              help="Grad-CAM (checkpoint file or directory) or occlusion (also an .onnx file).")  # fmt: skip
+@click.option("--split", default=None, help="Explain only this split (train, val or test). Default: every image.")
+@click.option("--dtype", type=click.Choice(["float16", "uint8"]), default="float16", show_default=True,
+              help="Maps in [0, 1] as float16, or 255 * map as uint8.")  # fmt: skip
+@click.option("--boxes", default=None, help="A box CSV (NIH BBox_List_2017.csv or image_id,finding,x,y,w,h): print "
+              "the localization table.")  # fmt: skip
+@click.option("--image-size", type=int, default=None, help="Side of the images the --boxes coordinates are in.")
+@click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
+@scheduler_option
+def explain_command(
+    store, model, labels, out, method, split, dtype, boxes, image_size, overwrite, scheduler, workers
+) -> None:
+    """Explain MODEL's findings on the images of STORE and write the maps to a Zarr store."""
+    import os
+
+    from dask_dl.cluster import close_client, get_client
+    from dask_dl.data.dataset import open_dataset
+    from dask_dl.errors import StoreError
+    from dask_dl.explanation import explain, localization
+
+    if os.path.exists(out) and not overwrite:
+        raise StoreError(f"{out!r} exists already; pass --overwrite to replace it")
+    ds = open_dataset(store, split=split)
+    chosen = [label.strip() for label in labels.split(",")] if labels else None
+    maps = explain(ds, model, labels=chosen, method=method, dtype=dtype)
+    client = get_client(scheduler=scheduler, n_workers=workers)
+    try:
+        maps.to_dataset().to_zarr(out, mode="w", consolidated=False, compute=True)
+        click.echo(f"wrote {method} maps of {maps.sizes['sample']} images x {maps.sizes['finding']} findings to {out}")
+        if boxes is not None:
+            import xarray as xr
+
+            written = xr.open_zarr(out, consolidated=False)["explanation"]
+            table = localization(written, boxes, image_size=image_size)
+            click.echo(table.round(3).to_string())
+    finally:
+        if scheduler is not None:
+            client.close()
+        else:
+            close_client(client)
+
+
 # ---- end of commands --------------------------------------------------------------------------------------
 
 main = cli

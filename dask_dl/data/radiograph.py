@@ -406,7 +406,7 @@ def draw_with_boxes(
 
     The pixels are those :func:`draw` returns for the same arguments. A box is ``(finding, x, y, w, h)`` in
     pixels of the returned image (x right, y down, as in NIH's ``BBox_List_2017.csv``): the smallest rectangle
-    around where the finding changes the drawing by at least a quarter of its largest change. Findings drawn on
+    around where the finding changes the drawing by at least a tenth of its largest change. Findings drawn on
     both sides (effusion, infiltration) get one box per side; cardiomegaly's box is the heart.
     """
     found: list[tuple[str, float, float, float, float]] = []
@@ -427,7 +427,7 @@ BOX_FINDINGS = (
     "Pneumothorax",
 )
 _PER_SIDE = ("Effusion", "Infiltration")  # drawn on one side or both: one box per side, as a reader would draw
-_BOX_LEVEL = 0.25  # share of a finding's largest change that counts as inside its box
+_BOX_LEVEL = 0.1  # share of a finding's largest change that counts as inside its box
 
 
 def _box(chest: _Chest, mask: np.ndarray) -> tuple[float, float, float, float]:
