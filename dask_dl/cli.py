@@ -596,6 +596,7 @@ def explain_command(
     from dask_dl.data.dataset import open_dataset
     from dask_dl.errors import StoreError
     from dask_dl.explanation import explain, localization
+    from dask_dl.explanation.maps import write_maps
 
     if os.path.exists(out) and not overwrite:
         raise StoreError(f"{out!r} exists already; pass --overwrite to replace it")
@@ -604,7 +605,7 @@ def explain_command(
     maps = explain(ds, model, labels=chosen, method=method, dtype=dtype)
     client = get_client(scheduler=scheduler, n_workers=workers)
     try:
-        maps.to_dataset().to_zarr(out, mode="w", consolidated=False, compute=True)
+        write_maps(maps, out, overwrite=True)
         click.echo(f"wrote {method} maps of {maps.sizes['sample']} images x {maps.sizes['finding']} findings to {out}")
         if boxes is not None:
             import xarray as xr

@@ -40,6 +40,11 @@ _NIH_FIRST = "Image Index"
 _XYWH = ("x", "y", "w", "h")
 
 
+def text(values: Any) -> np.ndarray:
+    """Plain ``str`` values of a coordinate (zarr 3 reads strings as numpy's StringDType, which many calls refuse)."""
+    return np.asarray(np.asarray(values).tolist(), dtype=str)
+
+
 def _read_table(source: str | os.PathLike | pd.DataFrame) -> tuple[pd.DataFrame, bool]:
     """The raw table as ``BOX_COLUMNS`` and whether it is in NIH's form."""
     if isinstance(source, pd.DataFrame):
@@ -269,7 +274,7 @@ def attach_boxes(ds: xr.Dataset, boxes: str | os.PathLike | pd.DataFrame, **read
         )
     if "image_id" not in ds.coords:
         raise DatasetError("the dataset has no image_id coordinate; attach boxes to a dataset from open_dataset")
-    position = pd.Series(np.arange(ds.sizes["sample"]), index=np.asarray(ds["image_id"].values).astype(str))
+    position = pd.Series(np.arange(ds.sizes["sample"]), index=text(ds["image_id"].values))
     table = table[table["image_id"].astype(str).isin(position.index)]
     order = np.argsort(position[table["image_id"].astype(str)].to_numpy(), kind="stable")
     table = table.iloc[order]
@@ -296,8 +301,8 @@ def boxes_of(data: Any) -> pd.DataFrame:
         )
     table = pd.DataFrame(
         {
-            "image_id": np.asarray(data["box_image_id"].values).astype(str),
-            "finding": np.asarray(data["box_finding"].values).astype(str),
+            "image_id": text(data["box_image_id"].values),
+            "finding": text(data["box_finding"].values),
             **{k: np.asarray(data[f"box_{k}"].values, np.float64) for k in _XYWH},
         }
     )

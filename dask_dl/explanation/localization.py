@@ -20,7 +20,7 @@ import numpy as np
 import pandas as pd
 
 from dask_dl.checks import positive_int
-from dask_dl.data.boxes import boxes_of, read_boxes
+from dask_dl.data.boxes import boxes_of, read_boxes, text
 from dask_dl.errors import ConfigurationError, DatasetError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -124,8 +124,8 @@ def _boxes(maps: xr.DataArray, boxes: Any, image_size: Any) -> pd.DataFrame:
             f"the boxes are in pixels of {got} px images, the maps are {side} px; read them with "
             f"read_boxes(..., size={side})"
         )
-    findings = [str(f) for f in maps["finding"].values]
-    ids = np.asarray(maps["image_id"].values).astype(str)
+    findings = text(maps["finding"].values).tolist()
+    ids = text(maps["image_id"].values)
     table = table[table["finding"].isin(findings) & table["image_id"].astype(str).isin(ids)]
     if table.empty:
         raise DatasetError(
@@ -142,8 +142,8 @@ def _score(maps: xr.DataArray, table: pd.DataFrame, *, heat: float, regions: int
 
         array = da.from_array(np.asarray(array), chunks=(max(1, len(array)), -1, -1, -1))
     array = array.rechunk({1: -1, 2: -1, 3: -1})
-    ids = np.asarray(maps["image_id"].values).astype(str)
-    findings = [str(f) for f in maps["finding"].values]
+    ids = text(maps["image_id"].values)
+    findings = text(maps["finding"].values).tolist()
     row = pd.Series(np.arange(len(ids)), index=ids)
     table = table.assign(row=row[table["image_id"].astype(str)].to_numpy(), j=table["finding"].map(findings.index))
     starts = np.cumsum((0, *array.chunks[0]))

@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import xarray as xr
     from distributed import Client
 
-__all__ = ["METHODS", "explain"]
+__all__ = ["METHODS", "explain", "write_maps"]
 
 METHODS = ("gradcam", "occlusion")
 DTYPES = ("float16", "uint8")
@@ -205,6 +205,47 @@ def _sample_coords(data: Any, n: int) -> dict[str, Any]:
         if name in source.coords and source[name].dims == ("sample",):
             coords[name] = ("sample", source[name].values)
     return coords
+
+
+def write_maps(maps: xr.DataArray, store: str | os.PathLike, *, group: str | None = None, overwrite: bool = False):
+    """Write maps from :func:`explain` to a Zarr store (computing them there, chunk by chunk).
+
+    Zarr needs equal chunks along ``sample``, which a split selection breaks, so the maps are rechunked to their
+    largest chunk first; text coordinates are written as variable-length strings.
+
+    Parameters
+    ----------
+    maps
+        From :func:`explain`.
+    store
+        Path or URL of the Zarr store; ``group`` writes into a group of it (e.g. ``"explanations/gradcam"`` in
+        the images' own store, which :func:`~dask_dl.open_dataset` then ignores).
+    overwrite
+        Replace what is there.
+
+    Returns
+    -------
+    str
+        The store written.
+
+    Raises
+    ------
+    StoreError
+        Something is there already and ``overwrite`` is False.
+    """
+    from dask_dl.errors import StoreError
+
+    url = os.fspath(store)
+    if not overwrite and group is None and os.path.exists(url):
+        raise StoreError(f"{url!r} exists already; pass overwrite=True (CLI: --overwrite) to replace it")
+    chunk = max(maps.chunks[0]) if maps.chunks is not None else maps.sizes["sample"]
+    out = maps.chunk({"sample": chunk, "finding": -1, "y": -1, "x": -1})
+    text = {
+        name: (out[name].dims, out[name].values.astype(object)) for name in out.coords if out[name].dtype.kind in "UO"
+    }
+    out = out.assign_coords(text).to_dataset(name=maps.name or "explanation")
+    out.to_zarr(url, group=group, mode="w" if overwrite or group is None else "w-", consolidated=False)
+    return url
 
 
 # ---- the task ----------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import numpy as np
 import pandas as pd
 
 from dask_dl.checks import positive_int
+from dask_dl.data.boxes import boxes_of, text
 from dask_dl.errors import DatasetError, missing_dependency
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -62,11 +63,9 @@ def show(
         raise missing_dependency("matplotlib", "explain", "dask_dl.show") from exc
     n, columns = positive_int("n", n), positive_int("columns", columns)
     if boxes is None and "box_image_id" in dataset.coords:
-        from dask_dl.data.boxes import boxes_of
-
         boxes = boxes_of(dataset)
-    ids = np.asarray(dataset["image_id"].values).astype(str)
-    findings = [str(f) for f in maps["finding"].values] if maps is not None else ([finding] if finding else [])
+    ids = text(dataset["image_id"].values)
+    findings = text(maps["finding"].values).tolist() if maps is not None else ([finding] if finding else [])
     if maps is not None and maps.sizes["sample"] != len(ids):
         raise DatasetError(
             f"the maps have {maps.sizes['sample']} images, the dataset {len(ids)}: explain this very dataset"

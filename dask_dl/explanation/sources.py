@@ -91,7 +91,12 @@ def _resolve_onnx(source: Any, *, labels: list[str] | None, input_size: int | No
     from dask_dl.inference import _stamp
 
     path = os.path.abspath(os.fspath(source))
-    info = read_model_info(path, input_size=input_size, labels=labels)
+    try:
+        info = read_model_info(path)
+    except ExportError:  # no dask_dl metadata: then labels= names all its outputs and input_size= its input
+        if labels is None or input_size is None:
+            raise
+        info = read_model_info(path, input_size=input_size, labels=list(labels))
     return ModelSpec(
         kind="onnx",
         token=path,
