@@ -51,6 +51,11 @@ _LAZY = {
     "evaluate": "dask_dl.inference",
     "auroc": "dask_dl.metrics",
     "get_client": "dask_dl.cluster",
+    "explain": "dask_dl.explanation.maps",
+    "localization": "dask_dl.explanation.localization",
+    "show": "dask_dl.explanation.show",
+    "read_boxes": "dask_dl.data.boxes",
+    "attach_boxes": "dask_dl.data.boxes",
 }
 
 __all__ = [
@@ -92,6 +97,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # pragma: no cover
     from dask_dl.cluster import get_client
+    from dask_dl.data.boxes import attach_boxes, read_boxes
     from dask_dl.data.catalog import read_catalog
     from dask_dl.data.check import check_store
     from dask_dl.data.dataset import open_dataset
@@ -102,6 +108,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from dask_dl.data.schema import NIH_LABELS, make_catalog, validate_catalog, write_catalog
     from dask_dl.data.splits import split_by_patient
     from dask_dl.data.synthetic import synthesize
+    from dask_dl.explanation.localization import localization
+    from dask_dl.explanation.maps import explain
+    from dask_dl.explanation.show import show
     from dask_dl.export import export_onnx
     from dask_dl.inference import evaluate, predict, scores_table
     from dask_dl.metrics import auroc

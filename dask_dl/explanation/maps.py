@@ -20,7 +20,7 @@ import numpy as np
 
 from dask_dl import config
 from dask_dl.checks import one_of, positive_int
-from dask_dl.errors import ConfigurationError, DatasetError
+from dask_dl.errors import ConfigurationError, DatasetError, missing_dependency
 from dask_dl.explanation.sources import ModelSpec, get_model, resolve
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -96,6 +96,8 @@ def explain(
     ------
     ConfigurationError
         An unknown method, dtype or layer; Grad-CAM asked of an ONNX file; labels the model does not have.
+    MissingDependencyError
+        Captum is not installed (``pip install 'dask-dl[explain]'``).
     DatasetError
         Images of another size than the model takes.
 
@@ -110,6 +112,10 @@ def explain(
 
     one_of("method", method, METHODS)
     one_of("dtype", dtype, DTYPES)
+    try:
+        import captum  # noqa: F401  (the workers import it; say here, once, when it is missing)
+    except ImportError as exc:
+        raise missing_dependency("captum", "explain", "dask_dl.explain") from exc
     batch_size = positive_int("batch_size", config.get("predict.batch-size", batch_size))
     if method == "gradcam" and isinstance(model, str | os.PathLike) and os.fspath(model).lower().endswith(".onnx"):
         raise ConfigurationError(
