@@ -11,6 +11,7 @@ thresholding a heatmap into a box (:func:`~dask_dl.localization`) needs, and is 
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -113,7 +114,7 @@ def explain(
     one_of("method", method, METHODS)
     one_of("dtype", dtype, DTYPES)
     try:
-        import captum  # noqa: F401  (the workers import it; say here, once, when it is missing)
+        _captum()  # the workers import it; say here, once, when it is missing
     except ImportError as exc:
         raise missing_dependency("captum", "explain", "dask_dl.explain") from exc
     batch_size = positive_int("batch_size", config.get("predict.batch-size", batch_size))
@@ -298,13 +299,12 @@ def _torch_maps(net, spec: ModelSpec, method: str, pixels, targets, options) -> 
         return net((x / 255.0 - mean) / std)
 
     if method == "gradcam":
-        from captum.attr import LayerAttribution, LayerGradCam
-
-        cam = LayerGradCam(logits, dict(net.named_modules())[spec.layer])
+        attr = _captum()
+        cam = attr.LayerGradCam(logits, dict(net.named_modules())[spec.layer])
         maps = []
         for j in targets:
             attribution = cam.attribute(pixels, target=j, relu_attributions=True)
-            up = LayerAttribution.interpolate(attribution, tuple(pixels.shape[-2:]), interpolate_mode="bilinear")
+            up = attr.LayerAttribution.interpolate(attribution, tuple(pixels.shape[-2:]), interpolate_mode="bilinear")
             maps.append(up[:, 0].detach().float().cpu().numpy())
         return np.stack(maps, axis=1)
 
@@ -317,13 +317,12 @@ def _torch_maps(net, spec: ModelSpec, method: str, pixels, targets, options) -> 
 
 
 def _occlusion(forward, pixels, targets, options) -> np.ndarray:
-    from captum.attr import Occlusion
-
-    occlusion = Occlusion(forward)
+    occlusion = _captum().Occlusion(forward)
     window, stride = options["window"], options["stride"]
     # the patch is the image's own mean gray: black would be a striking, lung-like dark square on a radiograph
     baseline = pixels.mean(dim=(1, 2, 3), keepdim=True).expand_as(pixels).contiguous()
-    per_eval = max(1, 256 // len(pixels))  # bounds a forward pass to about 256 images
+    # occluded copies evaluated per forward pass: as many as fit in 2**20 pixels (256 images of 64 px), at least one
+    per_eval = max(1, 2**20 // (len(pixels) * pixels.shape[-1] * pixels.shape[-2]))
     maps = []
     for j in targets:
         attribution = occlusion.attribute(
@@ -332,6 +331,15 @@ def _occlusion(forward, pixels, targets, options) -> np.ndarray:
         )  # fmt: skip
         maps.append(attribution[:, 0].detach().float().cpu().numpy())
     return np.stack(maps, axis=1)
+
+
+def _captum():
+    """``captum.attr``, imported without the warning tqdm gives in a notebook lacking ipywidgets."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="IProgress not found")
+        import captum.attr
+
+    return captum.attr
 
 
 def _onnx_forward(spec: ModelSpec):
