@@ -105,7 +105,7 @@ def explain(
     Examples
     --------
     >>> maps = dask_dl.explain(test, run, labels=["Effusion"], method="gradcam")  # doctest: +SKIP
-    >>> maps.to_zarr("maps.zarr")  # doctest: +SKIP
+    >>> dask_dl.explanation.maps.write_maps(maps, "maps.zarr")  # doctest: +SKIP
     """
     import xarray as xr
 
