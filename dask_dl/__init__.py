@@ -10,6 +10,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from dask_dl import config as _config  # noqa: F401  (registers the dask.config defaults)
+from dask_dl._version import __version__
 from dask_dl.errors import (
     CatalogError,
     ClusterError,
@@ -24,8 +25,6 @@ from dask_dl.errors import (
     TrainingError,
 )
 
-__version__ = "0.1.0"
-
 # public name -> module that defines it
 _LAZY = {
     "NIH_LABELS": "dask_dl.data.schema",
@@ -39,13 +38,19 @@ _LAZY = {
     "split_by_patient": "dask_dl.data.splits",
     "synthesize": "dask_dl.data.synthetic",
     "ingest": "dask_dl.data.ingest",
+    "IngestResult": "dask_dl.data.ingest",
     "open_dataset": "dask_dl.data.dataset",
     "check_store": "dask_dl.data.check",
+    "summary": "dask_dl.data.dataset",
+    "ChunkLoader": "dask_dl.data.loader",
     "fit": "dask_dl.train.run",
     "TrainingRun": "dask_dl.train.run",
+    "make_compressor": "dask_dl.train.compression",
     "build_model": "dask_dl.models",
     "list_models": "dask_dl.models",
+    "register_model": "dask_dl.models",
     "export_onnx": "dask_dl.export",
+    "read_model_info": "dask_dl.export",
     "predict": "dask_dl.inference",
     "scores_table": "dask_dl.inference",
     "evaluate": "dask_dl.inference",
@@ -56,6 +61,7 @@ _LAZY = {
     "show": "dask_dl.explanation.show",
     "read_boxes": "dask_dl.data.boxes",
     "attach_boxes": "dask_dl.data.boxes",
+    "connect": "dask_dl.cluster",
 }
 
 __all__ = [
@@ -96,14 +102,15 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover
-    from dask_dl.cluster import get_client
+    from dask_dl.cluster import connect, get_client
     from dask_dl.data.boxes import attach_boxes, read_boxes
     from dask_dl.data.catalog import read_catalog
     from dask_dl.data.check import check_store
-    from dask_dl.data.dataset import open_dataset
+    from dask_dl.data.dataset import open_dataset, summary
     from dask_dl.data.dicom import read_dicom
     from dask_dl.data.folders import read_folders
-    from dask_dl.data.ingest import ingest
+    from dask_dl.data.ingest import IngestResult, ingest
+    from dask_dl.data.loader import ChunkLoader
     from dask_dl.data.nih import read_nih
     from dask_dl.data.schema import NIH_LABELS, make_catalog, validate_catalog, write_catalog
     from dask_dl.data.splits import split_by_patient
@@ -111,8 +118,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from dask_dl.explanation.localization import localization
     from dask_dl.explanation.maps import explain
     from dask_dl.explanation.show import show
-    from dask_dl.export import export_onnx
+    from dask_dl.export import export_onnx, read_model_info
     from dask_dl.inference import evaluate, predict, scores_table
     from dask_dl.metrics import auroc
-    from dask_dl.models import build_model, list_models
+    from dask_dl.models import build_model, list_models, register_model
+    from dask_dl.train.compression import make_compressor
     from dask_dl.train.run import TrainingRun, fit

@@ -8,12 +8,17 @@ readable message, without a traceback.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import sys
 
 import click
 
 from dask_dl.errors import DaskDLError
+from dask_dl.models import MODELS
+from dask_dl.registry import Registry
+from dask_dl.train.compressors import COMPRESSORS
+from dask_dl.train.options import OPTIMIZERS
 
 
 class _Group(click.Group):
@@ -103,6 +108,18 @@ def cluster_options(f):
 quiet_option = click.option("--quiet", "-q", is_flag=True, help="No progress bar: log lines only (batch jobs).")
 
 
+def registry_option(*names: str, registry: Registry, what: str, default: str | None = None):
+    """An option whose choices and help are the names and help lines of ``registry`` (not a copied list)."""
+    lines = "; ".join(f"{name}: {text}" if text else name for name, text in registry.help().items())
+    default_text = f" Default: {default}." if default is not None else " Default from config."
+    return click.option(
+        *names,
+        type=click.Choice(registry.names()),
+        default=default,
+        help=f"{what} ({lines}).{default_text}",
+    )
+
+
 # ---- commands ---------------------------------------------------------------------------------------------
 # Each room adds its commands in its own section below, above the end marker.
 
@@ -113,7 +130,7 @@ def info() -> None:
     import dask.config
     import yaml
 
-    from dask_dl import __version__
+    from dask_dl._version import __version__
 
     click.echo(f"dask-dl {__version__}")
     for extra, module in [
@@ -233,20 +250,17 @@ def synth(root, images, size, seed, patients, label_source, sites, rgba, corrupt
     readable by `dask-dl catalog ROOT`. Images are drawn in this process unless --scheduler or --workers asks
     for a cluster (whose workers must see ROOT).
     """
-    from dask_dl.cluster import close_client, get_client
+    from dask_dl.cluster import connect
     from dask_dl.data.synthetic import synthesize
 
     if sites is not None and sites.strip().isdigit():
         sites = int(sites)
-    client = get_client(scheduler=scheduler, n_workers=workers) if (scheduler or workers) else None
-    try:
+    cluster = connect(scheduler=scheduler, n_workers=workers) if (scheduler or workers) else contextlib.nullcontext()
+    with cluster as client:
         table = synthesize(
             root, n_images=images, size=size, seed=seed, n_patients=patients, label_source=label_source,
             sites=sites, rgba_fraction=rgba, corrupt_fraction=corrupt, client=client, progress=not quiet,
         )  # fmt: skip
-    finally:
-        if client is not None:
-            close_client(client)
     where = ", ".join(sorted(table["site"].unique())) if sites is not None else root
     click.echo(
         f"wrote {len(table)} images of {table['patient_id'].nunique()} patients to {where} "
@@ -286,7 +300,7 @@ def ingest_command(
     """
     import logging
 
-    from dask_dl.cluster import close_client, get_client
+    from dask_dl.cluster import connect
     from dask_dl.data.catalog import read_catalog
     from dask_dl.data.ingest import ingest
 
@@ -296,17 +310,11 @@ def ingest_command(
         logging.getLogger("dask_dl").addHandler(handler)
         logging.getLogger("dask_dl").setLevel(logging.INFO)
     catalog = read_catalog(source)
-    client = get_client(scheduler=scheduler, n_workers=workers)
-    try:
+    with connect(scheduler=scheduler, n_workers=workers) as client:
         result = ingest(
             catalog, store, size=size, chunk=chunk, shard=shard, min_size=min_size,
             max_reject_share=max_reject_share, overwrite=overwrite, client=client, progress=False if quiet else None,
         )  # fmt: skip
-    finally:
-        if scheduler is not None:
-            client.close()  # our connection to someone else's cluster
-        else:
-            close_client(client)
     click.echo(result.summary())
 
 
@@ -341,13 +349,13 @@ def check_command(store) -> None:
 
 @cli.command("train")
 @click.argument("store")
-@click.option("--model", "-m", default=None, help="Model name: small_cnn, alexnet, resnet18, resnet50, densenet121.")
+@registry_option("--model", "-m", registry=MODELS, what="Model")
 @click.option("--epochs", "-e", type=int, default=None, help="Epochs in all (a resumed run continues up to it).")
 @click.option("--batch-size", "-b", type=int, default=None, help="Images per step on each trainer.")
 @click.option("--trainers", "-t", type=int, default=None, help="Data-parallel trainers, one per worker.")
-@click.option("--compression", "-c", default=None, help="none, fp16, bf16, powersgd, onebit or onebit2.")
+@registry_option("--compression", "-c", registry=COMPRESSORS, what="Gradient compressor")
 @click.option("--lr", type=float, default=None, help="Learning rate.")
-@click.option("--optimizer", type=click.Choice(["sgd", "adamw"]), default=None, help="Optimizer (default: config).")
+@click.option("--optimizer", type=click.Choice(OPTIMIZERS), default=None, help="Optimizer (default: config).")
 @click.option("--checkpoint-dir", default=None, help="Directory or fsspec URL for one checkpoint per epoch.")
 @click.option("--resume", is_flag=True, help="Continue from the latest checkpoint in --checkpoint-dir.")
 @click.option("--seed", type=int, default=None, help="Seed of weights, data order and augmentation.")
@@ -366,15 +374,15 @@ def train_command(
     import time
 
     from dask_dl import config
-    from dask_dl.cluster import close_client, get_client
+    from dask_dl.cluster import connect
     from dask_dl.data.dataset import open_dataset
     from dask_dl.train.run import fit
 
     n_trainers = config.get("train.trainers", trainers)
     dataset = open_dataset(store)
-    client = get_client(scheduler=scheduler, n_workers=workers or max(n_trainers, config.get("cluster.n-workers")))
+    n_workers = workers or max(n_trainers, config.get("cluster.n-workers"))
     interactive = not quiet and sys.stderr is not None and sys.stderr.isatty()
-    try:
+    with connect(scheduler=scheduler, n_workers=n_workers) as client:
         run = fit(
             dataset, model=model, epochs=epochs, batch_size=batch_size, trainers=n_trainers, compression=compression,
             lr=lr, optimizer=optimizer, checkpoint_dir=checkpoint_dir, resume=resume, seed=seed, augment=augment,
@@ -397,14 +405,11 @@ def train_command(
             click.echo(history[list(dict.fromkeys(columns))].to_string(index=False, float_format=lambda v: f"{v:.4g}"))
         click.echo(f"{run.run_id}: {run.status}")
         run.wait()  # raises what made the run fail
-    finally:
-        if scheduler is not None:
-            client.close()
-        else:
-            close_client(client)
 
 
-_TRAIN_COLUMNS = ("epoch", "train_loss", "val_loss", "val_auroc_mean", "images_per_s", "data_wait_s", "bytes_sent")
+_TRAIN_COLUMNS = (
+    "epoch", "global_batch", "train_loss", "val_loss", "val_auroc_mean", "images_per_s", "data_wait_s", "bytes_sent",
+)  # fmt: skip
 
 
 def _echo_epochs(run, shown: int, interactive: bool) -> int:
@@ -459,7 +464,7 @@ def predict_command(store, model, out, split, batch_size, overwrite, scheduler, 
 
     import numpy as np
 
-    from dask_dl.cluster import close_client, get_client
+    from dask_dl.cluster import connect
     from dask_dl.data.dataset import open_dataset
     from dask_dl.errors import StoreError
     from dask_dl.export import read_model_info
@@ -472,16 +477,10 @@ def predict_command(store, model, out, split, batch_size, overwrite, scheduler, 
         raise StoreError(f"{out!r} exists already; pass --overwrite to replace it")
     info = read_model_info(model)
     ds = open_dataset(store, split=split)
-    client = get_client(scheduler=scheduler, n_workers=workers)
-    try:
+    with connect(scheduler=scheduler, n_workers=workers) as client:
         from dask_dl.cluster.workers import cpu_workers
 
         probs = client.compute(predict(ds, model, batch_size=batch_size), workers=cpu_workers(client)).result()
-    finally:
-        if scheduler is not None:  # the client made for --scheduler is ours (close_client closes only clusters)
-            client.close()
-        else:
-            close_client(client)
     table = scores_table(ds, probs, labels=list(info.labels))
     if kind == "parquet":
         table.to_parquet(out, index=False)
@@ -519,19 +518,9 @@ def _write_scores_zarr(table, labels: list[str], out: str, *, overwrite: bool) -
 @click.option("--images", default=4000, show_default=True, help="Images in the synthetic collection.")
 @click.option("--size", default=64, show_default=True, help="Training image size in pixels per side.")
 @click.option("--epochs", default=8, show_default=True, help="Training epochs.")
-@click.option(
-    "--model",
-    default="small_cnn",
-    show_default=True,
-    help="Model: small_cnn, alexnet, resnet18, resnet50 or densenet121.",
-)
+@registry_option("--model", registry=MODELS, what="Model", default="small_cnn")
 @click.option("--trainers", default=2, show_default=True, help="Training actors, one per worker.")
-@click.option(
-    "--compression",
-    default="onebit",
-    show_default=True,
-    help="Gradient compressor: none, fp16, bf16, powersgd, onebit or onebit2.",
-)
+@registry_option("--compression", registry=COMPRESSORS, what="Gradient compressor", default="onebit")
 @click.option("--batch-size", default=32, show_default=True, help="Images per trainer per step.")
 @click.option(
     "--data",

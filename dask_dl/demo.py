@@ -45,6 +45,7 @@ class DemoReport:
     history: pd.DataFrame = field(repr=False)
     files: dict[str, Path] = field(default_factory=dict)
     seconds: float = 0.0
+    global_batch: int = 0
 
     @property
     def compression_ratio(self) -> float:
@@ -66,6 +67,7 @@ class DemoReport:
             "bytes_sent": self.bytes_sent,
             "bytes_uncompressed": self.bytes_uncompressed,
             "steps": self.steps,
+            "global_batch": self.global_batch,
             "compression_ratio": self.compression_ratio,
             "cost": self.cost,
             "test_auroc_mean": float(np.nanmean(self.test_auroc.to_numpy())),
@@ -80,7 +82,7 @@ class DemoReport:
             "===================",
             f"data      {self.n_images:,} images ({self.n_rejected} rejected), {self.image_size}x{self.image_size} "
             f"uint8, store {self.store_bytes / 2**20:.1f} MiB; ingest {self.ingest_images_per_s:,.0f} images/s",
-            f"training  {self.trainers} trainers, compression {self.compression}: "
+            f"training  {self.trainers} trainers, global batch {self.global_batch}, compression {self.compression}: "
             f"{self.train_images_per_s:,.0f} images/s",
             f"time      compute {self.compute_s:.1f} s, communication {self.comm_s:.1f} s, "
             f"data wait {self.data_wait_s:.1f} s",
@@ -144,7 +146,7 @@ def run_demo(
     -------
     DemoReport
     """
-    from dask_dl.cluster import close_client, get_client
+    from dask_dl.cluster import connect
     from dask_dl.data.catalog import read_catalog
     from dask_dl.data.dataset import open_dataset
     from dask_dl.data.ingest import ingest
@@ -152,12 +154,13 @@ def run_demo(
     from dask_dl.export import export_onnx
     from dask_dl.inference import evaluate, predict, scores_table
     from dask_dl.models import build_model
+    from dask_dl.train.run import fit
 
     t0 = time.perf_counter()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    client = get_client(client, scheduler=scheduler, n_workers=workers or max(trainers, 2))
-    try:
+    # closes, client first, only the cluster or connection it opened here
+    with connect(client, scheduler=scheduler, n_workers=workers or max(trainers, 2)) as client:
         if data is None:
             data = out / "raw"
             if not (data / "Data_Entry_2017.csv").exists():
@@ -167,9 +170,9 @@ def run_demo(
         ingested = ingest(catalog, store, size=size, client=client, overwrite=overwrite)
 
         ds = open_dataset(store)
-        run = _fit(
+        run = fit(
             ds,
-            out,
+            checkpoint_dir=out / "checkpoints",
             model=model,
             epochs=epochs,
             trainers=trainers,
@@ -225,12 +228,5 @@ def run_demo(
                 "scores": scores_path,
             },
             seconds=time.perf_counter() - t0,
+            global_batch=int(history["global_batch"].iloc[-1]),
         )
-    finally:
-        close_client(client)
-
-
-def _fit(ds, out: Path, **options):
-    from dask_dl.train.run import fit
-
-    return fit(ds, checkpoint_dir=out / "checkpoints", wait=True, **options)

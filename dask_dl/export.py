@@ -33,8 +33,10 @@ import onnx
 import torch
 from torch import nn
 
+from dask_dl._version import __version__
 from dask_dl.errors import ExportError, StoreNotFoundError
-from dask_dl.models import DEFAULT_NORMALIZATION, build_model
+from dask_dl.models import build_model
+from dask_dl.normalize import DEFAULT_NORMALIZATION, check_normalization, scale
 
 __all__ = ["INPUT_NAME", "OUTPUT_NAME", "ModelInfo", "export_onnx", "read_model_info"]
 
@@ -103,8 +105,8 @@ class _Scored(nn.Module):
         self.mean, self.std, self.activation = float(mean), float(std), activation
 
     def forward(self, image: torch.Tensor) -> torch.Tensor:
-        # the same arithmetic as dask_dl.models.normalize, so the graph sees what training saw
-        logits = self.net((image / 255.0 - self.mean) / self.std)
+        # dask_dl.normalize's arithmetic, the loader's too: the graph sees what training saw
+        logits = self.net(scale(image, self.mean, self.std))
         return torch.sigmoid(logits) if self.activation == "sigmoid" else torch.softmax(logits, dim=1)
 
 
@@ -114,8 +116,8 @@ class _Scored(nn.Module):
 def _load_checkpoint_file(source: str | os.PathLike) -> dict[str, Any]:
     import fsspec
 
+    from dask_dl.checkpoint import load_checkpoint
     from dask_dl.errors import TrainingError
-    from dask_dl.train.checkpoint import load_checkpoint
 
     fs, fpath = fsspec.core.url_to_fs(os.fspath(source))
     if not fs.exists(fpath):
@@ -264,7 +266,7 @@ def export_onnx(
         (``s3://...``: written and checked locally, then uploaded whole).
     labels, input_size, normalization, task
         Override what the checkpoint says. ``normalization`` defaults to
-        :data:`dask_dl.models.DEFAULT_NORMALIZATION`, ``task`` to ``"multilabel"``.
+        :data:`dask_dl.normalize.DEFAULT_NORMALIZATION`, ``task`` to ``"multilabel"``.
     opset
         ONNX opset; default the exporter's.
     overwrite
@@ -361,14 +363,12 @@ def _info(meta: dict[str, Any]) -> ModelInfo:
     size = meta["input_size"]
     if isinstance(size, bool) or not isinstance(size, int | np.integer) or size < 32:
         raise ExportError(f"input_size must be an integer of at least 32; got {size!r}")
-    norm = dict(meta.get("normalization") or DEFAULT_NORMALIZATION)
-    if set(norm) != {"mean", "std"} or not float(norm["std"]) > 0:
-        raise ExportError(f"normalization must be {{'mean': m, 'std': s}} with s > 0; got {norm!r}")
+    norm = check_normalization(meta.get("normalization"))
     return ModelInfo(
         labels=tuple(str(label) for label in meta["labels"]),
         input_size=int(size),
         in_channels=int(meta.get("in_channels", 1)),
-        normalization={"mean": float(norm["mean"]), "std": float(norm["std"])},
+        normalization=norm,
         task=task,
         activation=_ACTIVATIONS[task],
         model_name=meta.get("model_name"),
@@ -396,8 +396,6 @@ def _to_onnx(scored: nn.Module, batch: torch.Tensor, opset: int | None) -> onnx.
 
 
 def _annotate(model: onnx.ModelProto, info: ModelInfo) -> None:
-    from dask_dl import __version__
-
     props = {
         "dask_dl": json.dumps({**info.to_dict(), "dask_dl_version": __version__}),
         "labels": json.dumps(list(info.labels)),
@@ -493,8 +491,8 @@ def read_model_info(
             f"{str(path)!r} takes input {graph_input.name!r} of rank {len(dims)}; image models take "
             "(batch, y, x) or (batch, channels, y, x)"
         )
-    if normalization is not None and (set(normalization) != {"mean", "std"} or not normalization["std"] > 0):
-        raise ExportError(f"normalization must be {{'mean': m, 'std': s}} with s > 0; got {normalization!r}")
+    if normalization is not None:
+        normalization = check_normalization(normalization)
     return ModelInfo(
         labels=tuple(str(label) for label in labels),
         input_size=int(input_size),

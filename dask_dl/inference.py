@@ -25,6 +25,7 @@ from dask_dl.data.store import COORDS
 from dask_dl.errors import DatasetError, ExportError, StoreNotFoundError
 from dask_dl.export import ModelInfo, read_model_info
 from dask_dl.metrics import auroc
+from dask_dl.normalize import scale
 
 if TYPE_CHECKING:  # pragma: no cover
     import onnxruntime as ort
@@ -121,7 +122,7 @@ def _score_block(
     for start in range(0, n, batch_size):
         batch = images[start : start + batch_size].astype(np.float32)
         if norm is not None:
-            batch = (batch / 255.0 - norm["mean"]) / norm["std"]
+            batch = scale(batch, norm["mean"], norm["std"])
         batch = batch.astype(info["input_dtype"], copy=False)
         result = session.run([info["output_name"]], {info["input_name"]: batch})[0]
         if result.shape != (len(batch), out.shape[1]):

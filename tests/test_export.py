@@ -12,7 +12,8 @@ import torch
 
 from dask_dl import ExportError, StoreNotFoundError
 from dask_dl.export import INPUT_NAME, OUTPUT_NAME, ModelInfo, export_onnx, read_model_info
-from dask_dl.models import build_model, normalize
+from dask_dl.models import build_model
+from dask_dl.normalize import normalize
 
 LABELS = ["Atelectasis", "Effusion", "Mass"]
 SIZE = 64

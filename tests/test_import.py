@@ -27,3 +27,25 @@ def test_cli_import_is_cheap():
     code = "import sys, dask_dl.cli; print(','.join(m for m in ('torch', 'onnx', 'zarr') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
+
+
+def test_api_page_and_exports_agree():
+    """docs/reference/api.md documents exactly ``dask_dl.__all__`` (before its "From their modules" section)."""
+    import importlib
+    import re
+    from pathlib import Path
+
+    import dask_dl
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "reference" / "api.md").read_text()
+    exported_part = page.split("## From their modules")[0]
+    documented = re.findall(r"^::: (dask_dl[\w.]*)\.(\w+)$", exported_part, flags=re.M)
+    names = {name for _, name in documented if name != "errors"}
+    errors = {n for n in dask_dl.__all__ if n.endswith("Error")}
+    expected = set(dask_dl.__all__) - errors - {"__version__"}
+    assert names - expected == set(), "documented as importable from dask_dl but not exported"
+    assert expected - names == set(), "exported by dask_dl but not documented in docs/reference/api.md"
+    assert ("dask_dl", "errors") in documented  # the errors' page documents every error class
+    for module, name in documented:
+        if name != "errors":  # the page points at the object dask_dl exports, not a namesake
+            assert getattr(importlib.import_module(module), name) is getattr(dask_dl, name), f"{module}.{name}"

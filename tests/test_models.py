@@ -123,7 +123,7 @@ def test_unknown_model_lists_names():
 def test_bad_options_refused():
     with pytest.raises(ConfigurationError, match="no option.*'depth'.*width"):
         build_model("small_cnn", num_outputs=2, depth=3)
-    with pytest.raises(ConfigurationError, match="num_outputs must be a positive integer; got 0"):
+    with pytest.raises(ConfigurationError, match="num_outputs must be a positive integer, got 0"):
         build_model("resnet18", num_outputs=0)
     with pytest.raises(ConfigurationError, match="in_channels"):
         build_model("resnet18", num_outputs=2, in_channels=1.5)

@@ -16,7 +16,8 @@ from dask_dl.cli import cli
 from dask_dl.export import INPUT_NAME, OUTPUT_NAME, export_onnx
 from dask_dl.inference import evaluate, predict, scores_table
 from dask_dl.metrics import auroc
-from dask_dl.models import build_model, normalize
+from dask_dl.models import build_model
+from dask_dl.normalize import normalize
 
 SIZE, CHUNK, BATCH = 64, 8, 4
 

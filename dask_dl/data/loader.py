@@ -42,7 +42,7 @@ from dask_dl.checks import positive_int
 from dask_dl.data import store as contract
 from dask_dl.data.store import open_store
 from dask_dl.errors import ConfigurationError, DatasetError, StoreError
-from dask_dl.models import normalize
+from dask_dl.normalize import normalize
 
 __all__ = ["Augmentation", "ChunkLoader"]
 
@@ -283,7 +283,7 @@ class ChunkLoader:
         Yields
         ------
         x : torch.Tensor
-            float32 ``(B, 1, S, S)``, normalized by :func:`dask_dl.models.normalize`.
+            float32 ``(B, 1, S, S)``, normalized by :func:`dask_dl.normalize.normalize`.
         y : torch.Tensor
             float32 ``(B, n_labels)``, 0 or 1.
         samples : numpy.ndarray

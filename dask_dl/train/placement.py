@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from dask_dl.checks import positive_int
 from dask_dl.errors import ClusterError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -37,6 +38,8 @@ def place_trainers(client: Client, trainers: int, *, resource: str = GPU_RESOURC
 
     Raises
     ------
+    ConfigurationError
+        When ``trainers`` is not a positive integer.
     ClusterError
         When the cluster has fewer (accelerator) workers than ``trainers``.
 
@@ -47,8 +50,7 @@ def place_trainers(client: Client, trainers: int, *, resource: str = GPU_RESOURC
     ...     len(place_trainers(c, 2))
     2
     """
-    if not isinstance(trainers, int) or isinstance(trainers, bool) or trainers < 1:
-        raise ClusterError(f"trainers must be a positive integer, got {trainers!r}; pass e.g. trainers=2")
+    trainers = positive_int("trainers", trainers, example=2)
     workers = client.scheduler_info(n_workers=-1)["workers"]
     accelerated = sorted(a for a, w in workers.items() if w.get("resources", {}).get(resource, 0) > 0)
     if accelerated:

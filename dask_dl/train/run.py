@@ -1,26 +1,25 @@
-"""``fit()`` and :class:`TrainingRun`: the driver of a data-parallel training run on a Dask cluster.
+"""``fit()`` and :class:`TrainingRun`: train on a Dask cluster and hold the run while it goes on.
 
-``fit`` checks its input, places one :class:`~dask_dl.train.actor.TrainingActor` per trainer (GPU workers first,
-see :mod:`dask_dl.train.placement`) and drives them from a background thread: process group, then per epoch
-train, validate (metrics over the predictions of all ranks together) and checkpoint. The user holds a
-:class:`TrainingRun` whose ``history`` grows as epochs finish, and which can be stopped, waited on and asked for
-the model at any time.
+``fit`` checks every argument (:mod:`dask_dl.train.options`) before anything is placed on the cluster, picks the
+trainer workers (:mod:`dask_dl.train.placement`) and starts a :class:`~dask_dl.train.driver.Driver`, the
+background thread that drives the trainers. The user holds a :class:`TrainingRun`: the state of the run (its
+history rows from :mod:`dask_dl.train.aggregate`, status, latest checkpoint) and what can be done with it (stop,
+wait, get the model, views).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
 import uuid
+import warnings
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import pandas as pd
 
-from dask_dl import config
-from dask_dl.errors import ConfigurationError, DatasetError, TrainingError
+from dask_dl.errors import TrainingError
+from dask_dl.train.options import RunOptions, check_run
 from dask_dl.train.placement import place_trainers
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -31,9 +30,6 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["TrainingRun", "fit"]
 
 logger = logging.getLogger("dask_dl.train")
-
-OPTIMIZERS = ("sgd", "adamw")
-_POLL_S = 0.25  # how often the driver looks at running epochs (errors, live progress, stop requests)
 
 
 def fit(
@@ -68,12 +64,15 @@ def fit(
     model : str, optional
         A name from :func:`dask_dl.list_models`. Default ``dask-dl.train.model``.
     epochs, batch_size, lr, warmup_steps : optional
-        Epochs in all (a resumed run continues up to this number), images per step *per trainer*, learning
-        rate, uncompressed steps before a compressor starts. Defaults from ``dask-dl.train``.
+        Epochs in all (a resumed run continues up to this number), images per step *per trainer* (the global
+        batch, ``batch_size * trainers``, is in every history row), learning rate, and the uncompressed steps
+        before a compressor starts (a UserWarning says so when the whole run is shorter). Defaults from
+        ``dask-dl.train``.
     trainers : int, optional
         Data-parallel trainers, one per worker. Default ``dask-dl.train.trainers``.
     compression : str, optional
-        Gradient compressor (``none``, ``fp16``, ``bf16``, ``powersgd``, ``onebit``, ``onebit2``).
+        Gradient compressor, a name of :data:`dask_dl.train.compressors.COMPRESSORS` (``none``, ``fp16``,
+        ``bf16``, ``powersgd``, ``onebit``, ``onebit2``).
     optimizer : {"sgd", "adamw"}, optional
         SGD with momentum ``dask-dl.train.momentum``, or AdamW. Default ``dask-dl.train.optimizer``.
     checkpoint_dir : str, optional
@@ -92,7 +91,9 @@ def fit(
         Also write each epoch's numbers as TensorBoard scalars under ``tensorboard/<run_id>`` (needs the
         ``tensorboard`` package). The history always goes to ``checkpoint_dir/history.parquet`` too.
     client : distributed.Client, optional
-        Cluster to train on (see :func:`dask_dl.get_client`).
+        Cluster to train on. Default: the current client; when there is none, fit starts a local cluster for this
+        run and closes it (client first) when the run ends, so nothing is left running: keep a cluster across
+        runs by making a ``distributed.Client`` first.
     wait : bool
         Block until training ends (True), or return the running :class:`TrainingRun` at once (False).
 
@@ -105,9 +106,16 @@ def fit(
     DatasetError
         No ``train`` or ``val`` samples, no labels, or a batch larger than one trainer's share of the data.
     ConfigurationError
-        Unknown model, compressor or optimizer, or a non-positive number.
+        Unknown model, compressor, optimizer or view, an unknown option of one, or a number out of range;
+        raised before anything is placed on the cluster.
     ClusterError
         Fewer workers than trainers.
+
+    Warns
+    -----
+    UserWarning
+        A compressed run (any ``compression`` but ``none``) with no more steps than ``warmup_steps``: it would
+        send only float32 gradients.
     TrainingError
         (from ``wait``) a non-finite loss, a trainer that failed or timed out.
 
@@ -116,72 +124,35 @@ def fit(
     >>> run = fit(ds, model="resnet18", epochs=10, trainers=2, compression="onebit", wait=False)  # doctest: +SKIP
     >>> run.history[["epoch", "train_loss", "val_auroc_mean"]]  # doctest: +SKIP
     """
-    from dask_dl.cluster import check_visible, get_client
-    from dask_dl.train.actor import TrainerSpec
+    from dask_dl.cluster import check_visible, close_client, get_client
 
-    spec_args, meta = _check_dataset(dataset)
-    model = config.get("train.model", model)
-    epochs = _positive_int("epochs", config.get("train.epochs", epochs))
-    batch_size = _positive_int("batch_size", config.get("train.batch-size", batch_size))
-    trainers = _positive_int("trainers", config.get("train.trainers", trainers))
-    compression = config.get("train.compression", compression)
-    lr = float(config.get("train.lr", lr))
-    if not lr > 0 or not np.isfinite(lr):
-        raise ConfigurationError(f"lr must be a positive number, got {lr!r}; pass e.g. lr=0.01")
-    optimizer = config.get("train.optimizer", optimizer)
-    if optimizer not in OPTIMIZERS:
-        raise ConfigurationError(f"unknown optimizer {optimizer!r}: use one of {', '.join(OPTIMIZERS)}")
-    warmup_steps = int(config.get("train.warmup-steps", warmup_steps))
-    seed = int(config.get("train.seed", seed))
-    checkpoint_dir = config.get("train.checkpoint-dir", checkpoint_dir)
-    if resume and checkpoint_dir is None:
-        raise ConfigurationError("resume=True needs checkpoint_dir=... (the directory the earlier run wrote to)")
-    _check_model(model, len(spec_args["labels"]), model_kwargs or {})
-    _check_compression(compression, warmup_steps, compression_options or {})
-    n_train = len(spec_args["train_samples"])
-    if n_train // trainers < batch_size:
-        raise DatasetError(
-            f"batch_size={batch_size} is larger than one trainer's share of the training split "
-            f"({n_train} samples / {trainers} trainers = {n_train // trainers}); use batch_size <= "
-            f"{max(n_train // trainers, 1)} or fewer trainers"
-        )
-
-    resume_from, history = None, []
-    if resume:
-        resume_from, history = _resume_point(checkpoint_dir, model, spec_args["labels"], trainers)
-    client = get_client(client)
-    workers = place_trainers(client, trainers)
-    check_visible(client, spec_args["store"], workers=workers)  # the trainers open the store themselves
-
-    spec = TrainerSpec(
-        **spec_args,
-        model_name=model,
-        model_kwargs=dict(model_kwargs or {}),
-        batch_size=batch_size,
-        lr=lr,
-        optimizer=optimizer,
-        momentum=float(config.get("train.momentum")),
-        weight_decay=float(config.get("train.weight-decay")),
-        compression=compression,
-        compression_options=dict(compression_options or {}),
-        warmup_steps=warmup_steps,
-        seed=seed,
-        augment=augment,
-        window=config.get("train.shuffle-window"),
-        prefetch=config.get("train.prefetch"),
-        timeout_s=float(config.get("train.timeout")),
-        resume_from=resume_from,
-    )
-    run = TrainingRun(
-        client,
-        spec,
-        workers=workers,
-        epochs=epochs,
-        checkpoint_dir=checkpoint_dir,
-        history=history,
-        view=view,
+    options = check_run(
+        dataset, model=model, epochs=epochs, batch_size=batch_size, trainers=trainers, compression=compression,
+        lr=lr, optimizer=optimizer, warmup_steps=warmup_steps, checkpoint_dir=checkpoint_dir, resume=resume,
+        seed=seed, augment=augment, model_kwargs=model_kwargs, compression_options=compression_options, view=view,
         tensorboard=tensorboard,
-    )
+    )  # fmt: skip
+    total_steps = options.steps_per_epoch * options.epochs
+    if options.compression != "none" and options.warmup_steps >= total_steps:
+        warnings.warn(
+            f"compression={options.compression!r} starts after warmup_steps={options.warmup_steps} uncompressed "
+            f"steps, but this run takes {total_steps} steps in all ({options.epochs} epochs x "
+            f"{options.steps_per_epoch} steps of global batch {options.global_batch}): every step would send "
+            f"float32 gradients. Pass warmup_steps < {total_steps} (e.g. warmup_steps=0) or train longer",
+            UserWarning,
+            stacklevel=2,
+        )
+    resume_from, history = None, []
+    if options.resume:
+        resume_from, history = _resume_point(options)
+    client = get_client(client)
+    try:
+        workers = place_trainers(client, options.trainers)
+        check_visible(client, options.store, workers=workers)  # the trainers open the store themselves
+        run = TrainingRun(client, options, workers=workers, history=history, resume_from=resume_from)
+    except BaseException:
+        close_client(client)  # closes it only when this call started it
+        raise
     _install_dashboard(client)
     run._start()
     if wait:
@@ -200,42 +171,49 @@ class TrainingRun:
         ``starting``, ``running``, ``finished``, ``stopped`` or ``failed``.
     error : BaseException or None
         Why the run failed.
+    options : RunOptions
+        The checked options of the run.
     """
 
     def __init__(
         self,
         client: Client,
-        spec: Any,
+        options: RunOptions,
         *,
         workers: list[str],
-        epochs: int,
-        checkpoint_dir: str | None,
         history: list[dict[str, Any]],
-        view: str = "none",
-        tensorboard: str | None = None,
+        resume_from: str | None = None,
     ) -> None:
+        from dask_dl.train.driver import Driver
         from dask_dl.train.history import HistoryWriter
         from dask_dl.train.view import RunView
 
         self.run_id = f"fit-{uuid.uuid4().hex[:8]}"
-        self.client, self.spec, self.workers = client, spec, list(workers)
-        self.epochs, self.checkpoint_dir = epochs, checkpoint_dir
+        self.client, self.options, self.workers = client, options, list(workers)
+        self.epochs, self.checkpoint_dir = options.epochs, options.checkpoint_dir
         self.status, self.error = "starting", None
         self.steps_per_epoch: int | None = None
-        self.gpu = False
         self._rows = [dict(r) for r in history]
-        self._resumed = bool(history) or spec.resume_from is not None
         self._epoch = len(history)
         self._live: dict[str, Any] = {}
         self._checkpoint: dict[str, Any] | None = None
-        self._stop_requested = threading.Event()
         self._finished = threading.Event()
-        self._actor_futures: list[Any] = []
-        self._actors: list[Any] = []
         self._lock = threading.Lock()
-        self._view = RunView(view)
-        self._history_writer = HistoryWriter(checkpoint_dir, tensorboard=tensorboard, run_id=self.run_id)
-        self._thread = threading.Thread(target=self._drive, name=f"dask-dl-{self.run_id}", daemon=True)
+        self._view = RunView(options.view)
+        self._history_writer = HistoryWriter(
+            options.checkpoint_dir, tensorboard=options.tensorboard, run_id=self.run_id
+        )
+        self.spec = _trainer_spec(options, resume_from)
+        self._driver = Driver(
+            client,
+            self.spec,
+            workers=self.workers,
+            epochs=options.epochs,
+            first_epoch=len(history),
+            checkpoint_dir=options.checkpoint_dir,
+            global_batch=options.batch_size * len(self.workers),
+            sink=self,
+        )
 
     # ---- public ---------------------------------------------------------------------------------------
 
@@ -250,15 +228,17 @@ class TrainingRun:
         """True once the run has finished, stopped or failed and released its workers."""
         return self._finished.is_set()
 
+    @property
+    def global_batch(self) -> int:
+        """Images per optimizer step over all trainers (``batch_size`` is per trainer)."""
+        return self.options.batch_size * len(self.workers)
+
     def stop(self) -> TrainingRun:
         """Ask every trainer to stop after its current step; returns at once (``wait()`` to block until free).
 
         The epoch in progress is not checkpointed: the latest checkpoint stays that of the last completed epoch.
         """
-        self._stop_requested.set()
-        for actor in list(self._actors):
-            with contextlib.suppress(Exception):
-                actor.request_stop()  # async actor method: answered while the epoch runs
+        self._driver.stop()
         return self
 
     def wait(self, timeout: float | None = None) -> TrainingRun:
@@ -298,7 +278,7 @@ class TrainingRun:
         if self._checkpoint is not None:
             return self._checkpoint
         if self.checkpoint_dir is not None:
-            from dask_dl.train.checkpoint import latest_checkpoint, load_checkpoint
+            from dask_dl.checkpoint import latest_checkpoint, load_checkpoint
 
             if latest_checkpoint(self.checkpoint_dir) is not None:
                 return load_checkpoint(self.checkpoint_dir)
@@ -306,9 +286,11 @@ class TrainingRun:
 
     def model(self) -> torch.nn.Module:
         """Return the model with the weights of the latest checkpoint, on the CPU, in eval mode."""
-        from dask_dl.models import build_model
+        from dask_dl.models import MODELS, build_model
 
         ck = self.checkpoint()
+        if ck["model_name"] not in MODELS:  # a model registered in another process
+            MODELS.register(ck["model_name"], self.spec.model_target)
         net = build_model(ck["model_name"], num_outputs=len(ck["labels"]), in_channels=1, **ck["model_kwargs"])
         net.load_state_dict(ck["model"])
         return net.eval()
@@ -324,9 +306,10 @@ class TrainingRun:
             "model": self.spec.model_name,
             "compression": self.spec.compression,
             "trainers": len(self.workers),
+            "global_batch": self.global_batch,
             "epoch": min(self._epoch, self.epochs - 1),
             "epochs": self.epochs,
-            "step": live.get("step", 0),
+            "step": live.get("step", 0) if live.get("epoch", self._epoch) == self._epoch else 0,
             "steps_per_epoch": self.steps_per_epoch or live.get("steps") or 0,
             "loss": live.get("loss", rows[-1]["train_loss"] if rows else None),
             "images_per_s": live.get("images_per_s", rows[-1]["images_per_s"] if rows else None),
@@ -353,84 +336,32 @@ class TrainingRun:
 
         return snapshot_html(self.snapshot())
 
-    # ---- the driving thread ---------------------------------------------------------------------------
+    # ---- reports of the driver (its thread) -------------------------------------------------------------
 
     def _start(self) -> None:
-        self._thread.start()
+        self._driver.start()
 
-    def _drive(self) -> None:
-        try:
-            self._form_group()
-            self.status = "running"
-            self._publish()
-            for epoch in range(self._epoch, self.epochs):
-                if self._stop_requested.is_set() or not self._run_epoch(epoch):
-                    self.status = "stopped"
-                    break
-            else:
-                self.status = "finished"
-        except BaseException as exc:  # handed to wait(); the thread must not die silently
-            self.status, self.error = "failed", exc
-        finally:
-            try:
-                self._release()
-                self._publish()
-                self._view.update(self.snapshot())
-                self._view.close()
-                self._history_writer.close()
-            finally:
-                self._finished.set()
-
-    def _form_group(self) -> None:
-        from dask_dl.train.actor import TrainingActor
-
-        client, n = self.client, len(self.workers)
-        self._actor_futures = [
-            client.submit(
-                TrainingActor,
-                actor=True,
-                workers=[address],
-                allow_other_workers=False,
-                pure=False,
-                key=f"dask-dl-trainer-{self.run_id}-{rank}",
-            )
-            for rank, address in enumerate(self.workers)
-        ]
-        self._actors = [f.result() for f in self._actor_futures]
-        if self._stop_requested.is_set():  # stop() came before the actors existed
-            self.stop()
-        init_method = self._actors[0].free_address().result()
-        # all ranks must call init_process_group at once: start every setup before awaiting any
-        infos = self._gather(
-            [a.setup(self.spec, init_method=init_method, rank=r, world_size=n) for r, a in enumerate(self._actors)]
-        )
+    def started(self, infos: list[dict[str, Any]]) -> None:
         self.steps_per_epoch = infos[0]["steps_per_epoch"]
-        self.gpu = any(i["gpu"] for i in infos)
         self._epoch = infos[0]["start_epoch"]
+        self.status = "running"
+        self._publish()
 
-    def _run_epoch(self, epoch: int) -> bool:
-        """Train, validate and checkpoint one epoch; False when it was stopped part way."""
-        self._epoch = epoch
-        started = time.perf_counter()
-        trained = self._gather([a.train_epoch(epoch) for a in self._actors], live=True)
-        if any(t["stopped"] for t in trained):
-            self._append(self._row(epoch, trained, None, time.perf_counter() - started, event="stopped"))
-            return False
-        scored = self._gather([a.validate(epoch) for a in self._actors])
-        event = "resumed" if self._resumed else ""
-        self._resumed = False
-        row = self._row(epoch, trained, scored, time.perf_counter() - started, event=event)
+    def progress(self, live: dict[str, Any]) -> None:
+        self._live = dict(live)
+        self._epoch = live.get("epoch", self._epoch)
+        self._view.update(self.snapshot())
+        self._publish()
+
+    def history_with(self, row: dict[str, Any]) -> list[dict[str, Any]]:
         with self._lock:
-            history = [*self._rows, row]
-        checkpoints = self._gather(
-            [a.checkpoint(epoch, history=history, directory=self.checkpoint_dir) for a in self._actors]
-        )
-        self._checkpoint = checkpoints[0]
-        self._live = {}
-        self._append(row)
-        return True
+            return [*self._rows, row]
 
-    def _append(self, row: dict[str, Any]) -> None:
+    def epoch_done(self, row: dict[str, Any], checkpoint: dict[str, Any] | None) -> None:
+        if checkpoint is not None:
+            self._checkpoint = checkpoint
+            self._epoch = row["epoch"] + 1
+        self._live = {}
         with self._lock:
             self._rows.append(row)
             rows = list(self._rows)
@@ -438,108 +369,63 @@ class TrainingRun:
         self._publish()
         self._view.update(self.snapshot())
 
-    def _gather(self, futures: list[Any], *, live: bool = False) -> list[Any]:
-        """Results of actor calls; raises the first error at once instead of waiting for the other ranks."""
-        last_poll = 0.0
-        while True:
-            for rank, f in enumerate(futures):
-                if f.done():
-                    self._result(rank, f)  # raises the rank's error now; the others time out in their collectives
-            if all(f.done() for f in futures):
-                return [f.result() for f in futures]
-            if live and time.monotonic() - last_poll > 1.0:
-                last_poll = time.monotonic()
-                with contextlib.suppress(Exception):
-                    self._live = self._actors[0].progress().result(timeout=5)
-                    self._view.update(self.snapshot())
-                    self._publish()
-            time.sleep(_POLL_S)
+    def ended(self, status: str, error: BaseException | None) -> None:
+        from dask_dl.cluster import close_client
 
-    def _result(self, rank: int, future: Any) -> Any:
+        self.status, self.error = status, error
+        self._epoch = min(self._epoch, self.epochs - 1)
         try:
-            return future.result()
-        except TrainingError:
-            raise
-        except Exception as exc:
-            raise TrainingError(
-                f"{self.run_id}: trainer {rank} on {self.workers[rank]} failed in epoch {self._epoch}: "
-                f"{type(exc).__name__}: {exc}. Every trainer was stopped; the checkpoint of the last completed "
-                "epoch is kept, and fit(..., checkpoint_dir=..., resume=True) continues from it"
-            ) from exc
-
-    def _row(self, epoch: int, trained: list[dict], scored: list[dict] | None, seconds: float, *, event: str) -> dict:
-        from dask_dl.metrics import auroc
-
-        steps = max(t["steps"] for t in trained)
-        train_seconds = max(t["seconds"] for t in trained)
-        row: dict[str, Any] = {
-            "epoch": epoch,
-            "steps": steps,
-            "train_loss": sum(t["loss_sum"] for t in trained) / max(sum(t["steps"] for t in trained), 1),
-            "val_loss": float("nan"),
-            "val_auroc_mean": float("nan"),
-        }
-        labels = self.spec.labels
-        if scored is not None:
-            samples = np.concatenate([s["samples"] for s in scored])
-            order = np.argsort(samples, kind="stable")
-            scores = np.concatenate([s["scores"] for s in scored])[order]
-            truth = np.concatenate([s["labels"] for s in scored])[order]
-            per_label = np.atleast_1d(auroc(truth, scores))
-            row["val_loss"] = sum(s["loss_sum"] for s in scored) / max(len(samples), 1)
-            row["val_auroc_mean"] = float(np.nanmean(per_label)) if np.isfinite(per_label).any() else float("nan")
-            row.update({f"val_auroc_{k}": float(v) for k, v in zip(labels, per_label, strict=True)})
-            if self.spec.task == "multiclass":
-                row["val_accuracy"] = float(np.mean(scores.argmax(1) == truth.argmax(1)))
-        n = len(trained)
-        price = config.get("cost.gpu-worker-hour" if self.gpu else "cost.cpu-worker-hour")
-        row.update(
-            {
-                # images of all trainers over the slowest trainer's time: the throughput of the whole run
-                "images_per_s": sum(t["examples"] for t in trained) / train_seconds if train_seconds else 0.0,
-                # per-trainer means: each trainer spends its own step time this way
-                "compute_s": sum(t["compute_s"] for t in trained) / n,
-                "comm_s": sum(t["comm_s"] for t in trained) / n,
-                "data_wait_s": sum(t["data_wait_s"] for t in trained) / n,
-                "bytes_sent": int(sum(t["bytes_sent"] for t in trained)),
-                "seconds": seconds,
-                "cost": seconds / 3600.0 * n * float(price),
-                "event": event,
-            }
-        )
-        return row
-
-    def _release(self) -> None:
-        """Leave the process group on every trainer and delete the actors, also after errors."""
-        actors, self._actors = self._actors, []
-        if actors:
-            calls = []
-            for actor in actors:
-                with contextlib.suppress(Exception):
-                    calls.append(actor.teardown())
-            # a rank stuck in a collective answers after the collective's timeout
-            deadline = time.monotonic() + float(self.spec.timeout_s) + 30
-            for call in calls:
-                with contextlib.suppress(Exception):
-                    call.result(timeout=max(deadline - time.monotonic(), 1))
-        futures, self._actor_futures = self._actor_futures, []
-        # each Actor proxy holds a Future of its own for the actor's key, and distributed's call closures put the
-        # proxy in reference cycles, so it would hold the actor until a garbage collection: release it now
-        futures += [getattr(actor, "_future", None) for actor in actors]
-        for future in futures:
-            if future is None:
-                continue
-            with contextlib.suppress(Exception):
-                future.release()
-        del actors, futures
+            self._publish()
+            self._view.update(self.snapshot())
+            self._view.close()
+            self._history_writer.close()
+            close_client(self.client)  # only when fit started it: then nothing is left running
+        except Exception as exc:  # the run's outcome stands; what failed after it is reported, not raised
+            logger.warning("%s: closing the run's view, history or cluster failed: %s: %s", self.run_id,
+                           type(exc).__name__, exc)  # fmt: skip
+        finally:
+            self._finished.set()
 
     def _publish(self) -> None:
-        with contextlib.suppress(Exception):
-            from dask_dl.dashboard import publish
+        from dask_dl.dashboard import publish
 
-            snap = self.snapshot()
-            snap.pop("run_id")
+        snap = self.snapshot()
+        snap.pop("run_id")
+        try:
             publish(self.client, self.run_id, snap)
+        except Exception as exc:  # the dashboard page is a view; training goes on without it
+            logger.debug("%s: dashboard not updated: %s: %s", self.run_id, type(exc).__name__, exc)
+
+
+def _trainer_spec(options: RunOptions, resume_from: str | None) -> Any:
+    from dask_dl.models import MODELS
+    from dask_dl.train.actor import TrainerSpec
+
+    return TrainerSpec(
+        store=options.store,
+        train_samples=options.train_samples,
+        val_samples=options.val_samples,
+        labels=options.labels,
+        task=options.task,
+        input_size=options.input_size,
+        model_name=options.model,
+        model_target=MODELS.entry(options.model).target,
+        model_kwargs=dict(options.model_kwargs),
+        batch_size=options.batch_size,
+        lr=options.lr,
+        optimizer=options.optimizer,
+        momentum=options.momentum,
+        weight_decay=options.weight_decay,
+        compression=options.compression,
+        compression_options=dict(options.compression_options),
+        warmup_steps=options.warmup_steps,
+        seed=options.seed,
+        augment=options.augment,
+        window=options.window,
+        prefetch=options.prefetch,
+        timeout_s=options.timeout_s,
+        resume_from=resume_from,
+    )
 
 
 def _install_dashboard(client: Client) -> None:
@@ -552,88 +438,21 @@ def _install_dashboard(client: Client) -> None:
         logger.warning("dask_dl dashboard page not installed on the scheduler: %s", exc)
 
 
-# ---- checks ---------------------------------------------------------------------------------------------------
+def _resume_point(options: RunOptions) -> tuple[str | None, list[dict[str, Any]]]:
+    from dask_dl.checkpoint import latest_checkpoint, load_checkpoint
 
-
-def _positive_int(name: str, value: Any) -> int:
-    if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < 1:
-        raise ConfigurationError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
-
-
-def _check_dataset(dataset: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Return the data part of a TrainerSpec (store, samples, labels, task, size) from an open_dataset result."""
-    if not (hasattr(dataset, "data_vars") and hasattr(dataset, "encoding")):
-        raise DatasetError(
-            f"fit takes the xarray.Dataset of dask_dl.open_dataset(store), got {type(dataset).__name__}; "
-            "pass ds = dask_dl.open_dataset('cxr.zarr')"
-        )
-    meta = dataset.attrs.get("dask_dl")
-    source = dataset.encoding.get("source")
-    if not isinstance(meta, dict) or source is None:
-        raise DatasetError(
-            "the dataset lacks the dask_dl attribute or encoding['source'] (the store it came from); "
-            "open it with dask_dl.open_dataset(store)"
-        )
-    labels = tuple(meta.get("labels") or ())
-    if not labels:
-        raise DatasetError(f"the store {source!r} has no labels; ingest a catalog with label columns to train on it")
-    if "split" not in dataset.coords:
-        raise DatasetError("the dataset has no 'split' coordinate; open it with dask_dl.open_dataset(store)")
-    split = np.asarray(dataset["split"].values).astype(str)
-    sample = np.asarray(dataset["sample"].values, dtype=np.int64)
-    found = sorted(set(split.tolist()))
-    parts = {}
-    for name in ("train", "val"):
-        rows = sample[split == name]
-        if len(rows) == 0:
-            raise DatasetError(
-                f"the dataset has no {name!r} samples (splits present: {', '.join(found) or 'none'}); fit needs "
-                "train and val splits: open the whole store (open_dataset(store) without split=) or make the "
-                "catalog with dask_dl.split_by_patient"
-            )
-        parts[name] = rows
-    task = meta.get("task", "multilabel")
-    data = {
-        "store": str(source),
-        "train_samples": parts["train"],
-        "val_samples": parts["val"],
-        "labels": labels,
-        "task": task,
-        "input_size": int(meta.get("size") or dataset["image"].shape[-1]),
-    }
-    return data, meta
-
-
-def _check_model(name: str, num_outputs: int, kwargs: dict[str, Any]) -> None:
-    from dask_dl.models import build_model, list_models
-
-    if name not in list_models():
-        build_model(name, num_outputs=num_outputs)  # raises the registry's ConfigurationError listing the names
-
-
-def _check_compression(name: str, warmup_steps: int, options: dict[str, Any]) -> None:
-    from dask_dl.train.compression import make_compressor
-
-    make_compressor(name, warmup_steps=warmup_steps, **options)  # the registry's error for unknown names
-
-
-def _resume_point(
-    directory: str, model: str, labels: tuple[str, ...], trainers: int
-) -> tuple[str | None, list[dict[str, Any]]]:
-    from dask_dl.train.checkpoint import latest_checkpoint, load_checkpoint
-
-    path = latest_checkpoint(directory)
+    path = latest_checkpoint(options.checkpoint_dir)
     if path is None:
         return None, []
     ck = load_checkpoint(path)
+    model, labels = options.model, options.labels
     if ck["model_name"] != model or list(ck["labels"]) != list(labels):
         raise TrainingError(
             f"the checkpoint {path!r} is of model {ck['model_name']!r} with labels {list(ck['labels'])}, not "
             f"{model!r} with {list(labels)}; resume with model={ck['model_name']!r} on the same store, or use a "
             "new checkpoint_dir"
         )
-    if len(ck["compressor"]) != trainers:
+    if len(ck["compressor"]) != options.trainers:
         raise TrainingError(
             f"the checkpoint {path!r} was written by {len(ck['compressor'])} trainers; resume with "
             f"trainers={len(ck['compressor'])} (error-feedback residuals are per trainer)"

@@ -3,7 +3,7 @@
 A run hands :meth:`RunView.update` a *snapshot*, a plain dict describing where it is::
 
     {"run_id": "fit-3f2a", "status": "running", "model": "small_cnn", "compression": "onebit",
-     "trainers": 2, "epoch": 1, "epochs": 5, "step": 12, "steps_per_epoch": 40, "loss": 0.41,
+     "trainers": 2, "global_batch": 64, "epoch": 1, "epochs": 5, "step": 12, "steps_per_epoch": 40, "loss": 0.41,
      "images_per_s": 512.0, "data_wait_share": 0.02, "bytes_sent": 123456, "history": [row, ...]}
 
 ``history`` holds the finished epochs' rows (``val_auroc_<label>`` columns included). Every key is optional.
@@ -17,6 +17,8 @@ import html
 import logging
 import sys
 from typing import Any
+
+from dask_dl.checks import one_of
 
 logger = logging.getLogger("dask_dl.train")
 
@@ -49,7 +51,12 @@ def snapshot_html(snap: dict[str, Any]) -> str:
     status = snap.get("status", "?")
     color = {"running": "#1f77b4", "finished": "#2ca02c", "stopped": "#ff7f0e", "failed": "#d62728"}.get(status, "#555")
     head = [f"<b>{_fmt(snap.get('run_id', 'run'))}</b>", f"<span style='color:{color}'>{_fmt(status)}</span>"]
-    for key, label in (("model", "model"), ("compression", "compression"), ("trainers", "trainers")):
+    for key, label in (
+        ("model", "model"),
+        ("compression", "compression"),
+        ("trainers", "trainers"),
+        ("global_batch", "global batch"),
+    ):
         if key in snap:
             head.append(f"{label} {_fmt(snap[key])}")
     if "epoch" in snap and "epochs" in snap:
@@ -97,9 +104,8 @@ class RunView:
     ``log`` or ``none``."""
 
     def __init__(self, mode: str = "auto") -> None:
+        mode = one_of("view", mode, ("auto", "notebook", "terminal", "log", "none"))
         self.mode = detect_mode() if mode == "auto" else mode
-        if self.mode not in ("notebook", "terminal", "log", "none"):
-            raise ValueError(f"view mode {mode!r} is not one of 'auto', 'notebook', 'terminal', 'log', 'none'")
         self._handle = None
         self._bar = None
         self._logged_epochs = 0
@@ -139,6 +145,8 @@ class RunView:
         done = snap.get("epoch", 0) * (snap.get("steps_per_epoch") or 0) + snap.get("step", 0)
         self._bar.update(max(done - self._bar.n, 0))
         post = {}
+        if snap.get("global_batch"):
+            post["batch"] = str(snap["global_batch"])
         for key in ("loss", "images_per_s"):
             if snap.get(key) is not None:
                 post[key] = f"{snap[key]:.4g}"

@@ -11,7 +11,7 @@ from distributed import Client, LocalCluster, Scheduler, SpecCluster, Worker
 from test_fit import squares_collection
 
 import dask_dl
-from dask_dl import ClusterError
+from dask_dl import ClusterError, ConfigurationError
 from dask_dl.train.actor import TrainerSpec, TrainingActor
 from dask_dl.train.placement import place_trainers
 
@@ -40,7 +40,7 @@ def test_placement_on_cpu_workers():
         assert len(set(chosen)) == 2 and set(chosen) == set(client.scheduler_info()["workers"])
         with pytest.raises(ClusterError, match=r"only 2 workers .*pass trainers=2.*scale\(5\)"):
             place_trainers(client, 5)
-        with pytest.raises(ClusterError, match="positive integer"):
+        with pytest.raises(ConfigurationError, match="trainers must be a positive integer, got 0"):
             place_trainers(client, 0)
 
 

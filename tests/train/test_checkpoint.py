@@ -9,17 +9,9 @@ import numpy as np
 import pytest
 import torch
 
+from dask_dl.checkpoint import REQUIRED_KEYS, checkpoint_name, latest_checkpoint, list_checkpoints, load_checkpoint
 from dask_dl.errors import TrainingError
-from dask_dl.train.checkpoint import (
-    REQUIRED_KEYS,
-    checkpoint_name,
-    latest_checkpoint,
-    list_checkpoints,
-    load_checkpoint,
-    rng_state,
-    save_checkpoint,
-    set_rng_state,
-)
+from dask_dl.train.checkpoint import rng_state, save_checkpoint, set_rng_state
 
 
 def _checkpoint(epoch: int) -> dict:

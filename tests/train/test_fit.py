@@ -19,10 +19,10 @@ from PIL import Image
 
 import dask_dl
 from dask_dl import ClusterError, ConfigurationError, DatasetError, TrainingError
+from dask_dl.checkpoint import latest_checkpoint, load_checkpoint
 from dask_dl.data.loader import ChunkLoader
 from dask_dl.data.schema import make_catalog
 from dask_dl.models import build_model
-from dask_dl.train.checkpoint import latest_checkpoint, load_checkpoint
 
 N_TRAIN, N_VAL, SIZE = 64, 32, 32
 
@@ -143,7 +143,11 @@ def test_history_and_checkpoints(store, cluster_client, tmp_path):
     run = fit(store, cluster_client, epochs=2, checkpoint_dir=str(tmp_path / "ck"), compression="fp16", warmup_steps=0)
     h = run.history
     assert list(h["epoch"]) == [0, 1]
+    # batch_size is per trainer; the global batch is recorded and drawn
+    assert list(h["global_batch"]) == [16, 16] and run.global_batch == 16
+    assert run.snapshot()["global_batch"] == 16 and "global batch" in run._repr_html_()
     for column in (
+        "global_batch",
         "train_loss",
         "val_loss",
         "val_auroc_mean",
@@ -325,12 +329,43 @@ def test_bad_input_fails_before_any_actor(store, cluster_client):
         dask_dl.fit(ds, model="resnet9", client=cluster_client)
     with pytest.raises(ConfigurationError, match="onebit"):
         dask_dl.fit(ds, compression="twobit", client=cluster_client)
-    with pytest.raises(ConfigurationError, match="optimizer"):
-        dask_dl.fit(ds, optimizer="lion", client=cluster_client)
     with pytest.raises(ClusterError, match="only 2 workers"):
         dask_dl.fit(ds, trainers=3, batch_size=8, client=cluster_client)
     with pytest.raises(ConfigurationError, match="checkpoint_dir"):
         dask_dl.fit(ds, resume=True, client=cluster_client)
+    # every argument is checked before anything is placed on the cluster: no actor, no key on the scheduler
+    keys_before = cluster_client.run_on_scheduler(lambda dask_scheduler: sorted(map(str, dask_scheduler.tasks)))
+    for bad, match in [
+        (dict(view="fancy"), "unknown view 'fancy': use one of none, auto, notebook, terminal, log"),
+        (dict(optimizer="lion"), "unknown optimizer 'lion': use one of sgd, adamw"),
+        (dict(model_kwargs={"depth": 3}), r"model 'small_cnn' has no option\(s\) \['depth'\]"),
+        (dict(compression="onebit", compression_options={"rank": 2}), "unknown option.*rank.*'onebit'"),
+        (dict(epochs=0), "epochs must be a positive integer, got 0"),
+        (dict(trainers=0), "trainers must be a positive integer, got 0"),
+        (dict(lr=-1.0), "lr must be a positive number, got -1.0"),
+        (dict(warmup_steps=-2), "warmup_steps must be an integer >= 0, got -2"),
+    ]:
+        with pytest.raises(ConfigurationError, match=match):
+            dask_dl.fit(ds, client=cluster_client, **{"batch_size": 8, "trainers": 2, **bad})
+    assert trainer_keys(cluster_client, within=0) == []
+    assert cluster_client.run_on_scheduler(lambda dask_scheduler: sorted(map(str, dask_scheduler.tasks))) == keys_before
+
+
+def test_compressed_run_shorter_than_its_warmup_warns(store, cluster_client):
+    import warnings
+
+    ds = dask_dl.open_dataset(store)
+    # 64 samples / (8 x 2 trainers) = 4 steps per epoch, 2 epochs: 8 steps, all within a warm-up of 8
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # raised, so that nothing is placed: the warning comes before the actors
+        with pytest.raises(UserWarning, match=r"compression='onebit' starts after warmup_steps=8 .* 8 steps in all "
+                           r"\(2 epochs x 4 steps of global batch 16\).*warmup_steps < 8"):  # fmt: skip
+            dask_dl.fit(ds, compression="onebit", warmup_steps=8, epochs=2, batch_size=8, trainers=2,
+                        client=cluster_client)  # fmt: skip
+        # one step past the warm-up, or no compressor at all: no warning
+        for options in (dict(compression="onebit", warmup_steps=7), dict(compression="none", warmup_steps=100)):
+            run = dask_dl.fit(ds, epochs=2, batch_size=8, trainers=2, client=cluster_client, wait=False, **options)
+            run.stop().wait()
     assert trainer_keys(cluster_client) == []
 
 
@@ -378,3 +413,86 @@ def test_every_compressor_learns(synthetic_store, cluster_client):
     assert scores["none"] > 0.75, scores
     for compression, score in scores.items():
         assert score > 0.7 and abs(score - scores["none"]) <= 0.02, (compression, scores)
+
+
+# ---- clusters opened are clusters closed, quickly and quietly ------------------------------------------------
+
+
+@pytest.fixture
+def cpu_hog():
+    """A CPU-bound process beside the test: the busy machine on which shutdown used to print tracebacks."""
+    import subprocess
+    import sys
+
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        yield hog
+    finally:
+        hog.kill()
+        hog.wait()
+
+
+def test_closing_a_cluster_after_fit_is_quick_and_quiet(store):
+    import logging
+
+    from distributed import LocalCluster
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(level=logging.WARNING)
+    handler.emit = records.append
+    nanny = logging.getLogger("distributed.nanny")
+    nanny.addHandler(handler)
+    try:
+        with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster:
+            with Client(cluster) as client:
+                assert fit(store, client, epochs=1).status == "finished"
+            started = time.perf_counter()
+            cluster.close()
+            took = time.perf_counter() - started
+    finally:
+        nanny.removeHandler(handler)
+    # workers that trained used to take 4 s and more to exit (interpreter finalization after torch.distributed),
+    # and the nanny killed them: "Worker process still alive after 4.0 seconds, killing"
+    assert not [r.getMessage() for r in records if "still alive" in r.getMessage()]
+    assert took < 2.0, f"closing the cluster after a fit took {took:.1f} s"
+
+
+FIT_WITHOUT_CLIENT = """
+import sys
+import dask_dl
+run = dask_dl.fit(dask_dl.open_dataset(sys.argv[1]), model="small_cnn", model_kwargs={"width": 8}, epochs=1,
+                  batch_size=8, trainers=2, lr=0.05)
+cluster = run.client.cluster
+shape = tuple(run.model()(__import__("torch").zeros(1, 1, 32, 32)).shape)
+print(run.status, run.client.status, cluster.status.name, shape)
+"""
+
+
+@pytest.mark.slow
+def test_fit_closes_the_cluster_it_started(store, cpu_hog):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", FIT_WITHOUT_CLIENT, store], capture_output=True, text=True,
+                          timeout=240)  # fmt: skip
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output
+    # no client given and none current: fit started a local cluster, and closed it (client first) at the end,
+    # keeping the model of the last epoch
+    assert proc.stdout.split("\n")[-2] == "finished closed closed (1, 2)", output
+    assert "Traceback" not in output and "still alive" not in output, output
+
+
+@pytest.mark.slow
+def test_train_command_output_is_clean_on_a_busy_machine(store, cpu_hog, tmp_path):
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "dask_dl.cli", "train", store, "--epochs", "1", "--batch-size", "8",
+           "--trainers", "2", "--workers", "2", "--compression", "fp16", "--checkpoint-dir", str(tmp_path / "ck"),
+           "--quiet"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output
+    assert "Traceback" not in output and "still alive" not in output, output
+    assert "global_batch=16" in proc.stdout and ": finished" in proc.stdout, output

@@ -9,6 +9,7 @@ SNAP = {
     "status": "running",
     "model": "small_cnn",
     "compression": "onebit",
+    "global_batch": 64,
     "epoch": 1,
     "epochs": 3,
     "step": 4,
@@ -33,7 +34,7 @@ SNAP = {
 
 def test_html_has_the_numbers():
     page = snapshot_html(SNAP)
-    assert "fit-1" in page and "onebit" in page
+    assert "fit-1" in page and "onebit" in page and "global batch 64" in page
     assert "epoch 2/3" in page and "step 4/10" in page
     assert "0.4321" in page and "3.1%" in page and "123,456" in page
     assert "<td>Nodule</td><td>0.8</td>" in page
@@ -64,3 +65,12 @@ def test_terminal_bar_counts_steps(capsys):
     view.update({**SNAP, "epoch": 2, "step": 10})
     assert view._bar.n == 30
     view.close()
+
+
+def test_unknown_view_is_a_configuration_error():
+    import pytest
+
+    from dask_dl import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match="unknown view 'fancy': use one of auto, notebook"):
+        RunView("fancy")

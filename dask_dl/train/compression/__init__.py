@@ -35,10 +35,9 @@ from dask_dl.train.compression.hooks import (
 )
 from dask_dl.train.compression.powersgd import PowerSGDHookState, powersgd_hook
 from dask_dl.train.compression.quantize import pack_signs, unpack_signs
+from dask_dl.train.compressors import COMPRESSORS
 
 __all__ = ["COMPRESSORS", "Compressor", "make_compressor", "pack_signs", "unpack_signs"]
-
-COMPRESSORS: tuple[str, ...] = ("none", "fp16", "bf16", "powersgd", "onebit", "onebit2")
 
 _OPTIONS: dict[str, tuple[str, ...]] = {
     "none": (),
@@ -153,10 +152,7 @@ def make_compressor(name: str, *, warmup_steps: int = 0, process_group: Any = No
     >>> compressor.name, compressor.bytes_sent
     ('onebit', 0)
     """
-    if name not in COMPRESSORS:
-        raise ConfigurationError(
-            f"unknown compressor {name!r}: compressors are {', '.join(COMPRESSORS)}; pass e.g. compression='onebit'"
-        )
+    COMPRESSORS.entry(name)  # the registry's error for unknown names lists them
     unknown = sorted(set(options) - set(_OPTIONS[name]))
     if unknown:
         allowed = ", ".join(_OPTIONS[name]) or "none"

@@ -1,67 +1,17 @@
-"""Model registry: the networks dask_dl trains, built from ``torch.nn`` alone.
+"""The networks dask_dl trains, built from ``torch.nn`` alone (registered by name in :mod:`dask_dl.models`).
 
 ``alexnet``, ``resnet18``, ``resnet50`` and ``densenet121`` have torchvision's architectures and parameter names
-(so torchvision state dicts load after adapting the first convolution and the head), with a single-channel
+(so torchvision state dicts load after adapting the first convolution and the head), with an ``in_channels``
 input and a ``num_outputs`` head; torchvision itself is not needed. ``small_cnn`` is a few convolutions with
 global pooling, quick on a CPU at 64-128 pixels, for tests and the demo. Every model takes any input size of
-32 pixels or more.
-
-Images enter as uint8; :func:`normalize` turns a batch into the float tensor the models expect.
+32 pixels or more. A builder's keyword-only arguments are its options.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
-from typing import Any
-
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from dask_dl.errors import ConfigurationError
-
-__all__ = ["DEFAULT_NORMALIZATION", "build_model", "list_models", "normalize"]
-
-#: mean and std applied after scaling uint8 pixels to [0, 1]: ``(x / 255 - mean) / std``.
-DEFAULT_NORMALIZATION: dict[str, float] = {"mean": 0.5, "std": 0.25}
-
-
-def normalize(batch: torch.Tensor | np.ndarray, *, mean: float | None = None, std: float | None = None) -> torch.Tensor:
-    """Map a uint8 image batch to the normalized float32 tensor the models take.
-
-    Parameters
-    ----------
-    batch : torch.Tensor or numpy.ndarray
-        Pixels 0-255 (uint8, or any real dtype holding that range), shape ``(B, S, S)`` or ``(B, 1, S, S)``.
-    mean, std : float, optional
-        Default :data:`DEFAULT_NORMALIZATION`.
-
-    Returns
-    -------
-    torch.Tensor
-        float32, shape ``(B, 1, S, S)``, equal to ``(batch / 255 - mean) / std``.
-
-    Examples
-    --------
-    >>> normalize(np.full((2, 4, 4), 255, np.uint8)).shape
-    torch.Size([2, 1, 4, 4])
-    >>> float(normalize(np.zeros((1, 4, 4), np.uint8))[0, 0, 0, 0])
-    -2.0
-    """
-    mean = DEFAULT_NORMALIZATION["mean"] if mean is None else float(mean)
-    std = DEFAULT_NORMALIZATION["std"] if std is None else float(std)
-    x = torch.as_tensor(batch)
-    if x.ndim == 3:
-        x = x.unsqueeze(1)
-    if x.ndim != 4 or x.shape[1] != 1:
-        raise ValueError(
-            f"normalize takes a batch of shape (B, S, S) or (B, 1, S, S); got {tuple(x.shape)}. "
-            "Stack single images first, e.g. batch[None]"
-        )
-    return (x.to(torch.float32) / 255.0 - mean) / std
-
 
 # ---- small CNN ---------------------------------------------------------------------------------------------
 
@@ -342,77 +292,14 @@ class DenseNet(nn.Module):
         return self.classifier(torch.flatten(x, 1))
 
 
-# ---- registry ----------------------------------------------------------------------------------------------
-
-_REGISTRY: dict[str, Callable[..., nn.Module]] = {
-    "small_cnn": SmallCNN,
-    "alexnet": AlexNet,
-    "resnet18": functools.partial(ResNet, BasicBlock, [2, 2, 2, 2]),
-    "resnet50": functools.partial(ResNet, Bottleneck, [3, 4, 6, 3]),
-    "densenet121": DenseNet,
-}
-
-_OPTIONS: dict[str, tuple[str, ...]] = {
-    "small_cnn": ("width", "dropout"),
-    "alexnet": ("dropout",),
-    "resnet18": ("zero_init_residual",),
-    "resnet50": ("zero_init_residual",),
-    "densenet121": ("growth_rate", "block_config", "num_init_features", "bn_size", "drop_rate"),
-}
+# ---- builders (what dask_dl.models registers) --------------------------------------------------------------
 
 
-def list_models() -> list[str]:
-    """Return the names :func:`build_model` accepts.
-
-    Examples
-    --------
-    >>> list_models()
-    ['small_cnn', 'alexnet', 'resnet18', 'resnet50', 'densenet121']
-    """
-    return list(_REGISTRY)
+def resnet18(num_outputs: int, in_channels: int = 1, *, zero_init_residual: bool = False) -> ResNet:
+    """torchvision's ResNet-18."""
+    return ResNet(BasicBlock, [2, 2, 2, 2], num_outputs, in_channels, zero_init_residual=zero_init_residual)
 
 
-def build_model(name: str, *, num_outputs: int, in_channels: int = 1, **kwargs: Any) -> nn.Module:
-    """Build a freshly initialized model of the registry.
-
-    Parameters
-    ----------
-    name : str
-        One of :func:`list_models`.
-    num_outputs : int
-        Size of the head: the number of labels. The model returns logits.
-    in_channels : int
-        Input channels; dask_dl images are grayscale, so 1.
-    **kwargs
-        Options of the architecture: ``width``, ``dropout`` (small_cnn); ``dropout`` (alexnet);
-        ``zero_init_residual`` (resnets); ``growth_rate``, ``block_config``, ``num_init_features``, ``bn_size``,
-        ``drop_rate`` (densenet121).
-
-    Returns
-    -------
-    torch.nn.Module
-        Takes float32 ``(B, in_channels, S, S)`` with ``S >= 32`` (see :func:`normalize`), returns
-        ``(B, num_outputs)`` logits.
-
-    Raises
-    ------
-    ConfigurationError
-        For an unknown name or option, or sizes below 1.
-
-    Examples
-    --------
-    >>> model = build_model("small_cnn", num_outputs=14)
-    >>> model(torch.zeros(2, 1, 64, 64)).shape
-    torch.Size([2, 14])
-    """
-    if name not in _REGISTRY:
-        raise ConfigurationError(f"unknown model {name!r}; the models are {', '.join(_REGISTRY)}")
-    for arg, value in (("num_outputs", num_outputs), ("in_channels", in_channels)):
-        if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
-            raise ConfigurationError(f"{arg} must be a positive integer; got {value!r}")
-    unknown = sorted(set(kwargs) - set(_OPTIONS[name]))
-    if unknown:
-        raise ConfigurationError(
-            f"model {name!r} has no option(s) {unknown}; its options are {list(_OPTIONS[name]) or 'none'}"
-        )
-    return _REGISTRY[name](int(num_outputs), int(in_channels), **kwargs)
+def resnet50(num_outputs: int, in_channels: int = 1, *, zero_init_residual: bool = False) -> ResNet:
+    """torchvision's ResNet-50 (v1.5)."""
+    return ResNet(Bottleneck, [3, 4, 6, 3], num_outputs, in_channels, zero_init_residual=zero_init_residual)

@@ -1,0 +1,214 @@
+"""The driver: the background thread that places the trainers, drives them through the epochs and frees them.
+
+A :class:`Driver` owns the actors' life cycle: it creates one :class:`~dask_dl.train.actor.TrainingActor` per
+worker, forms the process group, runs each epoch (train, validate, checkpoint, all ranks at once), and always
+releases the actors at the end, also after errors. What it learns it hands to the run it drives (a
+:class:`RunSink`: :class:`~dask_dl.train.run.TrainingRun`), which keeps the state the user sees.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Protocol
+
+from dask_dl.errors import TrainingError
+from dask_dl.train.aggregate import epoch_row
+
+if TYPE_CHECKING:  # pragma: no cover
+    from distributed import Client
+
+    from dask_dl.train.actor import TrainerSpec
+
+__all__ = ["Driver", "RunSink"]
+
+logger = logging.getLogger("dask_dl.train")
+
+_POLL_S = 0.25  # how often the driver looks at running epochs (errors, live progress, stop requests)
+_PROGRESS_S = 1.0  # how often it asks rank 0 where the epoch is
+
+
+class RunSink(Protocol):
+    """What the driver reports to (implemented by :class:`~dask_dl.train.run.TrainingRun`)."""
+
+    run_id: str
+
+    def started(self, infos: list[dict[str, Any]]) -> None: ...
+
+    def progress(self, live: dict[str, Any]) -> None: ...
+
+    def history_with(self, row: dict[str, Any]) -> list[dict[str, Any]]: ...
+
+    def epoch_done(self, row: dict[str, Any], checkpoint: dict[str, Any] | None) -> None: ...
+
+    def ended(self, status: str, error: BaseException | None) -> None: ...
+
+
+class Driver:
+    """Drive ``spec`` on ``workers`` (one rank each, in order) from a daemon thread, reporting to ``sink``."""
+
+    def __init__(
+        self,
+        client: Client,
+        spec: TrainerSpec,
+        *,
+        workers: list[str],
+        epochs: int,
+        first_epoch: int,
+        checkpoint_dir: str | None,
+        global_batch: int,
+        sink: RunSink,
+    ) -> None:
+        self.client, self.spec, self.workers = client, spec, list(workers)
+        self.epochs, self.epoch, self.checkpoint_dir = epochs, first_epoch, checkpoint_dir
+        self.global_batch, self.sink = global_batch, sink
+        self.gpu = False
+        self.stop_requested = threading.Event()
+        self._resumed = first_epoch > 0 or spec.resume_from is not None
+        self._actor_futures: list[Any] = []
+        self._actors: list[Any] = []
+        self._thread = threading.Thread(target=self._drive, name=f"dask-dl-{sink.run_id}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Ask every trainer to stop after its current step (all ranks agree on the step); returns at once."""
+        self.stop_requested.set()
+        for rank, actor in enumerate(list(self._actors)):
+            try:
+                actor.request_stop()  # async actor method: answered while the epoch runs
+            except Exception as exc:  # the actor may be gone already (failed worker): nothing left to stop
+                self._log_failure("could not ask to stop", rank, exc)
+
+    # ---- the thread ----------------------------------------------------------------------------------------
+
+    def _drive(self) -> None:
+        status, error = "failed", None
+        try:
+            self._form_group()
+            status = "stopped"
+            for epoch in range(self.epoch, self.epochs):
+                if self.stop_requested.is_set() or not self._run_epoch(epoch):
+                    break
+            else:
+                status = "finished"
+        except BaseException as exc:  # handed to wait(); the thread must not die silently
+            status, error = "failed", exc
+        finally:
+            try:
+                self._release()
+            finally:
+                self.sink.ended(status, error)
+
+    def _form_group(self) -> None:
+        from dask_dl.train.actor import TrainingActor
+
+        client, n = self.client, len(self.workers)
+        self._actor_futures = [
+            client.submit(
+                TrainingActor,
+                actor=True,
+                workers=[address],
+                allow_other_workers=False,
+                pure=False,
+                key=f"dask-dl-trainer-{self.sink.run_id}-{rank}",
+            )
+            for rank, address in enumerate(self.workers)
+        ]
+        self._actors = [f.result() for f in self._actor_futures]
+        if self.stop_requested.is_set():  # stop() came before the actors existed
+            self.stop()
+        init_method = self._actors[0].free_address().result()
+        # all ranks must call init_process_group at once: start every setup before awaiting any
+        infos = self._gather(
+            [a.setup(self.spec, init_method=init_method, rank=r, world_size=n) for r, a in enumerate(self._actors)]
+        )
+        self.gpu = any(i["gpu"] for i in infos)
+        self.epoch = infos[0]["start_epoch"]
+        self.sink.started(infos)
+
+    def _run_epoch(self, epoch: int) -> bool:
+        """Train, validate and checkpoint one epoch; False when it was stopped part way."""
+        self.epoch = epoch
+        started = time.perf_counter()
+        trained = self._gather([a.train_epoch(epoch) for a in self._actors], live=True)
+        common = dict(labels=self.spec.labels, task=self.spec.task, global_batch=self.global_batch, gpu=self.gpu)
+        if any(t["stopped"] for t in trained):
+            row = epoch_row(epoch, trained, None, seconds=time.perf_counter() - started, event="stopped", **common)
+            self.sink.epoch_done(row, None)
+            return False
+        scored = self._gather([a.validate(epoch) for a in self._actors])
+        event = "resumed" if self._resumed else ""
+        self._resumed = False
+        row = epoch_row(epoch, trained, scored, seconds=time.perf_counter() - started, event=event, **common)
+        history = self.sink.history_with(row)
+        checkpoints = self._gather(
+            [a.checkpoint(epoch, history=history, directory=self.checkpoint_dir) for a in self._actors]
+        )
+        self.sink.epoch_done(row, checkpoints[0])
+        return True
+
+    def _gather(self, futures: list[Any], *, live: bool = False) -> list[Any]:
+        """Results of actor calls; raises the first error at once instead of waiting for the other ranks."""
+        last_poll = 0.0
+        while True:
+            for rank, f in enumerate(futures):
+                if f.done():
+                    self._result(rank, f)  # raises the rank's error now; the others time out in their collectives
+            if all(f.done() for f in futures):
+                return [f.result() for f in futures]
+            if live and time.monotonic() - last_poll > _PROGRESS_S:
+                last_poll = time.monotonic()
+                try:
+                    self.sink.progress(self._actors[0].progress().result(timeout=5))
+                except Exception as exc:  # live progress is a view: the epoch's own result carries the numbers
+                    self._log_failure("reported no progress", 0, exc)
+            time.sleep(_POLL_S)
+
+    def _result(self, rank: int, future: Any) -> Any:
+        try:
+            return future.result()
+        except TrainingError:
+            raise
+        except Exception as exc:
+            raise TrainingError(
+                f"{self.sink.run_id}: trainer {rank} on {self.workers[rank]} failed in epoch {self.epoch}: "
+                f"{type(exc).__name__}: {exc}. Every trainer was stopped; the checkpoint of the last completed "
+                "epoch is kept, and fit(..., checkpoint_dir=..., resume=True) continues from it"
+            ) from exc
+
+    def _release(self) -> None:
+        """Leave the process group on every trainer and delete the actors, also after errors."""
+        actors, self._actors = self._actors, []
+        calls = []
+        for rank, actor in enumerate(actors):
+            try:
+                calls.append((rank, actor.teardown()))
+            except Exception as exc:  # its worker is gone: nothing to tear down there
+                self._log_failure("could not be torn down", rank, exc)
+        # a rank stuck in a collective answers after the collective's timeout
+        deadline = time.monotonic() + float(self.spec.timeout_s) + 30
+        for rank, call in calls:
+            try:
+                call.result(timeout=max(deadline - time.monotonic(), 1))
+            except Exception as exc:
+                self._log_failure("failed in teardown", rank, exc)
+        futures, self._actor_futures = self._actor_futures, []
+        # each Actor proxy holds a Future of its own for the actor's key, and distributed's call closures put the
+        # proxy in reference cycles, so it would hold the actor until a garbage collection: release it now
+        futures += [getattr(actor, "_future", None) for actor in actors]
+        for future in futures:
+            if future is not None:
+                try:
+                    future.release()
+                except Exception as exc:  # a closed client: the scheduler forgets the key with the client
+                    logger.warning(
+                        "%s: could not release %s: %s: %s", self.sink.run_id, future, type(exc).__name__, exc
+                    )
+        del actors, futures
+
+    def _log_failure(self, what: str, rank: int, exc: BaseException) -> None:
+        where = self.workers[rank] if rank < len(self.workers) else "?"
+        logger.warning("%s: trainer %d on %s %s: %s: %s", self.sink.run_id, rank, where, what, type(exc).__name__, exc)

@@ -1,0 +1,242 @@
+"""The checked options of a training run: every argument of :func:`dask_dl.fit` is checked here, before anything
+is placed on the cluster.
+
+:func:`check_run` turns ``fit``'s arguments (with the ``dask-dl.train`` config defaults) and the dataset into one
+frozen :class:`RunOptions`, or raises: a bad argument is a ConfigurationError, bad data a DatasetError. Nothing
+here touches the cluster or imports torch, so a mistake costs no actor, no key on the scheduler and no wait.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from dask_dl import config
+from dask_dl.checks import one_of, positive_int
+from dask_dl.errors import ConfigurationError, DatasetError
+
+__all__ = ["OPTIMIZERS", "VIEWS", "RunOptions", "check_dataset", "check_run"]
+
+OPTIMIZERS: tuple[str, ...] = ("sgd", "adamw")
+VIEWS: tuple[str, ...] = ("none", "auto", "notebook", "terminal", "log")
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """What one training run does: the data, the model, the optimization and where results go."""
+
+    store: str
+    train_samples: np.ndarray = field(repr=False)
+    val_samples: np.ndarray = field(repr=False)
+    labels: tuple[str, ...]
+    task: str
+    input_size: int
+    model: str
+    model_kwargs: dict[str, Any]
+    epochs: int
+    batch_size: int
+    trainers: int
+    compression: str
+    compression_options: dict[str, Any]
+    lr: float
+    optimizer: str
+    momentum: float
+    weight_decay: float
+    warmup_steps: int
+    seed: int
+    augment: bool
+    checkpoint_dir: str | None
+    resume: bool
+    view: str
+    tensorboard: str | None
+    window: int | None
+    prefetch: int | None
+    timeout_s: float
+
+    @property
+    def global_batch(self) -> int:
+        """Images per optimizer step over all trainers: ``batch_size`` is per trainer."""
+        return self.batch_size * self.trainers
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Steps every trainer takes per epoch (the loader drops what does not fill a step on every rank)."""
+        return len(self.train_samples) // self.global_batch
+
+    def to_dict(self) -> dict[str, Any]:
+        """The options as plain values (the sample lists as counts)."""
+        out = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        out["train_samples"], out["val_samples"] = len(self.train_samples), len(self.val_samples)
+        out["labels"] = list(self.labels)
+        return out
+
+
+def check_run(
+    dataset: Any,
+    *,
+    model: str | None = None,
+    epochs: int | None = None,
+    batch_size: int | None = None,
+    trainers: int | None = None,
+    compression: str | None = None,
+    lr: float | None = None,
+    optimizer: str | None = None,
+    warmup_steps: int | None = None,
+    checkpoint_dir: str | None = None,
+    resume: bool = False,
+    seed: int | None = None,
+    augment: bool = False,
+    model_kwargs: dict[str, Any] | None = None,
+    compression_options: dict[str, Any] | None = None,
+    view: str = "none",
+    tensorboard: str | None = None,
+) -> RunOptions:
+    """Check every argument of :func:`dask_dl.fit` and return the run's options (config fills what is None).
+
+    Raises
+    ------
+    ConfigurationError
+        An unknown model, model option, compressor, compressor option, optimizer or view; a number out of range;
+        ``resume=True`` without ``checkpoint_dir``.
+    DatasetError
+        Not a dataset of :func:`dask_dl.open_dataset`, no ``train``/``val`` samples or labels, or a batch larger
+        than one trainer's share of the training split.
+    """
+    data = check_dataset(dataset)
+    model = config.get("train.model", model)
+    epochs = positive_int("epochs", config.get("train.epochs", epochs))
+    batch_size = positive_int("batch_size", config.get("train.batch-size", batch_size), example=32)
+    trainers = positive_int("trainers", config.get("train.trainers", trainers), example=2)
+    lr = _positive_real("lr", config.get("train.lr", lr), example=0.01)
+    optimizer = one_of("optimizer", config.get("train.optimizer", optimizer), OPTIMIZERS)
+    warmup_steps = _non_negative_int("warmup_steps", config.get("train.warmup-steps", warmup_steps))
+    seed = _non_negative_int("seed", config.get("train.seed", seed))
+    view = one_of("view", view, VIEWS)
+    checkpoint_dir = config.get("train.checkpoint-dir", checkpoint_dir)
+    if resume and checkpoint_dir is None:
+        raise ConfigurationError("resume=True needs checkpoint_dir=... (the directory the earlier run wrote to)")
+    model_kwargs, compression_options = dict(model_kwargs or {}), dict(compression_options or {})
+    _check_model(model, model_kwargs)
+    compression = config.get("train.compression", compression)
+    _check_compression(compression, warmup_steps, compression_options)
+    n_train = len(data["train_samples"])
+    if n_train // trainers < batch_size:
+        raise DatasetError(
+            f"batch_size={batch_size} is larger than one trainer's share of the training split "
+            f"({n_train} samples / {trainers} trainers = {n_train // trainers}); use batch_size <= "
+            f"{max(n_train // trainers, 1)} or fewer trainers"
+        )
+    return RunOptions(
+        **data,
+        model=model,
+        model_kwargs=model_kwargs,
+        epochs=epochs,
+        batch_size=batch_size,
+        trainers=trainers,
+        compression=compression,
+        compression_options=compression_options,
+        lr=lr,
+        optimizer=optimizer,
+        momentum=_non_negative_real("dask-dl.train.momentum", config.get("train.momentum")),
+        weight_decay=_non_negative_real("dask-dl.train.weight-decay", config.get("train.weight-decay")),
+        warmup_steps=warmup_steps,
+        seed=seed,
+        augment=bool(augment),
+        checkpoint_dir=None if checkpoint_dir is None else str(checkpoint_dir),
+        resume=bool(resume),
+        view=view,
+        tensorboard=None if tensorboard is None else str(tensorboard),
+        window=config.get("train.shuffle-window"),
+        prefetch=config.get("train.prefetch"),
+        timeout_s=_positive_real("dask-dl.train.timeout", config.get("train.timeout"), example=120),
+    )
+
+
+def check_dataset(dataset: Any) -> dict[str, Any]:
+    """Return the data part of the options (store, samples, labels, task, size) from an open_dataset result.
+
+    Raises
+    ------
+    DatasetError
+        Not an open_dataset result, no labels, or no ``train`` or ``val`` samples.
+    """
+    if not (hasattr(dataset, "data_vars") and hasattr(dataset, "encoding")):
+        raise DatasetError(
+            f"fit takes the xarray.Dataset of dask_dl.open_dataset(store), got {type(dataset).__name__}; "
+            "pass ds = dask_dl.open_dataset('cxr.zarr')"
+        )
+    meta = dataset.attrs.get("dask_dl")
+    source = dataset.encoding.get("source")
+    if not isinstance(meta, dict) or source is None:
+        raise DatasetError(
+            "the dataset lacks the dask_dl attribute or encoding['source'] (the store it came from); "
+            "open it with dask_dl.open_dataset(store)"
+        )
+    labels = tuple(meta.get("labels") or ())
+    if not labels:
+        raise DatasetError(f"the store {source!r} has no labels; ingest a catalog with label columns to train on it")
+    if "split" not in dataset.coords:
+        raise DatasetError("the dataset has no 'split' coordinate; open it with dask_dl.open_dataset(store)")
+    split = np.asarray(dataset["split"].values).astype(str)
+    sample = np.asarray(dataset["sample"].values, dtype=np.int64)
+    found = sorted(set(split.tolist()))
+    parts = {}
+    for name in ("train", "val"):
+        rows = sample[split == name]
+        if len(rows) == 0:
+            raise DatasetError(
+                f"the dataset has no {name!r} samples (splits present: {', '.join(found) or 'none'}); fit needs "
+                "train and val splits: open the whole store (open_dataset(store) without split=) or make the "
+                "catalog with dask_dl.split_by_patient"
+            )
+        parts[name] = rows
+    return {
+        "store": str(source),
+        "train_samples": parts["train"],
+        "val_samples": parts["val"],
+        "labels": labels,
+        "task": meta.get("task", "multilabel"),
+        "input_size": int(meta.get("size") or dataset["image"].shape[-1]),
+    }
+
+
+def _check_model(name: Any, options: dict[str, Any]) -> None:
+    from dask_dl.models import MODELS, model_options
+
+    MODELS.entry(name)  # unknown names: the registry's error, listing them
+    unknown = sorted(set(options) - set(model_options(name)))
+    if unknown:
+        raise ConfigurationError(
+            f"model {name!r} has no option(s) {unknown}; its options are {list(model_options(name)) or 'none'}"
+        )
+
+
+def _check_compression(name: Any, warmup_steps: int, options: dict[str, Any]) -> None:
+    from dask_dl.train.compressors import COMPRESSORS
+
+    COMPRESSORS.entry(name)
+    from dask_dl.train.compression import make_compressor  # the options' checks (imports torch)
+
+    make_compressor(name, warmup_steps=warmup_steps, **options)
+
+
+def _positive_real(name: str, value: Any, *, example: float) -> float:
+    if isinstance(value, numbers.Real) and not isinstance(value, bool) and value > 0 and math.isfinite(value):
+        return float(value)
+    raise ConfigurationError(f"{name} must be a positive number, got {value!r}; pass e.g. {name}={example}")
+
+
+def _non_negative_real(name: str, value: Any) -> float:
+    if isinstance(value, numbers.Real) and not isinstance(value, bool) and value >= 0 and math.isfinite(value):
+        return float(value)
+    raise ConfigurationError(f"{name} must be a number >= 0, got {value!r}")
+
+
+def _non_negative_int(name: str, value: Any) -> int:
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 0:
+        return int(value)
+    raise ConfigurationError(f"{name} must be an integer >= 0, got {value!r}; pass e.g. {name}=0")
