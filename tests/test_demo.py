@@ -10,8 +10,19 @@ import pytest
 import dask_dl
 
 
+@pytest.fixture
+def cpu_hog():
+    """A CPU-bound process beside the demo: on a busy machine shutdown used to print tracebacks and kill workers."""
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        yield hog
+    finally:
+        hog.kill()
+        hog.wait()
+
+
 @pytest.mark.slow
-def test_demo_command_end_to_end(tmp_path):
+def test_demo_command_end_to_end(tmp_path, cpu_hog):
     out = tmp_path / "demo"
     cmd = [
         sys.executable,
@@ -30,6 +41,10 @@ def test_demo_command_end_to_end(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = proc.stdout
+    # a successful job ends quietly, busy machine or not: no traceback, no worker killed at shutdown
+    assert "Traceback" not in proc.stdout + proc.stderr, proc.stderr
+    assert "still alive" not in proc.stderr, proc.stderr
+    assert re.search(r"training\s+2 trainers, global batch 64, compression onebit", report), report
 
     data = re.search(r"data\s+([\d,]+) images \((\d+) rejected\), 32x32", report)
     assert data and int(data[1].replace(",", "")) == 400 and int(data[2]) == 0

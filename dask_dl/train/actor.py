@@ -1,11 +1,11 @@
 """TrainingActor: one data-parallel trainer, living on one Dask worker as a Dask actor.
 
-The driver (:mod:`dask_dl.train.run`) makes one actor per trainer and calls, on all of them at once:
-``free_address`` (rank 0 only), ``setup``, then per epoch ``train_epoch``, ``validate`` and ``checkpoint``, and
-finally ``teardown``. A worker runs an actor's synchronous methods one at a time on a single thread, so the
-collective ones (``setup``, ``train_epoch``, ``checkpoint``) must be started on every actor before any result is
-awaited. ``request_stop`` and ``progress`` are ``async`` methods: they run on the worker's event loop and answer
-while an epoch is running.
+The driver (:mod:`dask_dl.train.driver`) makes one actor per trainer and calls, on all of them at once:
+``free_address`` (rank 0 only), ``setup``, then ``run_epochs`` (which runs ``train_epoch``, ``validate`` and
+``checkpoint`` epoch after epoch on its own), and finally ``teardown``. A worker runs an actor's synchronous
+methods one at a time on a single thread, so the collective ones (``setup``, ``run_epochs``, ``train_epoch``,
+``checkpoint``) must be started on every actor before any result is awaited. ``request_stop``, ``progress`` and
+``latest_checkpoint`` are ``async`` methods: they run on the worker's event loop and answer while epochs run.
 
 Time accounting of an epoch (the ``*_s`` fields of :meth:`TrainingActor.train_epoch`):
 
@@ -14,8 +14,9 @@ Time accounting of an epoch (the ``*_s`` fields of :meth:`TrainingActor.train_ep
 ``comm_s``
     communication the trainer was blocked on: the synchronous part of every DDP comm-hook call (compression,
     launching the collective), plus the wait from the return of the last bucket's hook to the end of
-    ``backward()`` (all-reduces still in flight once gradients are computed), plus the per-step all-reduce of the
-    stop/finite flags. All-reduce time hidden behind backward compute is not counted: it cost nothing;
+    ``backward()`` (all-reduces still in flight once gradients are computed), plus the all-reduce of the
+    stop/finite flags (every ``check_every`` steps). All-reduce time hidden behind backward compute is not
+    counted: it cost nothing;
 ``compute_s``
     the rest of the step: forward, backward compute, optimizer (step wall time minus ``comm_s``).
 """
@@ -75,6 +76,8 @@ class TrainerSpec:
     prefetch: int | None = None
     timeout_s: float = 120.0
     resume_from: str | None = None
+    #: steps between the ranks' agreement on stop and non-finite loss (one small all-reduce each)
+    check_every: int = 8
 
 
 def _epoch_seed(seed: int, epoch: int, rank: int) -> int:
@@ -119,6 +122,7 @@ class TrainingActor:
         self._stop = threading.Event()
         self._progress: dict[str, Any] = {}
         self._ready = False
+        self._latest: dict[str, Any] | None = None  # rank 0: the newest checkpoint when there is no directory
 
     # ---- answered on the event loop, also while an epoch runs ----------------------------------------------
 
@@ -130,6 +134,10 @@ class TrainingActor:
     async def progress(self) -> dict[str, Any]:
         """Return where the current epoch is: ``epoch, step, steps, loss, images_per_s``."""
         return dict(self._progress)
+
+    async def latest_checkpoint(self) -> dict[str, Any] | None:
+        """Rank 0: the checkpoint of the last completed epoch of :meth:`run_epochs` without a directory."""
+        return self._latest
 
     # ---- process group and model ----------------------------------------------------------------------
 
@@ -236,6 +244,9 @@ class TrainingActor:
     def train_epoch(self, epoch: int) -> dict[str, Any]:
         """Train one epoch; every rank stops at the same step when a stop was requested on any rank.
 
+        The ranks agree on stopping (and on a non-finite loss) every ``spec.check_every`` steps and at the last
+        step, so a stop takes effect within that many steps.
+
         Raises
         ------
         TrainingError
@@ -247,6 +258,8 @@ class TrainingActor:
         steps = self.train_loader.steps_per_epoch
         bytes_before = int(self.compressor.bytes_sent)
         loss_sum, examples, step, comm_s, busy_s, stopped = 0.0, 0, 0, 0.0, 0.0, False
+        loss_acc = torch.zeros((), device=device)
+        check_every = int(self.spec.check_every)
         self._progress = {"epoch": epoch, "step": 0, "steps": steps, "loss": None, "images_per_s": None}
         started = time.perf_counter()
         for step, (x, y) in enumerate(self.train_loader.epoch(epoch)):
@@ -257,31 +270,35 @@ class TrainingActor:
             loss = self._loss(self.ddp(x), y)
             loss.backward()
             backward_end = time.perf_counter()
-            # one small all-reduce per step makes every rank agree to stop, or to fail, at the same step;
-            # a rank that broke out alone would leave the others waiting in DDP's next all-reduce
-            flags = torch.stack(
-                [torch.tensor(float(self._stop.is_set()), device=device), (~torch.isfinite(loss.detach())).float()]
-            )
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            loss_acc += loss.detach()  # stays on the device: no host sync per step
+            examples += x.shape[0]
+            stop = bad = False
+            if (step + 1) % check_every == 0 or step + 1 == steps:
+                # every `check_every` steps (the same steps on every rank) one small all-reduce makes the ranks
+                # agree to stop, or to fail, at the same step: a rank that broke out alone would leave the others
+                # waiting in DDP's next all-reduce. A non-finite loss anywhere since the last check makes the
+                # running sum non-finite.
+                flags = torch.stack([torch.tensor(float(self._stop.is_set()), device=device), loss_acc])
+                flags[1] = (~torch.isfinite(flags[1])).float()
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+                stop, bad = bool(flags[0] > 0), bool(flags[1] > 0)
+                if bad:
+                    raise TrainingError(
+                        f"non-finite training loss at epoch {epoch} step {step} (checked every {check_every} "
+                        f"steps; rank {self.rank} loss sum {float(loss_acc):.4g}); the weights of the last "
+                        "completed epoch are kept in its checkpoint; lower the learning rate (lr=...) or check "
+                        "the data"
+                    )
+                loss_sum = float(loss_acc)
+                self._progress.update(loss=loss_sum / (step + 1))
             flags_end = time.perf_counter()
-            stop, bad = bool(flags[0] > 0), bool(flags[1] > 0)
-            if bad:
-                raise TrainingError(
-                    f"non-finite training loss at epoch {epoch} step {step} (rank {self.rank} loss "
-                    f"{float(loss.detach()):.4g}); the weights of the last completed epoch are kept in its "
-                    "checkpoint; lower the learning rate (lr=...) or check the data"
-                )
             self.optimizer.step()
             end = time.perf_counter()
             tail = backward_end - timer.last_return if timer.last_return is not None else 0.0
             comm_s += (timer.hook_s - hook_s_before) + tail + (flags_end - backward_end)
             busy_s += end - begin
-            loss_sum += float(loss.detach())
-            examples += x.shape[0]
             elapsed = time.perf_counter() - started
-            self._progress.update(
-                step=step + 1, loss=loss_sum / (step + 1), images_per_s=examples * self.world_size / elapsed
-            )
+            self._progress.update(step=step + 1, images_per_s=examples * self.world_size / elapsed)
             if stop:
                 stopped = True
                 break
@@ -330,6 +347,73 @@ class TrainingActor:
             "loss_sum": loss_sum,
         }
 
+    # ---- epoch after epoch, on their own ----------------------------------------------------------------
+
+    def run_epochs(
+        self,
+        *,
+        first_epoch: int,
+        epochs: int,
+        history: list[dict[str, Any]],
+        directory: str | None,
+        topic: str,
+        global_batch: int,
+        price: float,
+        resumed: bool = False,
+    ) -> dict[str, Any]:
+        """Train, validate and checkpoint epochs ``first_epoch .. epochs - 1`` without waiting for the driver.
+
+        All ranks call it at once. After each epoch rank 0 gathers every rank's training report and
+        predictions, makes the epoch's history row (:func:`dask_dl.train.aggregate.epoch_row`) and publishes it
+        as a Dask event on ``topic`` (``log_event``), which the driver subscribes to; the checkpoint is written by
+        rank 0 to ``directory``, or, without one, kept by rank 0 (:meth:`latest_checkpoint`) rather than sent
+        anywhere. A stop request ends the loop at the same step on every rank, with a ``stopped`` row.
+
+        Returns
+        -------
+        dict
+            ``status`` (``finished`` or ``stopped``) and, on rank 0, the ``rows`` published by this call.
+        """
+        from distributed import get_worker
+
+        from dask_dl.train.aggregate import epoch_row
+
+        worker = get_worker() if self.rank == 0 else None
+        history, published = [_plain(r) for r in history], []
+        common = dict(labels=self.spec.labels, task=self.spec.task, global_batch=global_batch, price=price)
+
+        def publish(row: dict[str, Any]) -> None:
+            row = _plain(row)
+            published.append(row)
+            worker.log_event(topic, row)
+
+        for epoch in range(first_epoch, epochs):
+            started = time.perf_counter()
+            report = self.train_epoch(epoch)
+            trained = self._gather_to_root(report)
+            if report["stopped"]:  # every rank stopped at the same step (train_epoch's flags)
+                if self.rank == 0:
+                    seconds = time.perf_counter() - started
+                    publish(epoch_row(epoch, trained, None, seconds=seconds, event="stopped", **common))
+                return {"status": "stopped", "rows": published}
+            scored = self._gather_to_root(self.validate(epoch))
+            row = None
+            if self.rank == 0:
+                event = "resumed" if resumed and epoch == first_epoch else ""
+                row = epoch_row(epoch, trained, scored, seconds=time.perf_counter() - started, event=event, **common)
+                history.append(_plain(row))
+            checkpoint = self.checkpoint(epoch, history=history, directory=directory)
+            if self.rank == 0:
+                self._latest = checkpoint if directory is None else None
+                publish(row)
+        return {"status": "finished", "rows": published}
+
+    def _gather_to_root(self, report: dict[str, Any]) -> list[dict[str, Any]] | None:
+        """Every rank's ``report`` on rank 0 (in rank order), None elsewhere."""
+        gathered: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(report, gathered, dst=0)
+        return gathered
+
     # ---- checkpoint and teardown ----------------------------------------------------------------------
 
     def checkpoint(self, epoch: int, *, history: list[dict[str, Any]], directory: str | None) -> dict[str, Any] | None:
@@ -373,7 +457,7 @@ class TrainingActor:
             close = getattr(getattr(self, name, None), "close", None)
             if close is not None:
                 close()
-        for name in ("ddp", "optimizer", "compressor", "train_loader", "val_loader", "timer"):
+        for name in ("ddp", "optimizer", "compressor", "train_loader", "val_loader", "timer", "_latest"):
             self.__dict__.pop(name, None)
         # DDP's reducer holds the process group: free it before the group goes, not at interpreter exit
         gc.collect()

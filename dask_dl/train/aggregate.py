@@ -13,13 +13,12 @@ import numpy as np
 
 from dask_dl import config
 
-__all__ = ["cost", "epoch_row"]
+__all__ = ["epoch_row", "worker_hour_price"]
 
 
-def cost(seconds: float, *, workers: int, gpu: bool) -> float:
-    """Price of ``workers`` workers for ``seconds``, from ``dask-dl.cost.{cpu,gpu}-worker-hour``."""
-    price = config.get("cost.gpu-worker-hour" if gpu else "cost.cpu-worker-hour")
-    return seconds / 3600.0 * workers * float(price)
+def worker_hour_price(*, gpu: bool) -> float:
+    """Price of one worker for an hour, from ``dask-dl.cost.{cpu,gpu}-worker-hour`` (read where fit is called)."""
+    return float(config.get("cost.gpu-worker-hour" if gpu else "cost.cpu-worker-hour"))
 
 
 def epoch_row(
@@ -31,7 +30,7 @@ def epoch_row(
     labels: tuple[str, ...],
     task: str,
     global_batch: int,
-    gpu: bool,
+    price: float,
     event: str = "",
 ) -> dict[str, Any]:
     """Return the history row of ``epoch`` from every rank's training report and, unless stopped, validation.
@@ -47,6 +46,8 @@ def epoch_row(
         Wall time of the epoch (training, validation and checkpoint).
     global_batch
         Images per optimizer step over all trainers.
+    price
+        Price of one worker for an hour (:func:`worker_hour_price`).
     """
     from dask_dl.metrics import auroc
 
@@ -82,7 +83,7 @@ def epoch_row(
             "data_wait_s": sum(t["data_wait_s"] for t in trained) / n,
             "bytes_sent": int(sum(t["bytes_sent"] for t in trained)),
             "seconds": seconds,
-            "cost": cost(seconds, workers=n, gpu=gpu),
+            "cost": seconds / 3600.0 * n * price,
             "event": event,
         }
     )

@@ -1,20 +1,26 @@
-"""The driver: the background thread that places the trainers, drives them through the epochs and frees them.
+"""The driver: the background thread that places the trainers, starts them and frees them.
 
 A :class:`Driver` owns the actors' life cycle: it creates one :class:`~dask_dl.train.actor.TrainingActor` per
-worker, forms the process group, runs each epoch (train, validate, checkpoint, all ranks at once), and always
-releases the actors at the end, also after errors. What it learns it hands to the run it drives (a
-:class:`RunSink`: :class:`~dask_dl.train.run.TrainingRun`), which keeps the state the user sees.
+worker, forms the process group, and makes one call per rank that runs every epoch
+(:meth:`~dask_dl.train.actor.TrainingActor.run_epochs`): the trainers go from epoch to epoch without waiting for
+the driver, which only observes. Rank 0 publishes each epoch's history row as a Dask event on the run's topic;
+the driver subscribes to it, asks rank 0 for live progress once a second, sees a failed rank at its next look
+(every 0.25 s), and always releases the actors at the end, also after errors. Checkpoints stay with the
+trainers: rank 0 writes them to ``checkpoint_dir``, or keeps the latest, which the driver fetches when asked and
+once at the end. What it learns it hands to the run it drives (a :class:`RunSink`:
+:class:`~dask_dl.train.run.TrainingRun`), which keeps the state the user sees.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
 from dask_dl.errors import TrainingError
-from dask_dl.train.aggregate import epoch_row
+from dask_dl.train.aggregate import worker_hour_price
 
 if TYPE_CHECKING:  # pragma: no cover
     from distributed import Client
@@ -38,9 +44,9 @@ class RunSink(Protocol):
 
     def progress(self, live: dict[str, Any]) -> None: ...
 
-    def history_with(self, row: dict[str, Any]) -> list[dict[str, Any]]: ...
+    def epoch_done(self, row: dict[str, Any]) -> None: ...
 
-    def epoch_done(self, row: dict[str, Any], checkpoint: dict[str, Any] | None) -> None: ...
+    def keep_checkpoint(self, checkpoint: dict[str, Any]) -> None: ...
 
     def ended(self, status: str, error: BaseException | None) -> None: ...
 
@@ -56,6 +62,7 @@ class Driver:
         workers: list[str],
         epochs: int,
         first_epoch: int,
+        history: list[dict[str, Any]],
         checkpoint_dir: str | None,
         global_batch: int,
         sink: RunSink,
@@ -65,7 +72,10 @@ class Driver:
         self.global_batch, self.sink = global_batch, sink
         self.gpu = False
         self.stop_requested = threading.Event()
-        self._resumed = first_epoch > 0 or spec.resume_from is not None
+        self.history = [dict(r) for r in history]  # the rows of the run resumed from, given to rank 0
+        self.topic = f"dask-dl-{sink.run_id}"
+        self._rows: queue.SimpleQueue = queue.SimpleQueue()  # rows published by rank 0, from the client's loop
+        self._delivered = 0
         self._actor_futures: list[Any] = []
         self._actors: list[Any] = []
         self._thread = threading.Thread(target=self._drive, name=f"dask-dl-{sink.run_id}", daemon=True)
@@ -86,20 +96,21 @@ class Driver:
 
     def _drive(self) -> None:
         status, error = "failed", None
+        self.client.subscribe_topic(self.topic, lambda event: self._rows.put(event[1]))
         try:
             self._form_group()
-            status = "stopped"
-            for epoch in range(self.epoch, self.epochs):
-                if self.stop_requested.is_set() or not self._run_epoch(epoch):
-                    break
-            else:
-                status = "finished"
+            status = self._run()
         except BaseException as exc:  # handed to wait(); the thread must not die silently
             status, error = "failed", exc
         finally:
             try:
+                self._keep_last_checkpoint()
                 self._release()
             finally:
+                try:
+                    self.client.unsubscribe_topic(self.topic)
+                except Exception as exc:  # a client closed under the run: no subscription left to end
+                    logger.debug("%s: unsubscribe failed: %s", self.sink.run_id, exc)
                 self.sink.ended(status, error)
 
     def _form_group(self) -> None:
@@ -129,26 +140,62 @@ class Driver:
         self.epoch = infos[0]["start_epoch"]
         self.sink.started(infos)
 
-    def _run_epoch(self, epoch: int) -> bool:
-        """Train, validate and checkpoint one epoch; False when it was stopped part way."""
-        self.epoch = epoch
-        started = time.perf_counter()
-        trained = self._gather([a.train_epoch(epoch) for a in self._actors], live=True)
-        common = dict(labels=self.spec.labels, task=self.spec.task, global_batch=self.global_batch, gpu=self.gpu)
-        if any(t["stopped"] for t in trained):
-            row = epoch_row(epoch, trained, None, seconds=time.perf_counter() - started, event="stopped", **common)
-            self.sink.epoch_done(row, None)
-            return False
-        scored = self._gather([a.validate(epoch) for a in self._actors])
-        event = "resumed" if self._resumed else ""
-        self._resumed = False
-        row = epoch_row(epoch, trained, scored, seconds=time.perf_counter() - started, event=event, **common)
-        history = self.sink.history_with(row)
-        checkpoints = self._gather(
-            [a.checkpoint(epoch, history=history, directory=self.checkpoint_dir) for a in self._actors]
-        )
-        self.sink.epoch_done(row, checkpoints[0])
-        return True
+    def _run(self) -> str:
+        """Start every rank's epoch loop and observe it to the end; return ``finished`` or ``stopped``."""
+        if self.stop_requested.is_set():
+            return "stopped"
+        price = worker_hour_price(gpu=self.gpu)
+        calls = [
+            actor.run_epochs(
+                first_epoch=self.epoch,
+                epochs=self.epochs,
+                history=self.history,
+                directory=self.checkpoint_dir,
+                topic=self.topic,
+                global_batch=self.global_batch,
+                price=price,
+                resumed=bool(self.history),
+            )  # fmt: skip
+            for actor in self._actors
+        ]
+        results = self._gather(calls, live=True)
+        # rank 0's answer lists every row it published: deliver those whose event has not arrived yet
+        self._deliver()
+        for row in results[0]["rows"][self._delivered :]:
+            self._deliver_row(row)
+        return results[0]["status"]
+
+    def _deliver(self) -> None:
+        while True:
+            try:
+                row = self._rows.get_nowait()
+            except queue.Empty:
+                return
+            self._deliver_row(row)
+
+    def _deliver_row(self, row: dict[str, Any]) -> None:
+        self._delivered += 1
+        self.epoch = min(int(row["epoch"]) + 1, self.epochs - 1)
+        self.sink.epoch_done(row)
+
+    def fetch_checkpoint(self) -> dict[str, Any] | None:
+        """Rank 0's latest checkpoint while the trainers live (runs without ``checkpoint_dir``), else None."""
+        actors = list(self._actors)
+        if not actors or self.checkpoint_dir is not None:
+            return None
+        return actors[0].latest_checkpoint().result(timeout=60)
+
+    def _keep_last_checkpoint(self) -> None:
+        """Without ``checkpoint_dir``, fetch the last completed epoch's checkpoint once, before the actors go."""
+        if self.checkpoint_dir is not None or not self._actors:
+            return
+        try:
+            checkpoint = self.fetch_checkpoint()
+        except Exception as exc:  # rank 0's worker died: the run's error says so; no checkpoint to keep
+            self._log_failure("kept no checkpoint", 0, exc)
+            return
+        if checkpoint is not None:
+            self.sink.keep_checkpoint(checkpoint)
 
     def _gather(self, futures: list[Any], *, live: bool = False) -> list[Any]:
         """Results of actor calls; raises the first error at once instead of waiting for the other ranks."""
@@ -159,6 +206,7 @@ class Driver:
                     self._result(rank, f)  # raises the rank's error now; the others time out in their collectives
             if all(f.done() for f in futures):
                 return [f.result() for f in futures]
+            self._deliver()
             if live and time.monotonic() - last_poll > _PROGRESS_S:
                 last_poll = time.monotonic()
                 try:

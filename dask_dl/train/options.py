@@ -56,6 +56,7 @@ class RunOptions:
     window: int | None
     prefetch: int | None
     timeout_s: float
+    check_every: int
 
     @property
     def global_batch(self) -> int:
@@ -153,6 +154,7 @@ def check_run(
         window=config.get("train.shuffle-window"),
         prefetch=config.get("train.prefetch"),
         timeout_s=_positive_real("dask-dl.train.timeout", config.get("train.timeout"), example=120),
+        check_every=positive_int("dask-dl.train.check-every", config.get("train.check-every"), example=8),
     )
 
 

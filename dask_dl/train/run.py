@@ -76,7 +76,9 @@ def fit(
     optimizer : {"sgd", "adamw"}, optional
         SGD with momentum ``dask-dl.train.momentum``, or AdamW. Default ``dask-dl.train.optimizer``.
     checkpoint_dir : str, optional
-        Local directory or fsspec URL the trainers can write to; one ``epoch-NNNN.pt`` per epoch.
+        Local directory or fsspec URL the trainers can write to; rank 0 writes one ``epoch-NNNN.pt`` per epoch.
+        Without it, rank 0 keeps the latest checkpoint in memory, and ``run.checkpoint()`` / ``run.model()`` fetch
+        it when asked (and once when the run ends): checkpoints never travel to the driver epoch by epoch.
     resume : bool
         Continue from the latest checkpoint in ``checkpoint_dir`` (start afresh when there is none yet).
     seed : int, optional
@@ -145,13 +147,17 @@ def fit(
     resume_from, history = None, []
     if options.resume:
         resume_from, history = _resume_point(options)
+    owns_client = client is None and not _current_client_exists()
     client = get_client(client)
     try:
         workers = place_trainers(client, options.trainers)
         check_visible(client, options.store, workers=workers)  # the trainers open the store themselves
-        run = TrainingRun(client, options, workers=workers, history=history, resume_from=resume_from)
+        run = TrainingRun(
+            client, options, workers=workers, history=history, resume_from=resume_from, owns_client=owns_client
+        )
     except BaseException:
-        close_client(client)  # closes it only when this call started it
+        if owns_client:
+            close_client(client)
         raise
     _install_dashboard(client)
     run._start()
@@ -183,6 +189,7 @@ class TrainingRun:
         workers: list[str],
         history: list[dict[str, Any]],
         resume_from: str | None = None,
+        owns_client: bool = False,
     ) -> None:
         from dask_dl.train.driver import Driver
         from dask_dl.train.history import HistoryWriter
@@ -192,6 +199,7 @@ class TrainingRun:
         self.client, self.options, self.workers = client, options, list(workers)
         self.epochs, self.checkpoint_dir = options.epochs, options.checkpoint_dir
         self.status, self.error = "starting", None
+        self._owns_client = owns_client
         self.steps_per_epoch: int | None = None
         self._rows = [dict(r) for r in history]
         self._epoch = len(history)
@@ -210,6 +218,7 @@ class TrainingRun:
             workers=self.workers,
             epochs=options.epochs,
             first_epoch=len(history),
+            history=history,
             checkpoint_dir=options.checkpoint_dir,
             global_batch=options.batch_size * len(self.workers),
             sink=self,
@@ -274,14 +283,23 @@ class TrainingRun:
                 return
 
     def checkpoint(self) -> dict[str, Any]:
-        """Return the latest checkpoint (the contract's dict) of this run, from memory or ``checkpoint_dir``."""
-        if self._checkpoint is not None:
-            return self._checkpoint
+        """Return the latest checkpoint (the contract's dict) of this run.
+
+        Checkpoints do not travel to the driver as epochs finish: with ``checkpoint_dir`` this reads the newest
+        file there; without one it asks rank 0, which keeps the latest, while the run goes on, and returns the
+        copy fetched once when the run ended.
+        """
         if self.checkpoint_dir is not None:
             from dask_dl.checkpoint import latest_checkpoint, load_checkpoint
 
             if latest_checkpoint(self.checkpoint_dir) is not None:
                 return load_checkpoint(self.checkpoint_dir)
+        elif self._checkpoint is None and not self.done:
+            checkpoint = self._driver.fetch_checkpoint()
+            if checkpoint is not None:
+                return checkpoint
+        if self._checkpoint is not None:
+            return self._checkpoint
         raise TrainingError(f"{self.run_id} has no checkpoint yet: no epoch has completed ({self.status})")
 
     def model(self) -> torch.nn.Module:
@@ -353,13 +371,8 @@ class TrainingRun:
         self._view.update(self.snapshot())
         self._publish()
 
-    def history_with(self, row: dict[str, Any]) -> list[dict[str, Any]]:
-        with self._lock:
-            return [*self._rows, row]
-
-    def epoch_done(self, row: dict[str, Any], checkpoint: dict[str, Any] | None) -> None:
-        if checkpoint is not None:
-            self._checkpoint = checkpoint
+    def epoch_done(self, row: dict[str, Any]) -> None:
+        if row.get("event") != "stopped":
             self._epoch = row["epoch"] + 1
         self._live = {}
         with self._lock:
@@ -368,6 +381,9 @@ class TrainingRun:
         self._history_writer.write(rows)
         self._publish()
         self._view.update(self.snapshot())
+
+    def keep_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._checkpoint = checkpoint
 
     def ended(self, status: str, error: BaseException | None) -> None:
         from dask_dl.cluster import close_client
@@ -379,7 +395,8 @@ class TrainingRun:
             self._view.update(self.snapshot())
             self._view.close()
             self._history_writer.close()
-            close_client(self.client)  # only when fit started it: then nothing is left running
+            if self._owns_client:  # fit started this cluster for the run: nothing is left running
+                close_client(self.client)
         except Exception as exc:  # the run's outcome stands; what failed after it is reported, not raised
             logger.warning("%s: closing the run's view, history or cluster failed: %s: %s", self.run_id,
                            type(exc).__name__, exc)  # fmt: skip
@@ -395,6 +412,16 @@ class TrainingRun:
             publish(self.client, self.run_id, snap)
         except Exception as exc:  # the dashboard page is a view; training goes on without it
             logger.debug("%s: dashboard not updated: %s: %s", self.run_id, type(exc).__name__, exc)
+
+
+def _current_client_exists() -> bool:
+    from distributed import default_client
+
+    try:
+        default_client()
+    except ValueError:
+        return False
+    return True
 
 
 def _trainer_spec(options: RunOptions, resume_from: str | None) -> Any:
@@ -424,6 +451,7 @@ def _trainer_spec(options: RunOptions, resume_from: str | None) -> Any:
         window=options.window,
         prefetch=options.prefetch,
         timeout_s=options.timeout_s,
+        check_every=options.check_every,
         resume_from=resume_from,
     )
 
