@@ -368,8 +368,8 @@ def train_command(
 ) -> None:  # fmt: skip
     """Train a model on the train split of STORE, validating on its val split after every epoch.
 
-    Prints one line per epoch and a final table; Ctrl-C stops the trainers after their current step and frees
-    the workers (the last completed epoch's checkpoint stays).
+    Prints one line per epoch and a final table; Ctrl-C stops the trainers within a few steps and frees the
+    workers (the last completed epoch's checkpoint stays).
     """
     import time
 
@@ -394,7 +394,7 @@ def train_command(
                 time.sleep(0.5)
                 shown = _echo_epochs(run, shown, interactive)
         except KeyboardInterrupt:
-            click.echo("stopping the trainers after their current step ...", err=True)
+            click.echo("stopping the trainers within a few steps ...", err=True)
             run.stop()
             while not run.done:
                 time.sleep(0.2)

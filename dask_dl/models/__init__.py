@@ -23,7 +23,15 @@ from dask_dl.registry import Registry
 if TYPE_CHECKING:  # pragma: no cover
     from torch import nn
 
-__all__ = ["DEFAULT_NORMALIZATION", "MODELS", "build_model", "list_models", "normalize", "register_model"]
+__all__ = [
+    "DEFAULT_NORMALIZATION",
+    "MODELS",
+    "build_model",
+    "list_models",
+    "model_options",
+    "normalize",
+    "register_model",
+]
 
 #: model name -> builder; ``dask-dl train --model`` takes its choices and help from here
 MODELS = Registry("model", argument="model")

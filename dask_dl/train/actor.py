@@ -127,7 +127,7 @@ class TrainingActor:
     # ---- answered on the event loop, also while an epoch runs ----------------------------------------------
 
     async def request_stop(self) -> bool:
-        """Ask the trainer to stop after its current step (all ranks agree on the step)."""
+        """Ask the trainer to stop at the next agreement of the ranks (within ``check_every`` steps, same step)."""
         self._stop.set()
         return True
 

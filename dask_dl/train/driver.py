@@ -84,7 +84,7 @@ class Driver:
         self._thread.start()
 
     def stop(self) -> None:
-        """Ask every trainer to stop after its current step (all ranks agree on the step); returns at once."""
+        """Ask every trainer to stop within ``check_every`` steps (all ranks at the same step); returns at once."""
         self.stop_requested.set()
         for rank, actor in enumerate(list(self._actors)):
             try:

@@ -243,7 +243,9 @@ class TrainingRun:
         return self.options.batch_size * len(self.workers)
 
     def stop(self) -> TrainingRun:
-        """Ask every trainer to stop after its current step; returns at once (``wait()`` to block until free).
+        """Ask every trainer to stop; returns at once (``wait()`` to block until the workers are free).
+
+        The trainers stop together at their next agreement, within ``dask-dl.train.check-every`` steps.
 
         The epoch in progress is not checkpointed: the latest checkpoint stays that of the last completed epoch.
         """

@@ -186,6 +186,24 @@ def test_history_and_checkpoints(store, cluster_client, tmp_path):
     assert "AUROC" in run._repr_html_()
 
 
+def test_a_model_registered_here_trains_on_the_workers(store, cluster_client):
+    from dask_dl.models import MODELS, register_model
+
+    def tiny_mlp(num_outputs, in_channels=1, *, hidden=8):  # nested: pickled by value to the workers
+        return torch.nn.Sequential(
+            torch.nn.Flatten(), torch.nn.Linear(in_channels * SIZE * SIZE, hidden), torch.nn.Linear(hidden, num_outputs)
+        )
+
+    register_model("tiny_mlp_in_test", tiny_mlp, help="registered in the test process only")
+    try:
+        run = fit(store, cluster_client, model="tiny_mlp_in_test", model_kwargs={"hidden": 4})
+        assert run.status == "finished"
+        assert set(run.checkpoint()["model"]) == {"1.weight", "1.bias", "2.weight", "2.bias"}
+        assert run.model()(torch.zeros(3, 1, SIZE, SIZE)).shape == (3, 2)
+    finally:
+        MODELS._entries.pop("tiny_mlp_in_test")  # the registry is process-wide: leave it as the other tests see it
+
+
 # ---- 6. resume, stop, back to back, faults, bad input --------------------------------------------------------
 
 
