@@ -413,7 +413,7 @@ class TrainingRun:
         try:
             publish(self.client, self.run_id, snap)
         except Exception as exc:  # the dashboard page is a view; training goes on without it
-            logger.debug("%s: dashboard not updated: %s: %s", self.run_id, type(exc).__name__, exc)
+            logger.warning("%s: dashboard page not updated: %s: %s", self.run_id, type(exc).__name__, exc)
 
 
 def _current_client_exists() -> bool:
