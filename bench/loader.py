@@ -19,7 +19,7 @@ import numpy as np
 import zarr
 
 from dask_dl.data.loader import ChunkLoader
-from dask_dl.models import normalize
+from dask_dl.normalize import normalize
 
 
 def write_store(path: Path, *, n: int, size: int = 224, chunk: int = 32, shard: int = 8) -> Path:

@@ -61,7 +61,7 @@ def resolve(
     from torch import nn
 
     from dask_dl.export import _resolve
-    from dask_dl.models import DEFAULT_NORMALIZATION
+    from dask_dl.normalize import DEFAULT_NORMALIZATION
 
     net, meta = _resolve(source)
     if isinstance(source, nn.Module):

@@ -76,8 +76,9 @@ def train_small_cnn(
     import torch
     import torch.nn.functional as F
 
-    from dask_dl.models import DEFAULT_NORMALIZATION, build_model, normalize
-    from dask_dl.train.checkpoint import FORMAT
+    from dask_dl.checkpoint import FORMAT
+    from dask_dl.models import build_model
+    from dask_dl.normalize import DEFAULT_NORMALIZATION, normalize
 
     labels = [str(f) for f in dataset["finding"].values]
     train = dataset.isel(sample=np.flatnonzero(dataset["split"].values == "train"))

@@ -18,7 +18,7 @@ from zarr.storage import LocalStore, WrapperStore
 
 from dask_dl.data.loader import Augmentation, ChunkLoader
 from dask_dl.errors import ConfigurationError, DatasetError, StoreError
-from dask_dl.models import DEFAULT_NORMALIZATION
+from dask_dl.normalize import DEFAULT_NORMALIZATION
 from dask_dl.testing import data as kit
 from dask_dl.testing.data import corrupt_shard, row_pattern
 
