@@ -457,8 +457,13 @@ def export_command(checkpoint, out, overwrite, opset) -> None:
 @click.option("--split", default=None, help="Score only this split (train, val or test). Default: every image.")
 @click.option("--batch-size", type=int, default=None, help="Images per onnxruntime call (default from config).")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
+@click.option(
+    "--on", "on", type=click.Choice(["cpu", "gpu", "any"]), default=None,
+    help="Workers that score: cpu (the CPU workers when the cluster has GPU workers too), gpu (the workers with a "
+    "GPU resource; onnxruntime's CUDA provider where installed), any. Default: dask-dl.predict.workers, cpu.",
+)  # fmt: skip
 @scheduler_option
-def predict_command(store, model, out, split, batch_size, overwrite, scheduler, workers) -> None:
+def predict_command(store, model, out, split, batch_size, overwrite, on, scheduler, workers) -> None:
     """Score the images of STORE (from dask-dl ingest) with MODEL (.onnx); print AUROC per label when known."""
     import os
 
@@ -478,9 +483,7 @@ def predict_command(store, model, out, split, batch_size, overwrite, scheduler, 
     info = read_model_info(model)
     ds = open_dataset(store, split=split)
     with connect(scheduler=scheduler, n_workers=workers) as client:
-        from dask_dl.cluster.workers import cpu_workers
-
-        probs = client.compute(predict(ds, model, batch_size=batch_size), workers=cpu_workers(client)).result()
+        probs = client.compute(predict(ds, model, batch_size=batch_size, client=client, on=on)).result()
     table = scores_table(ds, probs, labels=list(info.labels))
     if kind == "parquet":
         table.to_parquet(out, index=False)

@@ -5,10 +5,16 @@ module-level cache keyed by file, modification time, size, providers and threads
 every chunk it scores. Sessions run one intra-op thread each, because Dask already runs one task per worker
 thread: more would oversubscribe the cores (``dask-dl.predict.threads`` changes it, e.g. for one-thread workers
 on big machines).
+
+Scoring runs on the CPU workers of a cluster that also has GPU workers (they stay with the trainers), or on the GPU
+workers when asked (``on="gpu"``): there the sessions use onnxruntime's CUDA provider when the worker's onnxruntime
+has it (``onnxruntime-gpu``), on the worker's own GPU (device 0 of its ``CUDA_VISIBLE_DEVICES``), and the CPU
+provider otherwise.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Sequence
@@ -21,8 +27,9 @@ import numpy as np
 import pandas as pd
 
 from dask_dl import config
+from dask_dl.checks import one_of
 from dask_dl.data.store import COORDS
-from dask_dl.errors import DatasetError, ExportError, StoreNotFoundError
+from dask_dl.errors import ConfigurationError, DatasetError, ExportError, StoreNotFoundError
 from dask_dl.export import ModelInfo, read_model_info
 from dask_dl.metrics import auroc
 from dask_dl.normalize import scale
@@ -35,6 +42,8 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["evaluate", "predict", "scores_table"]
 
 PROB_PREFIX = "p_"
+
+logger = logging.getLogger(__name__)
 
 # ---- one session per worker process ------------------------------------------------------------------------
 
@@ -52,6 +61,25 @@ def _default_providers() -> list[str]:
     if "CUDAExecutionProvider" in available:
         return ["CUDAExecutionProvider", "CPUExecutionProvider"]
     return ["CPUExecutionProvider"]
+
+
+_CUDA_LIBRARIES_LOADED = False
+
+
+def _load_cuda_libraries(ort: Any) -> None:
+    """Let onnxruntime-gpu find CUDA and cuDNN in the pip packages torch brought (``nvidia-*``), once per process.
+
+    onnxruntime-gpu (>= 1.21) finds them itself only after ``import torch`` or :func:`onnxruntime.preload_dlls`; a
+    worker that scores without having trained has imported neither.
+    """
+    global _CUDA_LIBRARIES_LOADED
+    if _CUDA_LIBRARIES_LOADED or not hasattr(ort, "preload_dlls"):
+        return
+    _CUDA_LIBRARIES_LOADED = True
+    try:
+        ort.preload_dlls()
+    except Exception as exc:  # the session then looks on the library path, and falls back to the CPU if need be
+        logger.info("onnxruntime.preload_dlls() failed (%s): CUDA libraries come from the library path", exc)
 
 
 def _stamp(path: str) -> tuple[int, int]:
@@ -84,6 +112,8 @@ def get_session(path: str, stamp: tuple[int, int], providers: Sequence[str] | No
     with _SESSIONS_LOCK:
         session = _SESSIONS.get(key)
         if session is None:
+            if "CUDAExecutionProvider" in chosen:
+                _load_cuda_libraries(ort)
             options = ort.SessionOptions()
             options.intra_op_num_threads = threads
             options.inter_op_num_threads = 1
@@ -179,6 +209,7 @@ def predict(
     input_size: int | None = None,
     labels: Sequence[str] | None = None,
     normalization: dict[str, float] | None = None,
+    on: str | None = None,
 ) -> da.Array:
     """Score images with an ONNX model, chunk by chunk on a Dask cluster.
 
@@ -194,10 +225,16 @@ def predict(
     providers
         onnxruntime execution providers; default CUDA when the worker's onnxruntime has it, else CPU.
     client
-        When given, the scores are computed on its cluster at once (``client.persist``) and the returned array
-        holds the futures; without it the array is lazy, computed by whichever scheduler computes it.
+        When given, the scores are computed on its cluster at once (``client.persist``, on the workers ``on``
+        names) and the returned array holds the futures; without it (and without ``on``) the array is lazy,
+        computed by whichever scheduler computes it.
     input_size, labels, normalization
         Describe an ONNX model without dask_dl metadata (see :func:`dask_dl.export.read_model_info`).
+    on : {"cpu", "gpu", "any"}, optional
+        Which workers score (:func:`dask_dl.cluster.workers_for`): ``"cpu"``, the CPU workers when the cluster also
+        has GPU workers (default ``dask-dl.predict.workers``); ``"gpu"``, the workers with a ``GPU`` resource, where
+        onnxruntime uses its CUDA provider when it has one; ``"any"``, every worker. Passing ``on`` without
+        ``client`` computes on the current client's cluster (``distributed.default_client()``).
 
     Returns
     -------
@@ -211,15 +248,24 @@ def predict(
         than the model takes.
     StoreNotFoundError
         No file at ``model_path``.
+    ConfigurationError
+        ``on`` is not one of ``"cpu"``, ``"gpu"``, ``"any"``, or is given with no client and no current client.
+    ClusterError
+        ``on="gpu"`` on a cluster without GPU workers.
 
     Examples
     --------
     >>> ds = dask_dl.open_dataset("cxr.zarr", split="test")  # doctest: +SKIP
     >>> probs = dask_dl.predict(ds, "cxr.onnx")  # doctest: +SKIP
     >>> probs.to_zarr("scores.zarr")  # doctest: +SKIP
+    >>> probs = dask_dl.predict(ds, "cxr.onnx", client=client, on="gpu")  # on the GPU workers  # doctest: +SKIP
     """
     from dask_dl.cluster.storage import is_url
+    from dask_dl.cluster.workers import WORKER_KINDS
 
+    if on is not None:
+        one_of("on", on, WORKER_KINDS)
+        client = client if client is not None else _current_client(on)
     path = os.fspath(model_path) if is_url(model_path) else str(Path(model_path).resolve())
     info = read_model_info(path, input_size=input_size, labels=labels, normalization=normalization)
     batch_size = config.get("predict.batch-size", batch_size)
@@ -255,12 +301,25 @@ def predict(
     )
     if client is not None:
         from dask_dl.cluster.storage import check_visible
-        from dask_dl.cluster.workers import cpu_workers
+        from dask_dl.cluster.workers import workers_for
 
-        workers = cpu_workers(client)  # GPU workers stay with the trainers
+        # by default GPU workers stay with the trainers
+        workers = workers_for(client, config.get("predict.workers", on), purpose="scoring")
         check_visible(client, path, workers=workers)  # before any work: which worker cannot read the model
         probs = client.persist(probs, workers=workers)
     return probs
+
+
+def _current_client(on: str) -> Client:
+    from distributed import default_client
+
+    try:
+        return default_client()
+    except ValueError:
+        raise ConfigurationError(
+            f"predict(..., on={on!r}) picks workers of a cluster, and there is no client: pass client=..., or make "
+            "one first (distributed.Client(...), dask_dl.cluster.make(...))"
+        ) from None
 
 
 # ---- tables ------------------------------------------------------------------------------------------------

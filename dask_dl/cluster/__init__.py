@@ -10,7 +10,8 @@ The same script runs anywhere by changing one argument::
 
 :func:`connect` opens one for a piece of work and closes on exit exactly what it opened; :func:`get_client`
 turns ``client=None`` into a client. Trainers go to workers with a ``GPU`` resource, data work to the others
-(:func:`cpu_workers`). Any kind runs with TLS (``security=True`` or :func:`tls_files`).
+(:func:`cpu_workers`); :func:`workers_for` picks either on request (``predict(..., on="gpu")``). Any kind runs
+with TLS (``security=True`` or :func:`tls_files`).
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ from dask_dl.cluster.client import close_client, connect, get_client
 from dask_dl.cluster.make import KINDS, make, wait_for_workers
 from dask_dl.cluster.storage import check_visible, set_storage_options
 from dask_dl.cluster.tls import security_from, tls_files
-from dask_dl.cluster.workers import GPU_RESOURCE, add_cpu_workers, cpu_workers, gpu_workers
+from dask_dl.cluster.workers import GPU_RESOURCE, WORKER_KINDS, add_cpu_workers, cpu_workers, gpu_workers, workers_for
 
 __all__ = [
     "GPU_RESOURCE",
     "KINDS",
+    "WORKER_KINDS",
     "add_cpu_workers",
     "check_visible",
     "close_client",
@@ -36,4 +38,5 @@ __all__ = [
     "set_storage_options",
     "tls_files",
     "wait_for_workers",
+    "workers_for",
 ]

@@ -4,6 +4,8 @@ Trainer workers advertise a ``GPU`` resource (dask-cuda's workers, ``dask worker
 job); the others are CPU workers. When a cluster has both, data work (ingest, synthesis, scoring) goes to the CPU
 workers so that the GPU workers' memory and cores stay with the trainers: :func:`cpu_workers` is the restriction
 the data room passes to ``client.map``/``client.persist``. On a cluster of one kind it is None: anywhere.
+:func:`workers_for` turns a user's choice (``on="cpu"``, ``"gpu"`` or ``"any"``) into that restriction, e.g. for
+scoring on the GPU workers.
 """
 
 from __future__ import annotations
@@ -11,13 +13,18 @@ from __future__ import annotations
 import copy
 from typing import TYPE_CHECKING, Any
 
+from dask_dl.checks import one_of
+from dask_dl.errors import ClusterError
+
 if TYPE_CHECKING:  # pragma: no cover
     from distributed import Client
 
-__all__ = ["GPU_RESOURCE", "add_cpu_workers", "cpu_workers", "gpu_workers"]
+__all__ = ["GPU_RESOURCE", "WORKER_KINDS", "add_cpu_workers", "cpu_workers", "gpu_workers", "workers_for"]
 
 #: the worker resource that marks trainer (accelerator) workers; ``dask_dl.train.placement`` uses the same name
 GPU_RESOURCE = "GPU"
+#: the choices of :func:`workers_for`'s ``on``
+WORKER_KINDS = ("cpu", "gpu", "any")
 
 
 def gpu_workers(client: Client, *, resource: str = GPU_RESOURCE) -> list[str]:
@@ -59,6 +66,55 @@ def cpu_workers(client: Client | None, *, resource: str = GPU_RESOURCE) -> list[
     if not plain or len(plain) == len(workers):
         return None
     return plain
+
+
+def workers_for(
+    client: Client, on: str, *, resource: str = GPU_RESOURCE, purpose: str = "the work"
+) -> list[str] | None:
+    """The workers ``on`` names: the restriction to pass to ``client.persist``/``client.compute``.
+
+    Parameters
+    ----------
+    client
+        Client of the cluster.
+    on : {"cpu", "gpu", "any"}
+        ``"cpu"``: the CPU workers when the cluster also has GPU workers (:func:`cpu_workers`), else any worker;
+        ``"gpu"``: the workers that advertise ``resource`` (:func:`gpu_workers`); ``"any"``: no restriction.
+    resource
+        Worker resource that marks GPU workers.
+    purpose
+        What the workers are for, in the error message (``"scoring"``).
+
+    Returns
+    -------
+    list of str or None
+        Worker addresses, or None for any worker.
+
+    Raises
+    ------
+    ConfigurationError
+        ``on`` is not one of ``"cpu"``, ``"gpu"``, ``"any"``.
+    ClusterError
+        ``on="gpu"`` and no worker advertises ``resource``.
+
+    Examples
+    --------
+    >>> probs = client.persist(probs, workers=workers_for(client, "gpu"))  # doctest: +SKIP
+    """
+    on = one_of("on", on, WORKER_KINDS)
+    if on == "any":
+        return None
+    if on == "cpu":
+        return cpu_workers(client, resource=resource)
+    tagged = gpu_workers(client, resource=resource)
+    if not tagged:
+        n = len(client.scheduler_info(n_workers=-1)["workers"])
+        raise ClusterError(
+            f"{purpose} was asked to run on the GPU workers (on='gpu'), and none of the cluster's {n} workers "
+            f"advertises a {resource!r} resource; pass on='cpu', or start GPU workers: "
+            "dask_dl.cluster.make('cuda'), or `dask cuda worker SCHEDULER` / `dask worker SCHEDULER --resources GPU=1`"
+        )
+    return tagged
 
 
 def add_cpu_workers(cluster: Any, n: int, *, prefix: str = "cpu", options: dict[str, Any] | None = None) -> None:

@@ -4,7 +4,9 @@ There is no GPU here: the two "trainer" workers are CPU worker processes that ad
 stand-in for dask-cuda's workers (``make("local", tagged_workers=2)``); placement and restrictions only look at
 the resource, so they are tested for real. The cluster runs with throw-away TLS certificates, so the same story
 also proves that training, ingest and scoring work over ``tls://``, and a client without the certificates is
-refused.
+refused. Scoring can be sent to the tagged workers instead (``predict(..., on="gpu")``, ``dask-dl predict --on
+gpu``); with the CPU build of onnxruntime there, the sessions use the CPU provider (the CUDA provider itself is
+tested in test_cluster_gpu.py, where a GPU exists).
 """
 
 from __future__ import annotations
@@ -14,12 +16,14 @@ import subprocess
 import sys
 
 import numpy as np
+import pandas as pd
 import pytest
-from distributed import Client
+from distributed import Client, get_task_stream
 from distributed.security import Security
 
-from dask_dl.cluster import connect, cpu_workers, gpu_workers
-from dask_dl.testing.cluster import small_story, write_tls_files
+import dask_dl
+from dask_dl.cluster import connect, cpu_workers, gpu_workers, workers_for
+from dask_dl.testing.cluster import small_story, worker_of_tasks, write_tls_files
 
 
 @pytest.fixture(scope="module")
@@ -72,3 +76,49 @@ def test_cli_over_tls_with_certificate_files_and_without(tls_client, story, tmp_
     assert refused.returncode == 1
     assert f"the scheduler {address} uses TLS, and no certificates were given: pass --tls-ca" in refused.stderr
     assert "Traceback" not in refused.stderr
+
+
+def _session_providers(model: str) -> list[list[str]]:
+    """The providers of this worker's onnxruntime sessions of ``model`` (run on the workers)."""
+    from dask_dl import inference
+
+    return [session.get_providers() for key, session in inference._SESSIONS.items() if key[0] == model]
+
+
+def test_predict_on_gpu_scores_on_the_tagged_workers_only(tls_client, story):
+    client = tls_client
+    tagged, plain = gpu_workers(client), cpu_workers(client)
+    assert workers_for(client, "gpu") == tagged and workers_for(client, "cpu") == plain
+    assert workers_for(client, "any") is None
+    test = dask_dl.open_dataset(story.store, split="test")
+    with get_task_stream(client) as stream:
+        probs = dask_dl.predict(test, story.model, client=client, on="gpu")
+        holders = client.who_has(probs)
+        scores = probs.compute()
+    assert worker_of_tasks(stream.data, "predict") == set(tagged)
+    assert holders and {w for ws in holders.values() for w in ws} <= set(tagged)
+    # the same scores as the CPU workers' (the story scored there)
+    np.testing.assert_allclose(scores, story.scores, rtol=0, atol=1e-6)
+    # no CUDA provider in this onnxruntime: the tagged workers' sessions run on the CPU
+    providers = client.run(_session_providers, story.model, workers=tagged)
+    assert [p for ps in providers.values() for p in ps] and all(
+        ps == [["CPUExecutionProvider"]] for ps in providers.values() if ps
+    )
+
+
+def test_cli_predict_on_gpu_scores_on_the_tagged_workers(tls_client, story, tmp_path):
+    client = tls_client
+    files = write_tls_files(client.security, tmp_path)
+    out = tmp_path / "scores.parquet"
+    command = [
+        sys.executable, "-m", "dask_dl.cli", "predict", story.store, story.model, "--out", str(out), "--split",
+        "test", "--on", "gpu", "--scheduler", client.scheduler.address, "--tls-ca", files["ca"], "--tls-cert",
+        files["cert"], "--tls-key", files["key"],
+    ]  # fmt: skip
+    with get_task_stream(client) as stream:  # the scheduler records the CLI's tasks too
+        done = subprocess.run(command, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    table = pd.read_parquet(out)
+    assert f"wrote {len(table)} scores of 14 labels to {out}" in done.stdout
+    assert worker_of_tasks(stream.data, "predict") == set(gpu_workers(client))
+    np.testing.assert_allclose(table.filter(like="p_").to_numpy(), story.scores, rtol=0, atol=1e-6)

@@ -17,6 +17,7 @@ from dask_dl.cluster import (
     security_from,
     set_storage_options,
     tls_files,
+    workers_for,
 )
 from dask_dl.cluster.cuda import gpu_count
 
@@ -40,6 +41,12 @@ def test_local_settings_come_from_arguments_then_config_and_unknown_kwargs_pass_
         assert cluster.scheduler_address.startswith("tcp://127.0.0.1:")
         assert cluster.dashboard_link.startswith("http://127.0.0.1:")
         assert cpu_workers(client) is None and gpu_workers(client) == []  # one kind: anywhere
+        assert workers_for(client, "cpu") is None and workers_for(client, "any") is None
+        with pytest.raises(ClusterError, match=r"scoring was asked to run on the GPU workers \(on='gpu'\), and none "
+                           r"of the cluster's 1 workers advertises a 'GPU' resource; pass on='cpu'"):  # fmt: skip
+            workers_for(client, "gpu", purpose="scoring")
+        with pytest.raises(ConfigurationError, match=r"unknown on 'tpu': use one of cpu, gpu, any"):
+            workers_for(client, "tpu")
 
 
 def test_cuda_without_a_gpu_says_so_and_what_to_use():
