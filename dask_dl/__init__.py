@@ -31,6 +31,7 @@ _LAZY = {
     "make_catalog": "dask_dl.data.schema",
     "validate_catalog": "dask_dl.data.schema",
     "write_catalog": "dask_dl.data.schema",
+    "to_dask_dataframe": "dask_dl.data.frames",
     "read_catalog": "dask_dl.data.catalog",
     "read_nih": "dask_dl.data.nih",
     "read_folders": "dask_dl.data.folders",
@@ -109,6 +110,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from dask_dl.data.dataset import open_dataset, summary
     from dask_dl.data.dicom import read_dicom
     from dask_dl.data.folders import read_folders
+    from dask_dl.data.frames import to_dask_dataframe
     from dask_dl.data.ingest import IngestResult, ingest
     from dask_dl.data.loader import ChunkLoader
     from dask_dl.data.nih import read_nih

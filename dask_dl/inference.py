@@ -35,6 +35,7 @@ from dask_dl.metrics import auroc
 from dask_dl.normalize import scale
 
 if TYPE_CHECKING:  # pragma: no cover
+    import dask.dataframe as dd
     import onnxruntime as ort
     import xarray as xr
     from distributed import Client
@@ -325,7 +326,9 @@ def _current_client(on: str) -> Client:
 # ---- tables ------------------------------------------------------------------------------------------------
 
 
-def scores_table(ds: xr.Dataset, probs: Any, *, labels: Sequence[str] | None = None) -> pd.DataFrame:
+def scores_table(
+    ds: xr.Dataset, probs: Any, *, labels: Sequence[str] | None = None, backend: str | None = None
+) -> pd.DataFrame | dd.DataFrame:
     """Join predictions to the dataset's coordinates and true labels.
 
     Parameters
@@ -336,14 +339,30 @@ def scores_table(ds: xr.Dataset, probs: Any, *, labels: Sequence[str] | None = N
         ``(n, k)`` scores of its images, e.g. from :func:`predict` (computed here when lazy).
     labels
         Names of the ``k`` score columns; default the dataset's labels (``finding``).
+    backend : {"pandas", "cudf"}, optional
+        Return a Dask DataFrame with partitions of this kind (:func:`dask_dl.data.frames.to_dask_dataframe`):
+        ``"cudf"`` puts the table on the GPU (the ``gpu`` extra; where a GPU is visible). Default: a
+        ``pandas.DataFrame``.
 
     Returns
     -------
-    pandas.DataFrame
+    pandas.DataFrame or dask.dataframe.DataFrame
         One row per image: ``sample`` (row in the store), ``image_id``, ``patient_id``, ``split``, ``site``, a
         float32 column ``p_<label>`` per label, and the true labels (uint8 columns named like the labels) when the
         dataset has them. ``table.attrs["labels"]`` lists the scored labels.
+
+    Raises
+    ------
+    DatasetError
+        ``probs`` of another shape than the dataset's images and labels.
+    MissingDependencyError
+        ``backend="cudf"`` without cudf: ``pip install 'dask-dl[gpu]'``.
     """
+    if backend is not None:
+        from dask_dl.data.frames import check_backend, to_dask_dataframe
+
+        check_backend(backend)  # before the scores are computed
+        return to_dask_dataframe(scores_table(ds, probs, labels=labels), backend=backend)
     if labels is None and "finding" not in ds.coords:
         raise DatasetError("the dataset has no 'finding' coordinate naming the labels; pass labels=[...]")
     labels = [str(v) for v in (labels if labels is not None else ds["finding"].values)]
