@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The GPU check (issue 9), one prepared script for a machine with NVIDIA GPUs, under 8 minutes:
-#   1. an environment with a CUDA build of torch and dask-cuda (installs them when an index is reachable),
-#   2. the gpu-marked tests (make("cuda"), NCCL training, CUDA scoring),
+#   1. an environment with a CUDA build of torch, dask-cuda, cudf/dask-cudf and onnxruntime-gpu (installs them
+#      into a fresh venv when an index is reachable),
+#   2. the gpu-marked tests (make("cuda"), NCCL training, scoring on the GPU workers with onnxruntime's CUDA
+#      provider, catalogs and score tables as cudf-backed Dask DataFrames),
 #   3. bench/gpu.py: images/s of dask_dl training (ResNet-18, AlexNet; 224 px, batch 256) against a plain
 #      PyTorch loop on the same GPU and images (float32, and bf16 autocast + channels_last), and GPU vs CPU.
 # Results go to stdout and to $OUT/gpu_check.txt when OUT is set.
@@ -26,9 +28,17 @@ if ! cuda_ok || ! "$PYTHON" -c "import dask_cuda, dask_dl" 2>/dev/null; then
     "$PYTHON" -m pip install -q "torch==2.13.*" || echo "torch (CUDA build) could not be installed"
     "$PYTHON" -m pip install -q -e '.[gpu,dev]' || "$PYTHON" -m pip install -q -e '.[dev]' dask-cuda \
         || echo "dask-dl[gpu] could not be installed"
+    # onnxruntime-gpu replaces onnxruntime (one module, two packages): swap only once its wheel is here
+    if "$PYTHON" -m pip download -q --no-deps -d /tmp/ort-gpu onnxruntime-gpu; then
+        "$PYTHON" -m pip uninstall -q -y onnxruntime && "$PYTHON" -m pip install -q --no-deps /tmp/ort-gpu/*.whl
+    else
+        echo "onnxruntime-gpu could not be downloaded: scoring on the GPU workers is tested with the CPU provider"
+    fi
 fi
 cuda_ok || { echo "torch in $PYTHON has no CUDA: set PYTHON to an environment with a CUDA build of torch"; exit 2; }
 "$PYTHON" -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda, torch.cuda.device_count(), 'GPU(s)')"
+"$PYTHON" -c "import onnxruntime as o; print('onnxruntime', o.__version__, o.get_available_providers())"
+"$PYTHON" -c "import cudf, dask_cudf; print('cudf', cudf.__version__)" || echo "no cudf: the cudf table test skips"
 export DASK_CONFIG=${DASK_CONFIG:-$(mktemp -d)}
 
 step "gpu tests"
