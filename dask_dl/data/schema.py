@@ -15,7 +15,8 @@ split          str        ``train``, ``val`` or ``test``
 
 plus whatever metadata the source has (``age``, ``sex``, ``view``, ``follow_up``, ``orig_width``,
 ``orig_height``, ``spacing_x``, ``spacing_y``). The label names and the task (``multilabel`` or
-``multiclass``) ride in ``catalog.attrs`` and in the Parquet file's metadata.
+``multiclass``) ride in ``catalog.attrs`` and in the Parquet file's metadata. A catalog becomes a Dask
+DataFrame, with pandas or (on a GPU box) cudf partitions, with :func:`dask_dl.data.frames.to_dask_dataframe`.
 """
 
 from __future__ import annotations

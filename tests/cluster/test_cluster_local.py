@@ -97,6 +97,9 @@ def test_predict_on_gpu_scores_on_the_tagged_workers_only(tls_client, story):
         scores = probs.compute()
     assert worker_of_tasks(stream.data, "predict") == set(tagged)
     assert holders and {w for ws in holders.values() for w in ws} <= set(tagged)
+    # on= without client=: the current client's cluster
+    again = dask_dl.predict(test, story.model, on="gpu")
+    assert {w for ws in client.who_has(again).values() for w in ws} <= set(tagged)
     # the same scores as the CPU workers' (the story scored there)
     np.testing.assert_allclose(scores, story.scores, rtol=0, atol=1e-6)
     # no CUDA provider in this onnxruntime: the tagged workers' sessions run on the CPU
@@ -122,3 +125,16 @@ def test_cli_predict_on_gpu_scores_on_the_tagged_workers(tls_client, story, tmp_
     assert f"wrote {len(table)} scores of 14 labels to {out}" in done.stdout
     assert worker_of_tasks(stream.data, "predict") == set(gpu_workers(client))
     np.testing.assert_allclose(table.filter(like="p_").to_numpy(), story.scores, rtol=0, atol=1e-6)
+
+
+def test_cli_predict_on_gpu_without_gpu_workers_says_what_to_start(story, tmp_path):
+    out = tmp_path / "scores.parquet"
+    command = [sys.executable, "-m", "dask_dl.cli", "predict", story.store, story.model, "--out", str(out), "--on",
+               "gpu", "--cluster", "local", "--workers", "1"]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 1
+    assert (
+        "error: scoring was asked to run on the GPU workers (on='gpu'), and none of the cluster's 1 workers "
+        "advertises a 'GPU' resource; pass on='cpu', or start GPU workers" in done.stderr
+    )
+    assert "Traceback" not in done.stderr and not out.exists()
