@@ -87,11 +87,12 @@ def test_catalog_and_scores_as_cudf_dask_dataframes(cuda_client, story):
     pytest.importorskip("dask_cudf", reason="cudf tables need dask-cudf: pip install 'dask-dl[gpu]'")
     import cudf
 
+    tagged = gpu_workers(cuda_client)  # the CPU workers see no GPU: cudf partitions are computed on the GPU workers
     test = dask_dl.open_dataset(story.store, split="test")
     table = dask_dl.scores_table(test, story.scores)
     frame = dask_dl.scores_table(test, story.scores, backend="cudf")
     assert isinstance(frame._meta, cudf.DataFrame) and frame.attrs["labels"] == table.attrs["labels"]
-    got = frame.compute()
+    got = cuda_client.compute(frame, workers=tagged).result()
     assert isinstance(got, cudf.DataFrame)
     np.testing.assert_array_equal(got["sample"].to_numpy(), table["sample"].to_numpy())
     np.testing.assert_array_equal(got["image_id"].to_arrow().to_pylist(), table["image_id"].tolist())
@@ -101,5 +102,6 @@ def test_catalog_and_scores_as_cudf_dask_dataframes(cuda_client, story):
     with dask.config.set({"dataframe.backend": "cudf"}):
         catalog = dask_dl.to_dask_dataframe(table.drop(columns=list(scores)), npartitions=2)
     assert catalog.npartitions == 2 and isinstance(catalog._meta, cudf.DataFrame)
-    by_site = catalog.groupby("site")["sample"].count().compute().to_pandas().sort_index()
+    by_site = cuda_client.compute(catalog.groupby("site")["sample"].count(), workers=tagged).result()
+    by_site = by_site.to_pandas().sort_index()
     assert by_site.to_dict() == table.groupby("site")["sample"].count().sort_index().to_dict()
