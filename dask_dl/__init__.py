@@ -42,6 +42,8 @@ _LAZY = {
     "IngestResult": "dask_dl.data.ingest",
     "open_dataset": "dask_dl.data.dataset",
     "check_store": "dask_dl.data.check",
+    "StoreCheck": "dask_dl.data.check",
+    "StoreLayout": "dask_dl.data.store",
     "summary": "dask_dl.data.dataset",
     "ChunkLoader": "dask_dl.data.loader",
     "fit": "dask_dl.train.run",
@@ -106,7 +108,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from dask_dl.cluster import connect, get_client
     from dask_dl.data.boxes import attach_boxes, read_boxes
     from dask_dl.data.catalog import read_catalog
-    from dask_dl.data.check import check_store
+    from dask_dl.data.check import StoreCheck, check_store
     from dask_dl.data.dataset import open_dataset, summary
     from dask_dl.data.dicom import read_dicom
     from dask_dl.data.folders import read_folders
@@ -116,6 +118,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from dask_dl.data.nih import read_nih
     from dask_dl.data.schema import NIH_LABELS, make_catalog, validate_catalog, write_catalog
     from dask_dl.data.splits import split_by_patient
+    from dask_dl.data.store import StoreLayout
     from dask_dl.data.synthetic import synthesize
     from dask_dl.explanation.localization import localization
     from dask_dl.explanation.maps import explain
