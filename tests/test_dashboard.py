@@ -1,5 +1,6 @@
 """The dask_dl page on a real scheduler's dashboard: what runs publish, how it is checked, what a browser shows."""
 
+import asyncio
 import html
 import json
 import math
@@ -14,6 +15,7 @@ from urllib.parse import urlparse
 import dask
 import pytest
 from distributed import Client, LocalCluster
+from distributed.utils_test import gen_cluster
 
 from dask_dl import ConfigurationError, dashboard
 from dask_dl.dashboard.page import RunsPage
@@ -420,3 +422,27 @@ def _check_rendered(text: str, run, *, status: str) -> None:
     assert drawn, "no label has an AUROC on this validation split"
     assert set(labels) <= lines  # the bars' axis
     assert {f"{row[f'val_auroc_{label}']:.3f}" for label in drawn} <= lines  # the bars' values
+
+
+# ---- the plugin on the scheduler object itself: distributed's async harness ------------------------------------
+
+
+@gen_cluster(client=True, nthreads=[], config={"dask-dl.dashboard.max-runs": 2})
+async def test_plugin_folds_events_on_the_scheduler(c, s):
+    """Events logged before the plugin are folded when it starts, later ones as they arrive; the store keeps the
+    newest ``max-runs`` runs in start order."""
+    from dask_dl.dashboard.events import PLUGIN_NAME, TOPIC
+    from dask_dl.dashboard.plugin import DashboardPlugin
+
+    await c.log_event(TOPIC, {"run_id": "a", "status": "running", "step": 1})
+    await c.register_plugin(DashboardPlugin(), name=PLUGIN_NAME)
+    store = s.plugins[PLUGIN_NAME].store
+    assert store.runs == {"a": {"status": "running", "step": 1}}
+    await c.log_event(TOPIC, {"run_id": "a", "status": "finished"})
+    await c.log_event(TOPIC, {"run_id": "b", "status": "running"})
+    await c.log_event(TOPIC, "not a run update")  # skipped, not an error
+    await c.log_event(TOPIC, {"run_id": "c", "status": "running"})
+    while store.version < 4:
+        await asyncio.sleep(0.01)
+    assert list(store.runs) == ["b", "c"]  # "a" started first and went when "c" came
+    assert store.runs["b"] == {"status": "running"}
