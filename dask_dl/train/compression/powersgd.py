@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as _powersgd
 
 from dask_dl.errors import ConfigurationError
-from dask_dl.train.compression.hooks import Future, HookState
+from dask_dl.train.compression.state import Future, HookState
 
 
 class PowerSGDHookState(HookState):

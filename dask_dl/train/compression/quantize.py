@@ -1,8 +1,13 @@
 """The pieces of 1-bit SGD: sign packing, the columns of a gradient bucket and the two-mean quantizer.
 
 1-bit SGD (Seide et al., Interspeech 2014, as in CNTK) quantizes each *column* of a weight gradient on its own:
-entries above zero become 1, the others 0, and a column is rebuilt from two values, the mean of its positive
-entries and the mean of its other entries. The rebuilt column therefore has the same sum as the original one.
+entries ``>= 0`` become 1 (zeros, common after ReLU, go to the positive side as in CNTK), the others 0, and a
+column is rebuilt from two values, the mean of its entries ``>= 0`` and the mean of its other entries, each
+summed in float64 (the negative sum is summed itself, not taken as ``sum - positive sum``, which cancels). The
+rebuilt column therefore has the same sum as the original one.
+
+This module is the eager torch implementation: the reference the fused CPU kernels
+(:mod:`dask_dl.train.compression.kernels`) are tested against, and the path for tensors on a GPU.
 
 Columns (the quantization groups): a parameter of shape ``(out, *rest)`` is viewed as the matrix
 ``(out, r)`` with ``r = prod(rest)`` (a ``Linear`` weight as it is, a conv weight ``(out, in, kh, kw)`` as
@@ -24,6 +29,7 @@ are those of the bucket in order.
 from __future__ import annotations
 
 import math
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -184,22 +190,44 @@ class ColumnLayout:
             for i, a, b in self.pieces(first, last)
         ]
 
-    def stripes(self, n: int) -> list[tuple[int, int]]:
-        """Cut the columns into ``n`` contiguous ranges ``(first, last)`` of about ``numel / n`` entries each.
+    @cached_property
+    def column_offsets(self) -> tuple[int, ...]:
+        """The number of the first column of each parameter (columns numbered across parameters)."""
+        return tuple(int(o) for o in np.cumsum([0] + [m.cols for m in self.matrices])[:-1])
 
-        Cuts fall between columns (a column is never split), so a stripe's quantization groups are the
-        whole bucket's; a stripe may be empty when there are fewer columns than stripes.
+    def stripe_pieces(self, names: Sequence[str], n: int) -> list[list[tuple[int, int, int]]]:
+        """Cut the columns into ``n`` stripes: ``(parameter index, first column, last column)`` pieces each.
+
+        Every parameter's columns are cut in ``n`` contiguous runs of ``cols // n`` or one more, and run ``j``
+        goes to stripe ``(j + crc32(name)) % n``: which stripe holds a column depends on its parameter's name
+        and shape only, never on the bucket (DDP rebuilds its buckets after the first step, and a resumed run
+        starts with other buckets), so the two-stage server residuals never change hands. The name rotates the
+        runs, so parameters with fewer columns than stripes spread over the stripes. Pieces are in bucket order.
         """
-        starts = self.column_starts
-        cuts = [0]
-        for k in range(1, n):
-            target = self.numel * k / n
-            i = int(np.searchsorted(starts, target))  # first boundary at or above the target
-            if 0 < i < len(starts) and target - starts[i - 1] < starts[i] - target:
-                i -= 1
-            cuts.append(min(max(i, cuts[-1]), self.n_columns))
-        cuts.append(self.n_columns)
-        return list(zip(cuts[:-1], cuts[1:], strict=True))
+        out: list[list[tuple[int, int, int]]] = [[] for _ in range(n)]
+        for i, (name, m) in enumerate(zip(names, self.matrices, strict=True)):
+            turn = zlib.crc32(name.encode()) % n
+            for j in range(n):
+                lo, hi = j * m.cols // n, (j + 1) * m.cols // n
+                if hi > lo:
+                    out[(j + turn) % n].append((i, lo, hi))
+        return out
+
+    def piece_blocks(self, flat: torch.Tensor, pieces: Sequence[tuple[int, int, int]]) -> list[torch.Tensor]:
+        """2-D views of ``flat`` (bucket order), one per piece."""
+        return [
+            self.matrix(flat[self.offsets[i] : self.offsets[i] + self.matrices[i].rows * self.matrices[i].cols], i)[
+                :, lo:hi
+            ]
+            for i, lo, hi in pieces
+        ]
+
+    def piece_shapes(self, pieces: Sequence[tuple[int, int, int]]) -> list[BlockShape]:
+        return [BlockShape(self.matrices[i].rows, hi - lo, self.matrices[i].transposed) for i, lo, hi in pieces]
+
+    def piece_columns(self, pieces: Sequence[tuple[int, int, int]]) -> list[int]:
+        """The column numbers (across parameters) of the pieces, in order."""
+        return [c for i, lo, hi in pieces for c in range(self.column_offsets[i] + lo, self.column_offsets[i] + hi)]
 
 
 Workspace = dict  # (role, key...) -> a tensor reused from step to step
@@ -260,23 +288,24 @@ def quantize(
     Returns
     -------
     bits : list of torch.Tensor
-        bool, ``block > 0``, one per block, laid out as the block is.
+        bool, ``block >= 0`` (zeros on the positive side, as CNTK does), one per block, laid out as the block is.
     scales : torch.Tensor
-        float32 ``(n_columns, 2)``: the mean of the positive entries and the mean of the others (0 where a
-        column has none), so that every rebuilt column keeps the column's sum.
+        float32 ``(n_columns, 2)``: the mean of the entries ``>= 0`` and the mean of the others (0 where a
+        column has none), each summed in float64, so that every rebuilt column keeps the column's sum.
     """
     bits, scales = [], []
     for i, block in enumerate(blocks):
         rows = block.shape[0]
-        positive = torch.gt(block, 0, out=scratch_like(workspace, ("bits", *key, i), block, torch.bool))
+        positive = torch.ge(block, 0, out=scratch_like(workspace, ("bits", *key, i), block, torch.bool))
         columns = block.t().contiguous() if column_major else block
+        side = positive.t() if column_major else positive
         axis = 1 if column_major else 0
-        tmp = scratch_like(workspace, ("tmp", *key, i), columns, torch.float32)
-        sum_all = columns.sum(dim=axis)
-        sum_pos = torch.clamp_min(columns, 0, out=tmp).sum(dim=axis)
-        count = (tmp.copy_(positive.t() if column_major else positive)).sum(dim=axis)  # exact below 2**24 rows
-        sum_neg = sum_all - sum_pos
-        scales.append(torch.stack([sum_pos / count.clamp(min=1), sum_neg / (rows - count).clamp(min=1)], dim=1))
+        wide = columns.double()  # float64 sums; the negatives summed themselves, never as sum_all - sum_pos
+        sum_pos = torch.where(side, wide, 0.0).sum(dim=axis)
+        sum_neg = torch.where(side, 0.0, wide).sum(dim=axis)
+        count = side.sum(dim=axis)
+        means = [sum_pos / count.clamp(min=1), sum_neg / (rows - count).clamp(min=1)]
+        scales.append(torch.stack(means, dim=1).float())
         bits.append(positive)
     out = torch.cat(scales).float() if scales else torch.zeros((0, 2))
     return bits, out

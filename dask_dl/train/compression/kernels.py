@@ -1,0 +1,396 @@
+"""Fused CPU kernels for 1-bit SGD, compiled with numba: about the passes over memory the algorithm needs.
+
+Eager torch makes about 20 passes over a gradient to quantize it (bool-to-float copies, broadcasts, transposes,
+sums, lerps). Here a quantization group is read once from memory and handled while it is in cache:
+
+- :func:`quantize_tasks` adds the residual, sums the entries ``>= 0`` and the others (float64, four lanes in a
+  fixed order, so sums do not depend on how the work is cut), writes the two scales, the packed signs and the
+  new residual. Its source is either a gradient bucket or, on the two-stage server side, the mean of ``N``
+  received messages (decoded on the fly).
+- :func:`decode_tasks` decodes all ``N`` messages of a bucket and writes their mean (summed in float64 in rank
+  order, times ``1/N``) into the bucket once; or, for the two-stage all-gather, each entry from its owner's
+  message.
+
+Work is described by a *task table* (:mod:`dask_dl.train.compression.plan` builds it): each row is a run of
+quantization groups of one parameter and where their signs and scales go in a message. Rows run in parallel
+(``prange``); sign bytes shared by two rows (when a row's signs do not start or end on a byte boundary) are
+collected apart and OR-ed in afterwards, so no two threads write one byte.
+
+Calls hold a lock (numba's default threading layer must not be entered from two threads at once, and DDP
+runs hooks and their callbacks on different threads) and use as many threads as torch does.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numba
+import numpy as np
+from numba import njit, prange
+
+# task table columns
+S, OUT, REST, TR, T0, T1, LO, PITCH, M, DBIT, DCOL, HEAD, TAIL, P = range(14)
+N_FIELDS = 14
+# reduction table columns (untransposed pieces: their bands' partial sums, added up in band order)
+R_P, R_BANDS, R_PITCH, R_M, R_DCOL, R_OUT = range(6)
+N_REDUCE = 6
+LANES = 64  # float64 accumulators per group (see _sums)
+
+_LOCK = threading.Lock()
+
+
+@njit(cache=True, inline="always")
+def _put(msgs, m, byte, value, head, tail, heads, tails, t):
+    """OR a sign byte into message ``m``; a byte shared with another task goes to that task's side slot."""
+    if byte == head:
+        heads[t] |= value
+    elif byte == tail:
+        tails[t] |= value
+    else:
+        msgs[m, byte] |= value
+
+
+@njit(cache=True, inline="always")
+def _unpack(msgs, r, bit0, length, bits):
+    """``bits[e]`` = sign bit ``bit0 + e`` of message ``r``, for ``e < length``."""
+    e = 0
+    while e < length and ((bit0 + e) & 7) != 0:
+        b = bit0 + e
+        bits[e] = (msgs[r, b >> 3] >> (7 - (b & 7))) & 1
+        e += 1
+    byte0, full = (bit0 + e) >> 3, (length - e) >> 3
+    for i in range(full):
+        v = msgs[r, byte0 + i]
+        for lane in range(8):
+            bits[e + 8 * i + lane] = (v >> (7 - lane)) & 1
+    e += 8 * full
+    while e < length:
+        b = bit0 + e
+        bits[e] = (msgs[r, b >> 3] >> (7 - (b & 7))) & 1
+        e += 1
+
+
+@njit(cache=True, inline="always")
+def _pack(bits, length, bit0, msgs, m, head, tail, heads, tails, t):
+    """Pack ``bits[:length]`` into message ``m`` from sign bit ``bit0``: whole bytes written, partial ones OR-ed."""
+    e = 0
+    acc = 0
+    while e < length and ((bit0 + e) & 7) != 0:
+        acc |= bits[e] << (7 - ((bit0 + e) & 7))
+        e += 1
+    if e > 0:
+        _put(msgs, m, bit0 >> 3, np.uint8(acc), head, tail, heads, tails, t)
+    byte0, full = (bit0 + e) >> 3, (length - e) >> 3
+    for i in range(full):
+        k = e + 8 * i
+        msgs[m, byte0 + i] = (
+            (bits[k] << 7) | (bits[k + 1] << 6) | (bits[k + 2] << 5) | (bits[k + 3] << 4)
+            | (bits[k + 4] << 3) | (bits[k + 5] << 2) | (bits[k + 6] << 1) | bits[k + 7]
+        )  # fmt: skip
+    e += 8 * full
+    if e < length:
+        acc = 0
+        while e < length:
+            acc |= bits[e] << (7 - ((bit0 + e) & 7))
+            e += 1
+        _put(msgs, m, (bit0 + length - 1) >> 3, np.uint8(acc), head, tail, heads, tails, t)
+
+
+@njit(cache=True, inline="always")
+def _mean_run(msgs, mp, mn, r0, r1, inv_n, col, per_column, bit0, length, out, base, add, bits, acc):
+    """``out[base + e]`` (``e < length``) = the mean over messages ``r0:r1`` of their entry at sign bit
+    ``bit0 + e`` (summed in float64 in message order, times ``inv_n``), of column ``col`` (``col + e`` when
+    ``per_column``); plus ``out[base + e]`` in float32 when ``add``."""
+    for j in range(length):
+        acc[j] = 0.0
+    for r in range(r0, r1):
+        _unpack(msgs, r, bit0, length, bits)
+        if per_column:
+            for j in range(length):
+                acc[j] += mp[r, col + j] if bits[j] else mn[r, col + j]
+        else:
+            p, q = np.float64(mp[r, col]), np.float64(mn[r, col])
+            for j in range(length):
+                acc[j] += p if bits[j] else q
+    if add:
+        for j in range(length):
+            out[base + j] = np.float32(acc[j] * inv_n) + out[base + j]
+    else:
+        for j in range(length):
+            out[base + j] = np.float32(acc[j] * inv_n)
+
+
+@njit(cache=True, inline="always")
+def _signs(src, base, length, mps, mns, ef, bits):
+    """``bits[e]`` = ``src[base + e] >= 0``; with ``ef`` the entry becomes its error (minus its column's mean)."""
+    if ef:
+        for j in range(length):
+            x = src[base + j]
+            pos = x >= 0
+            bits[j] = pos
+            src[base + j] = x - (mps[j] if pos else mns[j])
+    else:
+        for j in range(length):
+            bits[j] = src[base + j] >= 0
+
+
+@njit(cache=True, inline="always")
+def _signs1(src, base, length, mp, mn, ef, bits):
+    """:func:`_signs` for a run of one column (means ``mp``, ``mn``)."""
+    if ef:
+        for j in range(length):
+            x = src[base + j]
+            pos = x >= 0
+            bits[j] = pos
+            src[base + j] = x - (mp if pos else mn)
+    else:
+        for j in range(length):
+            bits[j] = src[base + j] >= 0
+
+
+@njit(cache=True, inline="always")
+def _sums(v, a, n, lanes, p, q, c):
+    """float64 sums of the entries ``>= 0`` and of the others in ``v[a:a+n]``, and the count of the first.
+
+    Entry ``e`` is added to lane ``e % lanes`` (``lanes`` long arrays ``p``, ``q``, ``c``; a run-time length, so
+    that the compiler vectorizes across lanes without reordering any lane's additions), then the lanes are
+    added in order: a fixed order for a group, whatever shares its task and however many threads run.
+    """
+    for j in range(lanes):
+        p[j] = 0.0
+        q[j] = 0.0
+        c[j] = 0.0
+    rows = n // lanes
+    for i in range(rows):
+        b = a + i * lanes
+        for j in range(lanes):
+            x = np.float64(v[b + j])
+            pos = x >= 0
+            p[j] += x if pos else 0.0
+            q[j] += 0.0 if pos else x
+            c[j] += 1.0 if pos else 0.0
+    b = a + rows * lanes
+    for j in range(n - rows * lanes):
+        x = np.float64(v[b + j])
+        pos = x >= 0
+        p[j] += x if pos else 0.0
+        q[j] += 0.0 if pos else x
+        c[j] += 1.0 if pos else 0.0
+    sp, sn, cp = 0.0, 0.0, 0.0
+    for j in range(lanes):
+        sp += p[j]
+        sn += q[j]
+        cp += c[j]
+    return sp, sn, cp
+
+
+@njit(cache=True, inline="always")
+def _means(sp, sn, cp, length):
+    mp = np.float32(sp / cp) if cp > 0 else np.float32(0.0)
+    mn = np.float32(sn / (length - cp)) if length - cp > 0 else np.float32(0.0)
+    return mp, mn
+
+
+@njit(cache=True, parallel=True)
+def quantize_tasks(
+    mode, grad, received, mp_in, mn_in, vals, ef, tasks, msgs, scales, heads, tails, psp, psn, pcp, lanes
+):
+    """Phase one of quantizing: transposed groups completely (sums, scales, signs, residual, while each is in
+    cache); untransposed pieces' bands up to their partial column sums ``psp``/``psn``/``pcp``.
+
+    Mode 0 quantizes ``grad`` plus the residual ``vals`` (when ``ef``); mode 1 the mean of the ``received``
+    messages (same layout as the output; scales ``mp_in``/``mn_in``) plus the residual ``vals`` (when ``ef``;
+    otherwise ``vals`` is scratch for the mean). Entries to quantize are left in ``vals`` (with ``ef`` or in
+    mode 1) for phase two; with ``ef`` a finished entry is replaced by its error.
+    """
+    n_in = received.shape[0]
+    inv_n = 1.0 / max(n_in, 1)
+    store = ef or mode == 1
+    src = vals if store else grad
+    for t in prange(tasks.shape[0]):
+        s, rest, tr = tasks[t, S], tasks[t, REST], tasks[t, TR]
+        t0, t1, lo, pitch, m = tasks[t, T0], tasks[t, T1], tasks[t, LO], tasks[t, PITCH], tasks[t, M]
+        dbit, dcol, head, tail = tasks[t, DBIT], tasks[t, DCOL], tasks[t, HEAD], tasks[t, TAIL]
+        if tr:  # each group is a contiguous row of ``rest`` entries
+            bits = np.empty(rest, dtype=np.uint8)
+            acc = np.empty(rest)
+            means = np.empty(2, dtype=np.float32)  # float32, as sent
+            p, q, c = np.empty(lanes), np.empty(lanes), np.empty(lanes)
+            for g in range(t0, t1):
+                base, bit0, col = s + g * rest, dbit + (g - lo) * rest, dcol + g - lo
+                if mode == 1:
+                    _mean_run(received, mp_in, mn_in, 0, n_in, inv_n, col, False, bit0, rest, vals, base, ef, bits,
+                              acc)  # fmt: skip
+                elif ef:
+                    for e in range(rest):
+                        vals[base + e] += grad[base + e]
+                sp, sn, cp = _sums(src, base, rest, lanes, p, q, c)
+                means[0], means[1] = _means(sp, sn, cp, rest)
+                scales[m, 2 * col], scales[m, 2 * col + 1] = means[0], means[1]
+                _signs1(src, base, rest, means[0], means[1], ef, bits)
+                _pack(bits, rest, bit0, msgs, m, head, tail, heads, tails, t)
+        else:  # a band of rows t0:t1 of columns lo:lo+pitch: partial sums per column
+            bits = np.empty(pitch, dtype=np.uint8)
+            acc = np.empty(pitch)
+            p = tasks[t, P]
+            for i in range(t0, t1):
+                base, bit0 = s + i * rest + lo, dbit + i * pitch
+                if mode == 1:
+                    _mean_run(received, mp_in, mn_in, 0, n_in, inv_n, dcol, True, bit0, pitch, vals, base, ef, bits,
+                              acc)  # fmt: skip
+                elif ef:
+                    for j in range(pitch):
+                        vals[base + j] += grad[base + j]
+                for j in range(pitch):
+                    x = np.float64(src[base + j])
+                    psp[p + j] += x if x >= 0 else 0.0
+                    psn[p + j] += 0.0 if x >= 0 else x
+                    pcp[p + j] += 1.0 if x >= 0 else 0.0
+
+
+@njit(cache=True, parallel=True)
+def reduce_columns(reductions, psp, psn, pcp, scales):
+    """Phase two: add up each untransposed piece's band sums in band order; write its columns' scales."""
+    for t in prange(reductions.shape[0]):
+        p0, bands, pitch = reductions[t, R_P], reductions[t, R_BANDS], reductions[t, R_PITCH]
+        m, dcol, length = reductions[t, R_M], reductions[t, R_DCOL], reductions[t, R_OUT]
+        for j in range(pitch):
+            sp, sn, cp = 0.0, 0.0, 0.0
+            for b in range(bands):
+                sp += psp[p0 + b * pitch + j]
+                sn += psn[p0 + b * pitch + j]
+                cp += pcp[p0 + b * pitch + j]
+            scales[m, 2 * (dcol + j)], scales[m, 2 * (dcol + j) + 1] = _means(sp, sn, cp, length)
+
+
+@njit(cache=True, parallel=True)
+def sign_bands(mode, grad, vals, ef, tasks, msgs, scales, heads, tails):
+    """Phase three: the signs and errors of the untransposed pieces' bands."""
+    src = vals if (ef or mode == 1) else grad
+    for t in prange(tasks.shape[0]):
+        if tasks[t, TR]:
+            continue
+        s, rest, t0, t1, lo = tasks[t, S], tasks[t, REST], tasks[t, T0], tasks[t, T1], tasks[t, LO]
+        pitch, m, dbit, dcol = tasks[t, PITCH], tasks[t, M], tasks[t, DBIT], tasks[t, DCOL]
+        head, tail = tasks[t, HEAD], tasks[t, TAIL]
+        mps = scales[m, 2 * dcol : 2 * (dcol + pitch) : 2].copy()
+        mns = scales[m, 2 * dcol + 1 : 2 * (dcol + pitch) : 2].copy()
+        bits = np.empty(pitch, dtype=np.uint8)
+        for i in range(t0, t1):
+            base, bit0 = s + i * rest + lo, dbit + i * pitch
+            _signs(src, base, pitch, mps, mns, ef, bits)
+            _pack(bits, pitch, bit0, msgs, m, head, tail, heads, tails, t)
+
+
+@njit(cache=True, parallel=True)
+def decode_tasks(msgs, mp, mn, tasks, average, out):
+    """Write every task's entries into ``out``: the mean over all rows of ``msgs`` (``average``), or the
+    entry of row ``M`` of the task (the owner of its stripe). ``mp``/``mn``: the two means per row and column."""
+    n = msgs.shape[0]
+    for t in prange(tasks.shape[0]):
+        s, rest, tr = tasks[t, S], tasks[t, REST], tasks[t, TR]
+        t0, t1, lo, pitch, m = tasks[t, T0], tasks[t, T1], tasks[t, LO], tasks[t, PITCH], tasks[t, M]
+        dbit, dcol = tasks[t, DBIT], tasks[t, DCOL]
+        r0, r1, inv_n = (0, n, 1.0 / n) if average else (m, m + 1, 1.0)
+        length = rest if tr else pitch
+        bits = np.empty(length, dtype=np.uint8)
+        acc = np.empty(length)
+        if tr:
+            for g in range(t0, t1):
+                base, bit0 = s + g * rest, dbit + (g - lo) * rest
+                _mean_run(msgs, mp, mn, r0, r1, inv_n, dcol + g - lo, False, bit0, rest, out, base, False, bits, acc)
+        else:
+            for i in range(t0, t1):
+                base, bit0 = s + i * rest + lo, dbit + i * pitch
+                _mean_run(msgs, mp, mn, r0, r1, inv_n, dcol, True, bit0, pitch, out, base, False, bits, acc)
+
+
+def _threads() -> None:
+    import torch
+
+    numba.set_num_threads(max(1, min(numba.config.NUMBA_NUM_THREADS, torch.get_num_threads())))
+
+
+def quantize(
+    table: Any,
+    msgs: np.ndarray,
+    columns: np.ndarray,
+    *,
+    grad: np.ndarray | None = None,
+    received: np.ndarray | None = None,
+    vals: np.ndarray | None = None,
+    ef: bool = True,
+) -> None:
+    """Fill ``msgs`` (uint8, one row per message, its scales first) from ``grad`` (or the ``received`` messages).
+
+    ``table``: a :class:`~dask_dl.train.compression.plan.TaskTable`. ``columns[m]``: the number of groups in
+    message ``m`` (its header holds ``8 * columns[m]`` bytes of float32 scales).
+    """
+    if (ef or received is not None) and (vals is None or (grad is not None and len(vals) != len(grad))):
+        raise ValueError("error feedback and the server side need ``vals``, a float32 array as long as the bucket")
+    tasks = table.rows
+    scales = np.zeros((msgs.shape[0], 2 * max(int(columns.max(initial=0)), 1)), dtype=np.float32)
+    heads = np.zeros(len(tasks), dtype=np.uint8)
+    tails = np.zeros(len(tasks), dtype=np.uint8)
+    psp, psn = np.zeros(table.n_partials), np.zeros(table.n_partials)
+    pcp = np.zeros(table.n_partials)
+    nothing = np.zeros(1, dtype=np.float32)
+    grad = nothing if grad is None else grad
+    vals = nothing if vals is None else vals
+    if received is None:
+        mode, received = 0, np.zeros((0, 1), dtype=np.uint8)
+        mp_in = mn_in = np.zeros((0, 1), dtype=np.float32)
+    else:
+        mode = 1
+        mp_in, mn_in = header_means(received, columns[:1].repeat(len(received)))
+    msgs.fill(0)  # signs are OR-ed in where two tasks share a byte
+    with _LOCK:
+        _threads()
+        quantize_tasks(
+            mode, grad, received, mp_in, mn_in, vals, ef, tasks, msgs, scales, heads, tails, psp, psn, pcp, LANES
+        )
+        if len(table.reductions):
+            reduce_columns(table.reductions, psp, psn, pcp, scales)
+            sign_bands(mode, grad, vals, ef, tasks, msgs, scales, heads, tails)
+    for rows, side in ((tasks[:, HEAD], heads), (tasks[:, TAIL], tails)):
+        use = rows >= 0
+        np.bitwise_or.at(msgs, (tasks[use, M], rows[use]), side[use])
+    for m in range(msgs.shape[0]):
+        k = int(columns[m])
+        msgs[m, : 8 * k] = scales[m, : 2 * k].view(np.uint8)
+
+
+def header_means(msgs: np.ndarray, columns: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float32 ``(rows, max(columns))`` twice: the two means of each column, from each message's header."""
+    width = max(int(columns.max(initial=0)), 1)
+    mp = np.zeros((msgs.shape[0], width), dtype=np.float32)
+    mn = np.zeros((msgs.shape[0], width), dtype=np.float32)
+    for r in range(msgs.shape[0]):
+        k = int(columns[r])
+        pairs = msgs[r, : 8 * k].view(np.float32).reshape(k, 2)
+        mp[r, :k], mn[r, :k] = pairs[:, 0], pairs[:, 1]
+    return mp, mn
+
+
+def decode(table: Any, msgs: np.ndarray, columns: np.ndarray, out: np.ndarray, *, average: bool) -> None:
+    """Write the bucket ``out`` from ``msgs``: their mean (``average``), or each task's entries from its row."""
+    mp, mn = header_means(msgs, columns)
+    with _LOCK:
+        _threads()
+        decode_tasks(msgs, mp, mn, table.rows, average, out)
+
+
+def warm_up() -> None:
+    """Compile (or load from numba's cache) every kernel on a tiny bucket, so that no training step pays it."""
+    from dask_dl.train.compression.plan import plan_stripes
+
+    for transposed_shape in ((2, 9), (9, 2)):
+        plan = plan_stripes([transposed_shape], ["w"], 1)
+        values = np.arange(18, dtype=np.float32) - 9
+        residual = np.zeros(18, dtype=np.float32)
+        msgs = np.zeros((1, plan.size), dtype=np.uint8)
+        quantize(plan.tasks, msgs, plan.columns, grad=values, vals=residual)
+        quantize(plan.own_tasks(0), msgs.copy(), plan.columns, received=msgs, vals=residual)
+        decode(plan.tasks, msgs, plan.columns, values, average=True)
+        decode(plan.tasks, msgs, plan.columns, values, average=False)

@@ -1,0 +1,191 @@
+"""The fused CPU kernels (``compression/kernels.py``, ``plan.py``, ``fused.py``) against the eager torch reference.
+
+Signs, messages layout and error-feedback residuals must equal the eager path's exactly; scales agree to float32
+rounding (both sum in float64, in different orders), which for these inputs is bit-exact too, and the tests
+say so where they rely on it. Means of N decoded messages: exact for N=2 (both paths round once), within one
+float32 rounding for N=3 (the kernels sum in float64, the reference in float32).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dask_dl.testing.compression import FakeBucket, numel
+from dask_dl.train.compression import kernels, make_compressor, plan
+from dask_dl.train.compression.plan import plan_stripes
+from dask_dl.train.compression.quantize import ColumnLayout, decode, dequantize, quantize
+
+SHAPES = [(6, 20), (5, 3, 3, 3), (7,), (), (4, 9), (12, 5), (8, 1, 2, 2), (3, 3)]
+# wide (transposed) and tall parameters whose groups are not multiples of 8, tall ones cut in bands
+MIXED = [(64, 300), (300, 64), (33, 500), (20, 11), (1000, 13), (5,), (24, 24)]
+
+
+def _pair(name: str):
+    fused, eager = make_compressor(name), make_compressor(name)
+    eager.state.fused = False
+    return fused, eager
+
+
+def _step(compressor, shapes, values, index=0):
+    return compressor.hook(compressor.state, FakeBucket(shapes, values.clone(), index)).wait().clone()
+
+
+def _flat(store, n):
+    return torch.cat([store[f"0.{i}"].reshape(-1) for i in range(n)])
+
+
+@pytest.mark.parametrize("grain", [16, 100, None])
+@pytest.mark.parametrize("name", ["onebit", "onebit2"])
+@pytest.mark.parametrize("shapes", [SHAPES, MIXED], ids=["small", "mixed"])
+def test_fused_equals_eager_step_after_step(name, shapes, grain, monkeypatch):
+    """One rank, error feedback on: every output and residual equal the eager path's, bit for bit."""
+    if grain is not None:
+        monkeypatch.setattr(plan, "GRAIN", grain)  # small tasks: runs cut inside groups' bytes and bands
+    fused, eager = _pair(name)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        g = torch.randn(numel(shapes), generator=gen)
+        g[::5] = 0.0  # exact zeros: the positive side
+        assert torch.equal(_step(fused, shapes, g), _step(eager, shapes, g))
+    n = len(shapes)
+    assert torch.equal(_flat(fused.state.residuals, n), _flat(eager.state.residuals, n))
+    if name == "onebit2":
+        assert torch.equal(_flat(fused.state.server_residuals, n), _flat(eager.state.server_residuals, n))
+    assert _flat(fused.state.residuals, n).abs().max() > 0.1  # error feedback really in play
+
+
+def test_messages_equal_the_eager_encoding_for_every_stripe():
+    """The kernels write each stripe's message (scales, then signs in the parameters' memory order) exactly as
+    the eager ``encode`` does, for N = 1..4 stripes."""
+    shapes = MIXED
+    names = [f"p{i}" for i in range(len(shapes))]
+    layout = ColumnLayout(tuple(shapes))
+    g = torch.randn(layout.numel, generator=torch.Generator().manual_seed(1))
+    bits, scales = quantize(layout.blocks(g.clone()))
+    for n in (1, 2, 3, 4):
+        p = plan_stripes(shapes, names, n)
+        msgs = np.zeros((n, p.size), dtype=np.uint8)
+        kernels.quantize(p.tasks, msgs, p.columns, grad=g.numpy().copy(), ef=False)
+        for k, pieces in enumerate(p.pieces):
+            got_bits, got_scales = decode(torch.from_numpy(msgs[k]), layout.piece_shapes(pieces))
+            want = [bits[i][:, lo:hi] for i, lo, hi in pieces]
+            assert all(torch.equal(a, b) for a, b in zip(got_bits, want, strict=True))
+            assert torch.equal(got_scales, scales[torch.tensor(layout.piece_columns(pieces), dtype=torch.long)])
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_decoding_n_messages_gives_their_mean(n):
+    shapes = MIXED
+    p = plan_stripes(shapes, [f"p{i}" for i in range(len(shapes))], 1)
+    layout = p.layout
+    gen = torch.Generator().manual_seed(n)
+    msgs = np.zeros((n, p.size), dtype=np.uint8)
+    for r in range(n):
+        values = torch.randn(layout.numel, generator=gen).numpy()
+        kernels.quantize(p.tasks, msgs[r : r + 1], p.columns, grad=values, ef=False)
+    out = np.full(layout.numel, np.nan, dtype=np.float32)
+    kernels.decode(p.tasks, msgs, p.columns.repeat(n), out, average=True)
+    decoded = [decode(torch.from_numpy(m), layout.block_shapes()) for m in msgs]
+    rebuilt = [torch.cat([b.reshape(-1) for b in _memory_order(layout, dequantize(*d))]) for d in decoded]
+    exact = torch.stack([r.double() for r in rebuilt]).mean(0)
+    if n == 2:
+        assert torch.equal(torch.from_numpy(out), exact.float())
+    else:
+        np.testing.assert_allclose(out, exact.numpy(), rtol=2**-23, atol=0)
+
+
+def _memory_order(layout, blocks):
+    return [b.t() if m.transposed else b for b, m in zip(blocks, layout.matrices, strict=True)]
+
+
+def test_results_do_not_depend_on_the_number_of_threads():
+    """Every rank must decode the same bits whatever its thread count: work is cut by the plan, not threads."""
+    shapes = [(512, 300), (700, 64), (96,)]
+    g = torch.randn(numel(shapes), generator=torch.Generator().manual_seed(0))
+    outputs = []
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            compressor = make_compressor("onebit2")
+            outputs.append((_step(compressor, shapes, g), _flat(compressor.state.residuals, 3)))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outputs[0][0], outputs[1][0]) and torch.equal(outputs[0][1], outputs[1][1])
+
+
+@pytest.mark.parametrize("shape", [(6400, 1), (1, 6400), (9, 1), (4096,)])
+def test_kernel_fidelity_on_a_nearly_cancelling_group(shape):
+    """The issue's cases through the kernels, as a column (bands) and as a row (one contiguous group): the
+    negative mean is exact, the lone negative entry keeps no residual, the positive mean is the float32
+    rounding of the exact one."""
+    n = int(np.prod(shape))
+    column = (np.random.default_rng(n).random(n) + 0.5).astype(np.float32)
+    column[n // 3] = np.float32(-1e-3)
+    p = plan_stripes([shape], ["w"], 1)
+    msgs = np.zeros((1, p.size), dtype=np.uint8)
+    residual = np.zeros(n, dtype=np.float32)
+    kernels.quantize(p.tasks, msgs, p.columns, grad=column.copy(), vals=residual)
+    mean_pos, mean_neg = msgs[0, :8].view(np.float32)
+    assert mean_neg == np.float32(-1e-3)
+    assert mean_pos == np.float32(np.delete(column, n // 3).astype(np.float64).mean())
+    assert residual[n // 3] == 0.0
+    assert np.unpackbits(msgs[0, 8:], count=n).sum() == n - 1
+
+
+def test_all_zero_bucket_stays_zero_and_zeros_are_positive():
+    p = plan_stripes([(8, 3)], ["w"], 1)
+    msgs = np.zeros((1, p.size), dtype=np.uint8)
+    residual = np.zeros(24, dtype=np.float32)
+    kernels.quantize(p.tasks, msgs, p.columns, grad=np.zeros(24, dtype=np.float32), vals=residual)
+    assert np.unpackbits(msgs[0, 24:], count=24).all() and not msgs[0, :24].any()  # scales all 0, signs all 1
+    out = np.full(24, np.nan, dtype=np.float32)
+    kernels.decode(p.tasks, msgs, p.columns, out, average=True)
+    assert not out.any() and not residual.any()
+
+
+def test_task_table_cuts_and_shared_bytes():
+    """Runs of whole groups; a run's first or last sign byte is marked when another run may share it."""
+    layout = ColumnLayout(((4, 10), (30, 3)))  # 4 rows of 10 (transposed), then 3 columns of 30 (bands)
+    table = plan.task_table(layout, [[(0, 0, 4), (1, 0, 3)]], grain=20)
+    rows = table.rows
+    header = 64 * 7
+    assert rows[:, kernels.TR].tolist() == [1, 1, 0, 0, 0, 0, 0]
+    assert rows[:2, kernels.T0].tolist() == [0, 2] and rows[:2, kernels.T1].tolist() == [2, 4]
+    assert rows[2:, kernels.T0].tolist() == [0, 6, 12, 18, 24]  # bands of 20 // 3 = 6 rows
+    second = header + 20  # bit of row 2: not on a byte boundary
+    assert rows[1, kernels.HEAD] == second >> 3 and rows[0, kernels.TAIL] == (second - 1) >> 3
+    assert table.reductions.tolist() == [[0, 5, 3, 0, 4, 30]]
+    assert table.n_partials == 15
+
+
+@pytest.fixture
+def one_rank_group():
+    """A real one-rank gloo group, for a real DDP model."""
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_register_warms_the_kernels_up(one_rank_group, monkeypatch):
+    """Hook construction compiles (or loads) the kernels: no training step pays numba's compile time."""
+    calls = []
+    warm_up = kernels.warm_up
+    monkeypatch.setattr(kernels, "warm_up", lambda: calls.append(warm_up()))
+    ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+    make_compressor("onebit").register(ddp)
+    assert len(calls) == 1
+    eager = make_compressor("onebit2")
+    eager.state.fused = False  # the eager path needs no kernels
+    eager.register(torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2)))
+    make_compressor("none").register(torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2)))
+    assert len(calls) == 1
