@@ -23,6 +23,8 @@ runs hooks and their callbacks on different threads) and use as many threads as 
 from __future__ import annotations
 
 import threading
+import types
+from collections.abc import Callable
 from typing import Any
 
 import numba
@@ -192,7 +194,6 @@ def _means(sp, sn, cp, length):
     return mp, mn
 
 
-@njit(cache=True, parallel=True)
 def quantize_tasks(
     mode, grad, received, mp_in, mn_in, vals, ef, tasks, msgs, scales, heads, tails, psp, psn, pcp, lanes
 ):
@@ -249,7 +250,6 @@ def quantize_tasks(
                     pcp[p + j] += 1.0 if x >= 0 else 0.0
 
 
-@njit(cache=True, parallel=True)
 def reduce_columns(reductions, psp, psn, pcp, scales):
     """Phase two: add up each untransposed piece's band sums in band order; write its columns' scales."""
     for t in prange(reductions.shape[0]):
@@ -264,7 +264,6 @@ def reduce_columns(reductions, psp, psn, pcp, scales):
             scales[m, 2 * (dcol + j)], scales[m, 2 * (dcol + j) + 1] = _means(sp, sn, cp, length)
 
 
-@njit(cache=True, parallel=True)
 def sign_bands(mode, grad, vals, ef, tasks, msgs, scales, heads, tails):
     """Phase three: the signs and errors of the untransposed pieces' bands."""
     src = vals if (ef or mode == 1) else grad
@@ -283,7 +282,6 @@ def sign_bands(mode, grad, vals, ef, tasks, msgs, scales, heads, tails):
             _pack(bits, pitch, bit0, msgs, m, head, tail, heads, tails, t)
 
 
-@njit(cache=True, parallel=True)
 def decode_tasks(msgs, mp, mn, tasks, average, out):
     """Write every task's entries into ``out``: the mean over all rows of ``msgs`` (``average``), or the
     entry of row ``M`` of the task (the owner of its stripe). ``mp``/``mn``: the two means per row and column."""
@@ -306,10 +304,33 @@ def decode_tasks(msgs, mp, mn, tasks, average, out):
                 _mean_run(msgs, mp, mn, r0, r1, inv_n, dcol, True, bit0, pitch, out, base, False, bits, acc)
 
 
-def _threads() -> None:
+def _twins(function: Callable) -> tuple[Callable, Callable]:
+    """A kernel compiled twice: with ``prange`` run by numba's threads, and serially (no thread launch, which
+    costs milliseconds on a busy machine: small buckets and one-thread workers run serially)."""
+    serial = types.FunctionType(function.__code__, function.__globals__, function.__name__ + "_serial")
+    serial.__qualname__ = function.__qualname__ + "_serial"  # its own entry in numba's cache
+    return njit(cache=True, parallel=True)(function), njit(cache=True)(serial)
+
+
+QUANTIZE_TASKS = _twins(quantize_tasks)
+REDUCE_COLUMNS = _twins(reduce_columns)
+SIGN_BANDS = _twins(sign_bands)
+DECODE_TASKS = _twins(decode_tasks)
+PARALLEL_MIN = 1 << 18  # values in a bucket below which the kernels run serially
+
+
+def _kernels(values: int) -> int:
+    """Which twin to run (0: parallel, 1: serial), after setting numba's threads to torch's."""
     import torch
 
-    numba.set_num_threads(max(1, min(numba.config.NUMBA_NUM_THREADS, torch.get_num_threads())))
+    threads = max(1, min(numba.config.NUMBA_NUM_THREADS, torch.get_num_threads()))
+    numba.set_num_threads(threads)
+    if _FORCE is not None:
+        return _FORCE
+    return 0 if threads > 1 and values >= PARALLEL_MIN else 1
+
+
+_FORCE: int | None = None  # warm_up compiles both twins
 
 
 def quantize(
@@ -346,13 +367,13 @@ def quantize(
         mp_in, mn_in = header_means(received, columns[:1].repeat(len(received)))
     msgs.fill(0)  # signs are OR-ed in where two tasks share a byte
     with _LOCK:
-        _threads()
-        quantize_tasks(
+        k = _kernels(table.values)
+        QUANTIZE_TASKS[k](
             mode, grad, received, mp_in, mn_in, vals, ef, tasks, msgs, scales, heads, tails, psp, psn, pcp, LANES
         )
         if len(table.reductions):
-            reduce_columns(table.reductions, psp, psn, pcp, scales)
-            sign_bands(mode, grad, vals, ef, tasks, msgs, scales, heads, tails)
+            REDUCE_COLUMNS[k](table.reductions, psp, psn, pcp, scales)
+            SIGN_BANDS[k](mode, grad, vals, ef, tasks, msgs, scales, heads, tails)
     for rows, side in ((tasks[:, HEAD], heads), (tasks[:, TAIL], tails)):
         use = rows >= 0
         np.bitwise_or.at(msgs, (tasks[use, M], rows[use]), side[use])
@@ -377,14 +398,22 @@ def decode(table: Any, msgs: np.ndarray, columns: np.ndarray, out: np.ndarray, *
     """Write the bucket ``out`` from ``msgs``: their mean (``average``), or each task's entries from its row."""
     mp, mn = header_means(msgs, columns)
     with _LOCK:
-        _threads()
-        decode_tasks(msgs, mp, mn, table.rows, average, out)
+        DECODE_TASKS[_kernels(table.values)](msgs, mp, mn, table.rows, average, out)
 
 
 def warm_up() -> None:
     """Compile (or load from numba's cache) every kernel on a tiny bucket, so that no training step pays it."""
+    global _FORCE
     from dask_dl.train.compression.plan import plan_stripes
 
+    try:
+        for _FORCE in (0, 1):
+            _warm_up(plan_stripes)
+    finally:
+        _FORCE = None
+
+
+def _warm_up(plan_stripes) -> None:
     for transposed_shape in ((2, 9), (9, 2)):
         plan = plan_stripes([transposed_shape], ["w"], 1)
         values = np.arange(18, dtype=np.float32) - 9

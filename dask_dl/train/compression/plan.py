@@ -31,6 +31,7 @@ class TaskTable:
     rows: np.ndarray
     reductions: np.ndarray
     n_partials: int
+    values: int  # entries the tasks cover
 
 
 def task_table(layout: ColumnLayout, messages: Sequence[Pieces], *, grain: int | None = None) -> TaskTable:
@@ -69,7 +70,8 @@ def task_table(layout: ColumnLayout, messages: Sequence[Pieces], *, grain: int |
             bit += pitch * shape.rows
             col += pitch
     table = np.array(rows, dtype=np.int64).reshape(-1, N_FIELDS)
-    return TaskTable(table, np.array(reductions, dtype=np.int64).reshape(-1, N_REDUCE), partials)
+    values = sum((hi - lo) * layout.matrices[i].rows for pieces in messages for i, lo, hi in pieces)
+    return TaskTable(table, np.array(reductions, dtype=np.int64).reshape(-1, N_REDUCE), partials, values)
 
 
 def _edges(first_bit: int, end_bit: int) -> tuple[int, int]:
