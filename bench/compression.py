@@ -8,13 +8,15 @@ network namespace with a veth pair into a bridge and a ``tc tbf`` rate limit on 
 Printed per network and rank count: bytes per worker per step handed to torch.distributed and an estimate of the
 bytes that leave the worker (ring allreduce 2(N-1)/N, all-gather N-1 inputs, all-to-all (N-1)/N), both as ratios
 to ``none``; the exchange time of a step (all buckets' hooks, compression included) as a ratio to ``none``.
-Then each compressor's compress + decompress time alone (one rank, no network) as a ratio to one memcpy of the
-gradient. The ranks share this machine's cores, so on a small machine compute-heavy compressors look slower
-than they would on one core per rank.
+Then each compressor's compress + decompress time alone (one rank, one thread, no network) as a ratio to one copy
+of the gradient into allocated memory (measured beside each step, under the same load), and for onebit/onebit2
+the same for their eager torch reference. The ranks share this machine's cores, so on a small machine
+compute-heavy compressors look slower than they would on one core per rank.
 
     python bench/compression.py                     # everything (root for the namespaces; ~5 min on 2 cores)
     python bench/compression.py --networks loopback --worlds 2
     python bench/compression.py --steps 3           # steadier times, longer
+    python bench/compression.py --no-exchange       # compress + decompress vs a copy only (~1 min)
 """
 
 from __future__ import annotations
@@ -32,54 +34,11 @@ import time
 
 import numpy as np
 
-# dask_dl's alexnet (one input channel, 14 outputs) with fc6 on a 5x5x256 feature map instead of 6x6x256.
-ALEXNET = [
-    (64, 1, 11, 11), (64,), (192, 64, 5, 5), (192,), (384, 192, 3, 3), (384,), (256, 384, 3, 3), (256,),
-    (256, 256, 3, 3), (256,), (4096, 6400), (4096,), (4096, 4096), (4096,), (14, 4096), (14,),
-]  # fmt: skip
+from dask_dl.testing.compression import ALEXNET, FakeBucket, ddp_buckets
+
 COMPRESSORS = ("none", "bf16", "powersgd", "onebit", "onebit2")
 RATES = {"1gbit": "1gbit", "10gbit": "10gbit"}
 BRIDGE = "ddlbench0"
-
-
-def ddp_buckets(shapes, cap_bytes=25 * 2**20):
-    """Group parameters the way DDP does by default: reverse order, about 25 MB per bucket."""
-    buckets, current, size = [], [], 0
-    for shape in reversed(shapes):
-        nbytes = 4 * math.prod(shape)
-        if current and size + nbytes > cap_bytes:
-            buckets.append(current)
-            current, size = [], 0
-        current.append(shape)
-        size += nbytes
-    return buckets + [current] if current else buckets
-
-
-class Bucket:
-    """DDP's GradBucket interface over a flat tensor."""
-
-    def __init__(self, index, shapes, values, last):
-        self.i, self.shapes, self.values, self.last = index, shapes, values, last
-        self.params = [object() for _ in shapes]
-
-    def buffer(self):
-        return self.values
-
-    def gradients(self):
-        out, offset = [], 0
-        for s in self.shapes:
-            out.append(self.values[offset : offset + math.prod(s)].view(s))
-            offset += math.prod(s)
-        return out
-
-    def parameters(self):
-        return self.params
-
-    def index(self):
-        return self.i
-
-    def is_last(self):
-        return self.last
 
 
 def _options(name):
@@ -96,7 +55,7 @@ def run_steps(compressor, buckets, grads, steps, barrier=None):
         sent, wire = compressor.bytes_sent, compressor.wire_bytes
         start = time.perf_counter()
         futures = [
-            compressor.hook(compressor.state, Bucket(i, shapes, x, i == len(buckets) - 1))
+            compressor.hook(compressor.state, FakeBucket(shapes, x, i, last=i == len(buckets) - 1))
             for i, (shapes, x) in enumerate(zip(buckets, inputs, strict=True))
         ]
         for f in futures:
@@ -138,7 +97,8 @@ def worker(args) -> None:
 
 
 def local_costs(steps: int) -> dict[str, float]:
-    """Compress + decompress seconds per step on one rank (no network), and one memcpy of the gradient."""
+    """Compress + decompress seconds per step on one rank (no network), and one copy of the gradient into
+    allocated memory; for onebit/onebit2 also their eager torch reference (``name-eager``)."""
     import torch
     import torch.distributed as dist
 
@@ -152,17 +112,28 @@ def local_costs(steps: int) -> dict[str, float]:
     buckets = ddp_buckets(ALEXNET)
     grads = [torch.randn(sum(math.prod(s) for s in b)) for b in buckets]
     flat, copy = torch.cat(grads), torch.empty(sum(g.numel() for g in grads))
-    memcpy = []
-    for _ in range(5):
+    copy.copy_(flat)  # first touch
+
+    def memcpy() -> float:
         start = time.perf_counter()
         copy.copy_(flat)
-        memcpy.append(time.perf_counter() - start)
-    costs = {"memcpy": float(np.median(memcpy))}
+        return time.perf_counter() - start
+
+    costs, copies = {}, []
     for name in COMPRESSORS:
-        options, warm = _options(name)
-        compressor = make_compressor(name, **options)
-        run_steps(compressor, buckets, grads, warm + 1)
-        costs[name] = float(np.median([s[0] for s in run_steps(compressor, buckets, grads, steps)]))
+        for fused in (True, False) if name.startswith("onebit") else (True,):
+            options, warm = _options(name)
+            compressor = make_compressor(name, **options)
+            if hasattr(compressor.state, "fused"):
+                compressor.state.fused = fused
+                compressor.state.warm_up()
+            run_steps(compressor, buckets, grads, warm + 1)
+            times = []
+            for _ in range(steps):  # a copy measured beside each step: the same load on the machine
+                copies.append(memcpy())
+                times.append(run_steps(compressor, buckets, grads, 1)[0][0])
+            costs[name if fused else f"{name}-eager"] = float(np.median(times))
+    costs["memcpy"] = float(np.median(copies))
     dist.destroy_process_group()
     return costs
 
@@ -248,6 +219,7 @@ def main() -> None:
     parser.add_argument("--compressors", default=",".join(COMPRESSORS))
     parser.add_argument("--steps", type=int, default=1, help="timed steps per compressor (after warm-up)")
     parser.add_argument("--timeout", type=float, default=150, help="seconds allowed for one network and world")
+    parser.add_argument("--no-exchange", action="store_true", help="only compress + decompress vs a copy")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     for hidden in ("--rank", "--world", "--port"):
         parser.add_argument(hidden, type=int, help=argparse.SUPPRESS)
@@ -259,7 +231,7 @@ def main() -> None:
 
     n = sum(math.prod(s) for s in ALEXNET)
     print(f"gradient: {n / 1e6:.1f}M float32 values ({4 * n / 1e6:.0f} MB) in {len(ddp_buckets(ALEXNET))} buckets")
-    networks = args.networks.split(",")
+    networks = [] if args.no_exchange else args.networks.split(",")
     if any(net != "loopback" for net in networks):
         problem = None
         if os.geteuid() != 0:
@@ -289,10 +261,16 @@ def main() -> None:
                     )
     finally:
         teardown()
-    costs = local_costs(args.steps)
-    print(f"\ncompress + decompress on one rank, no network (memcpy of the gradient: {costs['memcpy'] * 1e3:.1f} ms)")
+    costs = local_costs(max(args.steps, 3))
+    print(f"\ncompress + decompress on one rank, one thread, no network (a copy of the gradient into allocated memory: "
+          f"{costs['memcpy'] * 1e3:.1f} ms)")  # fmt: skip
     for name in COMPRESSORS:
-        print(f"  {name:10} {costs[name]:8.3f} s  {costs[name] / costs['memcpy']:8.1f} x memcpy")
+        line = f"  {name:10} {costs[name]:8.3f} s  {costs[name] / costs['memcpy']:8.1f} x copy"
+        if f"{name}-eager" in costs:
+            eager = costs[f"{name}-eager"]
+            line += f"   eager torch reference {eager:7.3f} s  {eager / costs['memcpy']:6.1f} x copy"
+            line += f"   fused / eager {costs[name] / eager:5.2f}"
+        print(line, flush=True)
 
 
 if __name__ == "__main__":

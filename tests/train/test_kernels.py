@@ -189,3 +189,23 @@ def test_register_warms_the_kernels_up(one_rank_group, monkeypatch):
     eager.register(torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2)))
     make_compressor("none").register(torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2)))
     assert len(calls) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["onebit", "onebit2"])
+def test_cuda_buckets_take_the_torch_path_and_agree_with_the_cpu_kernels(name):
+    """A bucket on a GPU goes through the eager torch path (no numba); its results are the CPU kernels'."""
+    shapes = MIXED
+    cpu, gpu = make_compressor(name), make_compressor(name)
+    gen = torch.Generator().manual_seed(11)
+    for step in range(3):
+        g = torch.randn(numel(shapes), generator=gen)
+        on_cpu = _step(cpu, shapes, g)
+        on_gpu = _step(gpu, shapes, g.cuda())
+        assert on_gpu.is_cuda
+        if step == 0:  # the same input: the same signs, and scales within float32 rounding
+            assert torch.equal(on_gpu.cpu() >= 0, on_cpu >= 0)
+        torch.testing.assert_close(on_gpu.cpu(), on_cpu, rtol=1e-5, atol=1e-6)
+    residual = _flat(gpu.state.residuals, len(shapes))
+    assert residual.is_cuda
+    torch.testing.assert_close(residual.cpu(), _flat(cpu.state.residuals, len(shapes)), rtol=1e-5, atol=1e-5)
