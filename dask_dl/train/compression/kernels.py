@@ -112,18 +112,24 @@ def _mean_run(msgs, mp, mn, r0, r1, inv_n, col, per_column, bit0, out, add, bits
     in message order, times ``inv_n``), of column ``col`` (``col + e`` when ``per_column``); plus ``out[e]`` in
     float32 when ``add``. ``bits`` and ``acc`` are scratch at least as long as ``out``."""
     length = out.shape[0]
-    for j in range(length):
-        acc[j] = 0.0
     for r in range(r0, r1):
         _unpack(msgs[r], bit0, length, bits)
         if per_column:
             pos, neg = mp[r, col : col + length], mn[r, col : col + length]
-            for j in range(length):
-                acc[j] += pos[j] if bits[j] else neg[j]
+            if r == r0:
+                for j in range(length):
+                    acc[j] = pos[j] if bits[j] else neg[j]
+            else:
+                for j in range(length):
+                    acc[j] += pos[j] if bits[j] else neg[j]
         else:
             p, q = np.float64(mp[r, col]), np.float64(mn[r, col])
-            for j in range(length):
-                acc[j] += p if bits[j] else q
+            if r == r0:
+                for j in range(length):
+                    acc[j] = p if bits[j] else q
+            else:
+                for j in range(length):
+                    acc[j] += p if bits[j] else q
     if add:
         for j in range(length):
             out[j] = np.float32(acc[j] * inv_n) + out[j]
