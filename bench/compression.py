@@ -17,6 +17,7 @@ compute-heavy compressors look slower than they would on one core per rank.
     python bench/compression.py --networks loopback --worlds 2
     python bench/compression.py --steps 3           # steadier times, longer
     python bench/compression.py --no-exchange       # compress + decompress vs a copy only (~1 min)
+    python bench/compression.py --compressors none,onebit,onebit-eager   # the eager reference beside the kernels
 """
 
 from __future__ import annotations
@@ -84,7 +85,11 @@ def worker(args) -> None:
     results = {}
     for name in args.compressors.split(","):
         options, warm = _options(name)
-        compressor = make_compressor(name, **options)
+        compressor = make_compressor(name.removesuffix("-eager"), **options)
+        if name.endswith("-eager"):  # the eager torch reference of onebit/onebit2, e.g. onebit-eager
+            compressor.state.fused = False
+        elif hasattr(compressor.state, "warm_up"):
+            compressor.state.warm_up()
         run_steps(compressor, buckets, grads, warm + 1, dist.barrier)  # warm-up (and first-touch) steps
         steps = run_steps(compressor, buckets, grads, args.steps, dist.barrier)
         times = torch.tensor([s[0] for s in steps])

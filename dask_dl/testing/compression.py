@@ -50,7 +50,8 @@ class FakeBucket:
     last
         Whether it is the last bucket of its step (``bucket.is_last()``; the hooks count steps on it).
     params
-        Parameter objects (``bucket.parameters()``); by default new zero ``torch.nn.Parameter`` of ``shapes``.
+        Parameter objects (``bucket.parameters()``); by default new ``torch.nn.Parameter`` of ``shapes`` on the
+        ``meta`` device (no memory: a bucket is cheap to make inside a timed step).
     """
 
     def __init__(self, shapes, values, index: int = 0, *, last: bool = True, params=None) -> None:
@@ -58,7 +59,9 @@ class FakeBucket:
 
         self.shapes = [tuple(int(d) for d in s) for s in shapes]
         self.values, self.idx, self.last = values, index, last
-        self.params = params if params is not None else [torch.nn.Parameter(torch.zeros(s)) for s in self.shapes]
+        if params is None:
+            params = [torch.nn.Parameter(torch.empty(s, device="meta")) for s in self.shapes]
+        self.params = params
 
     def buffer(self):
         return self.values

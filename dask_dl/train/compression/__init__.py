@@ -14,6 +14,12 @@ onebit2    two-stage 1-bit SGD: all-to-all ``~ n / 8 + 8 * columns``, all-gather
 Every compressor runs ``warmup_steps`` plain allreduce steps first. Use :func:`make_compressor`, then
 ``compressor.register(ddp_model)``; ``compressor.bytes_sent`` counts the bytes this rank handed to
 torch.distributed, ``compressor.state_dict()`` holds what a checkpoint needs to resume identically.
+:data:`COMPRESSORS` lists the names with a help line each, without importing torch.
+
+The modules: ``compressor`` (:class:`Compressor`, :func:`make_compressor`), ``state`` (what hooks keep),
+``hooks`` (the hooks), ``quantize`` (groups, messages and the eager torch quantizer), ``eager`` (the 1-bit
+hooks in torch operations: the reference, and the path for GPU tensors), ``plan`` and ``kernels`` (the fused
+numba kernels the 1-bit hooks run on CPU buckets), ``fused`` (the hooks' use of them), ``powersgd``.
 """
 
 from __future__ import annotations
