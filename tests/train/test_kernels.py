@@ -116,6 +116,21 @@ def test_results_do_not_depend_on_the_number_of_threads():
     assert torch.equal(outputs[0][0], outputs[1][0]) and torch.equal(outputs[0][1], outputs[1][1])
 
 
+def test_the_kernels_leave_torch_threads_alone():
+    """numba's OpenMP layer shares torch's OpenMP runtime: starting its threads must not change torch's thread
+    count (it did: a trainer on 1 thread went on on 2, and runs stopped repeating themselves bit for bit)."""
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            kernels.warm_up()  # both twins where torch has 2 threads: numba's threads start
+            assert kernels._FORCE is None and torch.get_num_threads() == t
+            _step(make_compressor("onebit"), [(512, 600)], torch.randn(512 * 600))  # parallel with 2 threads
+            assert torch.get_num_threads() == t
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("shape", [(6400, 1), (1, 6400), (9, 1), (4096,)])
 def test_kernel_fidelity_on_a_nearly_cancelling_group(shape):
     """The issue's cases through the kernels, as a column (bands) and as a row (one contiguous group): the

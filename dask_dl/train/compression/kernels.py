@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import threading
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numba
@@ -344,15 +345,27 @@ DECODE_TASKS = _twins(decode_tasks)
 PARALLEL_MIN = 1 << 18  # values in a bucket below which the kernels run serially
 
 
-def _kernels(values: int) -> int:
-    """Which twin to run (0: parallel, 1: serial), after setting numba's threads to torch's."""
+@contextmanager
+def _kernels(values: int) -> Iterator[int]:
+    """Hold the lock and say which twin to run (0: parallel, 1: serial) for a bucket of ``values`` entries.
+
+    The parallel twin runs on as many numba threads as torch uses. Starting numba's threads can change
+    torch's: with numba's OpenMP layer both share one OpenMP runtime, and its start sets the thread count of
+    the calling thread. torch's count is put back afterwards, or every later torch op would run on another
+    number of threads (and sum in another order: a run would not repeat itself bit for bit).
+    """
     import torch
 
-    threads = max(1, min(numba.config.NUMBA_NUM_THREADS, torch.get_num_threads()))
-    numba.set_num_threads(threads)
-    if _FORCE is not None:
-        return _FORCE
-    return 0 if threads > 1 and values >= PARALLEL_MIN else 1
+    threads = torch.get_num_threads()
+    with _LOCK:
+        parallel = _FORCE == 0 or (_FORCE is None and threads > 1 and values >= PARALLEL_MIN)
+        try:
+            if parallel:
+                numba.set_num_threads(max(1, min(numba.config.NUMBA_NUM_THREADS, threads)))
+            yield 0 if parallel else 1
+        finally:
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
 
 
 _FORCE: int | None = None  # warm_up compiles both twins
@@ -391,8 +404,7 @@ def quantize(
         mode = 1
         mp_in, mn_in = header_means(received, columns[:1].repeat(len(received)))
     msgs.fill(0)  # signs are OR-ed in where two tasks share a byte
-    with _LOCK:
-        k = _kernels(table.values)
+    with _kernels(table.values) as k:
         QUANTIZE_TASKS[k](
             mode, grad, received, mp_in, mn_in, vals, ef, tasks, msgs, scales, heads, tails, psp, psn, pcp, LANES
         )
@@ -422,17 +434,19 @@ def header_means(msgs: np.ndarray, columns: np.ndarray) -> tuple[np.ndarray, np.
 def decode(table: Any, msgs: np.ndarray, columns: np.ndarray, out: np.ndarray, *, average: bool) -> None:
     """Write the bucket ``out`` from ``msgs``: their mean (``average``), or each task's entries from its row."""
     mp, mn = header_means(msgs, columns)
-    with _LOCK:
-        DECODE_TASKS[_kernels(table.values)](msgs, mp, mn, table.rows, average, out)
+    with _kernels(table.values) as k:
+        DECODE_TASKS[k](msgs, mp, mn, table.rows, average, out)
 
 
 def warm_up() -> None:
     """Compile (or load from numba's cache) every kernel on a tiny bucket, so that no training step pays it."""
     global _FORCE
+    import torch
+
     from dask_dl.train.compression.plan import plan_stripes
 
-    try:
-        for _FORCE in (0, 1):
+    try:  # the parallel twin only where it can be used: torch on more than one thread
+        for _FORCE in (0, 1) if torch.get_num_threads() > 1 else (1,):
             _warm_up(plan_stripes)
     finally:
         _FORCE = None
