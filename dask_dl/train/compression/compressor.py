@@ -59,7 +59,8 @@ class Compressor:
         The 1-bit compressors compile (or load from numba's cache) their kernels here, not in a training step.
         """
         self.state.param_names = {id(p): name for name, p in ddp_model.module.named_parameters()}
-        if isinstance(self.state, OneBitState):
+        on_cpu = all(p.device.type == "cpu" for p in ddp_model.module.parameters())
+        if isinstance(self.state, OneBitState) and on_cpu:  # GPU buckets take the torch path: no kernels
             self.state.warm_up()
         ddp_model.register_comm_hook(self.state, self.hook)
 
