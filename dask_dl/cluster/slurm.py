@@ -70,10 +70,7 @@ def make_slurm(
     MissingDependencyError
         dask-jobqueue is not installed.
     """
-    try:
-        from dask_jobqueue import SLURMCluster
-    except ImportError:
-        raise missing_dependency("dask-jobqueue", "hpc", "make('slurm')") from None
+    SLURMCluster = _import_jobqueue().SLURMCluster
 
     n_jobs = positive_int("jobs", config.get("cluster.slurm.jobs", jobs if jobs is not None else n_workers))
     gpus = _count("gpus_per_job", config.get("cluster.slurm.gpus-per-job", gpus_per_job))
@@ -122,3 +119,25 @@ def _count(name: str, value: Any) -> int:
         return positive_int(name, value)
     except ConfigurationError:
         raise ConfigurationError(f"{name} must be 0 or a positive integer, got {value!r}; pass e.g. {name}=1") from None
+
+
+def _import_jobqueue() -> Any:
+    """Import dask_jobqueue, keeping this process's Ctrl-C handler.
+
+    ``dask_jobqueue.runner`` replaces the SIGINT handler with ``sys.exit`` when it is imported (meant for its own
+    runner processes), which would turn a user's Ctrl-C into a SystemExit that skips ``TrainingRun.wait``'s clean
+    stop. The handler that was there before is put back.
+    """
+    import signal
+    import threading
+
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGINT) if main else None
+    try:
+        import dask_jobqueue
+    except ImportError:
+        raise missing_dependency("dask-jobqueue", "hpc", "make('slurm')") from None
+    finally:
+        if main and previous is not None and signal.getsignal(signal.SIGINT) is not previous:
+            signal.signal(signal.SIGINT, previous)
+    return dask_jobqueue

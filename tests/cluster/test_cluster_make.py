@@ -85,3 +85,18 @@ def test_tagged_stand_in_workers_and_check_visible(tmp_path):
         missing = tmp_path / "not-here.zarr"
         with pytest.raises(StoreNotFoundError, match=rf"worker {plain[0]} cannot see '{missing}' \(does not exist"):
             check_visible(client, missing)
+
+
+def test_importing_jobqueue_keeps_the_ctrl_c_handler():
+    """dask_jobqueue.runner sets SIGINT to sys.exit on import; make('slurm') imports it without that effect."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import signal; before = signal.getsignal(signal.SIGINT); {imp}; "
+        "print(signal.getsignal(signal.SIGINT) is before)"
+    )
+    plain = probe.format(imp="import dask_jobqueue")
+    ours = probe.format(imp="from dask_dl.cluster.slurm import _import_jobqueue; _import_jobqueue()")
+    out = [subprocess.run([sys.executable, "-c", c], capture_output=True, text=True, check=True) for c in (plain, ours)]
+    assert [o.stdout.strip() for o in out] == ["False", "True"]  # the plain import does replace it

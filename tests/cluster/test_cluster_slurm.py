@@ -8,6 +8,7 @@ to the loopback interface (``interface="lo"``), everything stays on 127.0.0.1.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -19,7 +20,8 @@ import yaml
 from dask_dl.cluster import connect, cpu_workers, gpu_workers
 from dask_dl.testing.cluster import small_story
 
-pytest.importorskip("dask_jobqueue")
+if importlib.util.find_spec("dask_jobqueue") is None:  # not importorskip: importing it replaces the SIGINT handler
+    pytest.skip("dask-jobqueue is not installed (pip install 'dask-dl[hpc]')", allow_module_level=True)
 
 SLURM = dict(queue="gpu", jobs=1, gpus_per_job=1, cpu_jobs=1, cpu_queue="debug", memory="1GiB", interface="lo")
 
