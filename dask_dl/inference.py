@@ -27,7 +27,7 @@ import numpy as np
 import pandas as pd
 
 from dask_dl import config
-from dask_dl.checks import one_of
+from dask_dl.checks import one_of, positive_int
 from dask_dl.data.store import COORDS
 from dask_dl.errors import ConfigurationError, DatasetError, ExportError, StoreNotFoundError
 from dask_dl.export import ModelInfo, read_model_info
@@ -250,7 +250,8 @@ def predict(
     StoreNotFoundError
         No file at ``model_path``.
     ConfigurationError
-        ``on`` is not one of ``"cpu"``, ``"gpu"``, ``"any"``, or is given with no client and no current client.
+        ``batch_size`` is not a positive integer; ``on`` is not one of ``"cpu"``, ``"gpu"``, ``"any"``, or is
+        given with no client and no current client.
     ClusterError
         ``on="gpu"`` on a cluster without GPU workers.
 
@@ -269,9 +270,7 @@ def predict(
         client = client if client is not None else _current_client(on)
     path = os.fspath(model_path) if is_url(model_path) else str(Path(model_path).resolve())
     info = read_model_info(path, input_size=input_size, labels=labels, normalization=normalization)
-    batch_size = config.get("predict.batch-size", batch_size)
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int | np.integer) or batch_size < 1:
-        raise DatasetError(f"batch_size must be a positive integer; got {batch_size!r}")
+    batch_size = positive_int("batch_size", config.get("predict.batch-size", batch_size))
     images, _ = _images(data)
     images = _check_shape(images, info)
     spec = {

@@ -11,7 +11,7 @@ import torch
 from click.testing import CliRunner
 
 import dask_dl
-from dask_dl import DatasetError, ExportError, StoreNotFoundError
+from dask_dl import ConfigurationError, DatasetError, ExportError, StoreNotFoundError
 from dask_dl.cli import cli
 from dask_dl.export import INPUT_NAME, OUTPUT_NAME, export_onnx
 from dask_dl.inference import evaluate, predict, scores_table
@@ -128,7 +128,7 @@ def test_wrong_shapes_refused(store, model):
         predict(np.zeros((4, 64), np.uint8), path)
     with pytest.raises(DatasetError, match="uint8 or float.*bool"):
         predict(np.zeros((4, 64, 64), bool), path)
-    with pytest.raises(DatasetError, match="batch_size must be a positive integer; got 0"):
+    with pytest.raises(ConfigurationError, match="batch_size must be a positive integer, got 0"):
         predict(np.zeros((4, 64, 64), np.uint8), path, batch_size=0)
 
 
