@@ -13,6 +13,7 @@ from dask_dl import config as _config  # noqa: F401  (registers the dask.config 
 from dask_dl._version import __version__
 from dask_dl.errors import (
     CatalogError,
+    CheckpointError,
     ClusterError,
     ConfigurationError,
     DaskDLError,
@@ -69,6 +70,7 @@ _LAZY = {
 
 __all__ = [
     "CatalogError",
+    "CheckpointError",
     "ClusterError",
     "ConfigurationError",
     "DaskDLError",

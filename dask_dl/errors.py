@@ -49,6 +49,10 @@ class TrainingError(DaskDLError, RuntimeError):
     """Training failed: a non-finite loss, a trainer that died without a replacement, a bad checkpoint."""
 
 
+class CheckpointError(TrainingError):
+    """A checkpoint file cannot be trusted: damaged, truncated, not a regular file, too large, or holding objects."""
+
+
 class ConfigurationError(DaskDLError, ValueError):
     """An option has a value dask_dl does not know: unknown model, compressor or backend."""
 

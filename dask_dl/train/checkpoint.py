@@ -1,12 +1,15 @@
 """Writing checkpoints (the format is :mod:`dask_dl.checkpoint`'s), atomically, and the per-rank RNG state.
 
 Writing goes to a temporary name beside the target, then renames it (``os.replace`` locally; ``fs.mv``
-elsewhere), so a reader never sees half a file and a run killed while writing keeps the previous checkpoint.
+elsewhere), so a reader never sees half a file and a run killed while writing keeps the previous checkpoint. The
+manifest (size and SHA-256, :func:`dask_dl.checkpoint.verify_manifest`) is written last, the same way.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
+import json
 import os
 import random
 import uuid
@@ -15,14 +18,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from dask_dl.checkpoint import REQUIRED_KEYS, checkpoint_name, fs_of, is_local
+from dask_dl.checkpoint import REQUIRED_KEYS, checkpoint_name, fs_of, is_local, manifest_name
 from dask_dl.errors import TrainingError
 
 __all__ = ["rng_state", "save_checkpoint", "set_rng_state", "write_atomic"]
 
 
 def save_checkpoint(checkpoint: dict[str, Any], directory: str | os.PathLike) -> str:
-    """Write ``checkpoint`` to ``directory`` as ``epoch-NNNN.pt``, atomically.
+    """Write ``checkpoint`` to ``directory`` as ``epoch-NNNN.pt``, atomically, then its manifest.
 
     Parameters
     ----------
@@ -41,7 +44,16 @@ def save_checkpoint(checkpoint: dict[str, Any], directory: str | os.PathLike) ->
         raise TrainingError(f"checkpoint lacks keys {missing}; a checkpoint needs {list(REQUIRED_KEYS)}")
     buffer = io.BytesIO()
     torch.save(checkpoint, buffer)
-    return write_atomic(directory, checkpoint_name(int(checkpoint["epoch"])), buffer.getbuffer())
+    data = buffer.getbuffer()
+    name = checkpoint_name(int(checkpoint["epoch"]))
+    manifest = {"file": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    fs, root = fs_of(directory)
+    if fs.exists(f"{root}/{manifest_name(name)}"):  # a stale manifest must not judge the new file
+        fs.rm(f"{root}/{manifest_name(name)}")
+    target = write_atomic(directory, name, data)
+    # written last: a run killed between the two leaves a complete checkpoint without manifest (read with a warning)
+    write_atomic(directory, manifest_name(name), json.dumps(manifest).encode())
+    return target
 
 
 def write_atomic(directory: str | os.PathLike, name: str, data: bytes | memoryview) -> str:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
-from dask_dl.errors import TrainingError
+from dask_dl.errors import CheckpointError, TrainingError
 from dask_dl.train.options import RunOptions, check_run
 from dask_dl.train.placement import place_trainers
 
@@ -469,12 +469,9 @@ def _install_dashboard(client: Client) -> None:
 
 
 def _resume_point(options: RunOptions) -> tuple[str | None, list[dict[str, Any]]]:
-    from dask_dl.checkpoint import latest_checkpoint, load_checkpoint
-
-    path = latest_checkpoint(options.checkpoint_dir)
+    path, ck = newest_good_checkpoint(options.checkpoint_dir)
     if path is None:
         return None, []
-    ck = load_checkpoint(path)
     model, labels = options.model, options.labels
     if ck["model_name"] != model or list(ck["labels"]) != list(labels):
         raise TrainingError(
@@ -488,3 +485,41 @@ def _resume_point(options: RunOptions) -> tuple[str | None, list[dict[str, Any]]
             f"trainers={len(ck['compressor'])} (error-feedback residuals are per trainer)"
         )
     return path, [dict(r) for r in ck["history"]]
+
+
+def newest_good_checkpoint(directory: str) -> tuple[str | None, dict[str, Any] | None]:
+    """Return the newest checkpoint of ``directory`` that loads and verifies, with its path; (None, None) if none.
+
+    Damaged, truncated, special or hostile files are skipped with a warning naming each of them.
+
+    Raises
+    ------
+    CheckpointError
+        When there are checkpoint files but none of them is good (the message lists each file's problem).
+    """
+    from dask_dl.checkpoint import fs_of, is_local, list_checkpoints, load_checkpoint
+
+    found = list_checkpoints(directory)
+    fs, _ = fs_of(directory)
+    problems: list[str] = []
+    for _, fpath in reversed(found):
+        path = fpath if is_local(fs) else fs.unstrip_protocol(fpath)
+        try:
+            checkpoint = load_checkpoint(path)
+        except CheckpointError as exc:
+            problems.append(str(exc))
+            continue
+        if problems:
+            warnings.warn(
+                f"resuming from {path!r}: skipped {len(problems)} newer checkpoint(s) that cannot be used: "
+                + " | ".join(problems),
+                UserWarning,
+                stacklevel=4,
+            )
+        return path, checkpoint
+    if problems:
+        raise CheckpointError(
+            f"no usable checkpoint in {directory!r} to resume from: " + " | ".join(problems) + "; fix or delete "
+            "these files, or train afresh with resume=False and another checkpoint_dir"
+        )
+    return None, None

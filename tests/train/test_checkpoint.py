@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import collections
+import hashlib
+import json
 import os
 import random
+from pathlib import Path
 
+import dask
 import numpy as np
 import pytest
 import torch
 
 from dask_dl.checkpoint import REQUIRED_KEYS, checkpoint_name, latest_checkpoint, list_checkpoints, load_checkpoint
-from dask_dl.errors import TrainingError
+from dask_dl.errors import CheckpointError, TrainingError
 from dask_dl.train.checkpoint import rng_state, save_checkpoint, set_rng_state
 
 
@@ -102,3 +107,114 @@ def test_rng_state_roundtrip(tmp_path):
     assert torch.equal(torch.rand(3), expected[0])
     assert np.array_equal(np.random.rand(3), expected[1])
     assert random.random() == expected[2]
+
+
+# ---- integrity, damaged, hostile and special files ------------------------------------------------------------
+
+
+def _flip_tensor_bytes(path, pattern: bytes, n: int = 64) -> None:
+    """Invert ``n`` bytes inside the stored tensor whose raw bytes start with ``pattern`` (file size unchanged)."""
+    data = bytearray(Path(path).read_bytes())
+    at = data.index(pattern)
+    data[at + 16 : at + 16 + n] = bytes(b ^ 0xFF for b in data[at + 16 : at + 16 + n])
+    Path(path).write_bytes(bytes(data))
+
+
+def _with_big_tensor(epoch: int) -> dict:
+    ck = _checkpoint(epoch)
+    ck["model"]["conv.weight"] = torch.arange(1000, dtype=torch.float32) + 0.5
+    return ck
+
+
+def test_manifest_written_last_and_flipped_bytes_refused(tmp_path):
+    path = save_checkpoint(_with_big_tensor(3), tmp_path)
+    manifest = json.loads((tmp_path / "epoch-0003.pt.sha256").read_text())
+    data = Path(path).read_bytes()
+    assert manifest == {"file": "epoch-0003.pt", "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    assert [e for e, _ in list_checkpoints(tmp_path)] == [3]  # the manifest is not a checkpoint
+    size = os.path.getsize(path)
+    _flip_tensor_bytes(path, (torch.arange(4, dtype=torch.float32) + 0.5).numpy().tobytes())
+    assert os.path.getsize(path) == size
+    # torch.load alone reads the damaged tensor silently: that is what the manifest is for
+    assert not torch.equal(torch.load(path, weights_only=True)["model"]["conv.weight"], torch.arange(1000) + 0.5)
+    with pytest.raises(CheckpointError, match=r"epoch-0003\.pt' is damaged: its SHA-256 is"):
+        load_checkpoint(tmp_path)
+    with pytest.raises(TrainingError):  # a CheckpointError is a TrainingError
+        load_checkpoint(path)
+
+
+def test_truncated_and_empty_files_name_the_file(tmp_path):
+    path = save_checkpoint(_checkpoint(1), tmp_path)
+    data = Path(path).read_bytes()
+    Path(path).write_bytes(data[: len(data) // 2])
+    half = len(data) // 2
+    with pytest.raises(CheckpointError, match=rf"epoch-0001\.pt' is damaged: {half} bytes .*\(truncated\)"):
+        load_checkpoint(path)
+    os.remove(str(path) + ".sha256")  # without a manifest: torch's own failure, named and explained
+    torch_failure = r"epoch-0001\.pt' is damaged or not a torch file \((RuntimeError|ValueError): "
+    with pytest.raises(CheckpointError, match=torch_failure):
+        load_checkpoint(path)
+    Path(path).write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"epoch-0001\.pt' is empty \(0 bytes\)"):
+        load_checkpoint(path)
+
+
+def test_hostile_file_refused_without_weights_only_advice(tmp_path):
+    hostile = {**_checkpoint(0), "payload": collections.OrderedDict, "evil": os.system}
+    torch.save(hostile, tmp_path / "epoch-0000.pt")
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(tmp_path)
+    message = str(info.value)
+    assert "epoch-0000.pt' is refused: it holds objects other than tensors and plain data" in message
+    assert "weights_only" not in message and info.value.__cause__ is None
+
+
+def test_only_regular_files_within_the_size_limit(tmp_path):
+    (tmp_path / "zero").mkdir()
+    os.symlink("/dev/zero", tmp_path / "zero" / "epoch-0000.pt")
+    with pytest.raises(CheckpointError, match=r"is not a regular file \(a character device\)"):
+        load_checkpoint(tmp_path / "zero")
+    fifo = tmp_path / "epoch-0001.pt"
+    os.mkfifo(fifo)  # opening it would block until a writer comes: it must be refused before that
+    with pytest.raises(CheckpointError, match=r"is not a regular file \(a FIFO\)"):
+        load_checkpoint(fifo)
+    sparse = tmp_path / "sparse" / "epoch-0002.pt"
+    sparse.parent.mkdir()
+    with open(sparse, "wb") as f:
+        f.truncate(20 * 2**30)  # 20 GiB, no blocks on disk
+    with pytest.raises(CheckpointError, match=r"is 21474836480 bytes, more than dask-dl.checkpoint.max-bytes"):
+        load_checkpoint(sparse.parent)
+    # a link to a regular checkpoint is fine; the limit comes from config
+    path = save_checkpoint(_checkpoint(4), tmp_path / "real")
+    os.symlink(path, tmp_path / "link.pt")
+    assert load_checkpoint(tmp_path / "link.pt")["epoch"] == 4
+    with (
+        dask.config.set({"dask-dl.checkpoint.max-bytes": 1000}),
+        pytest.raises(CheckpointError, match=r"more than dask-dl.checkpoint.max-bytes=1000"),
+    ):
+        load_checkpoint(path)
+
+
+def test_resume_point_falls_back_to_newest_good_checkpoint(tmp_path):
+    from dask_dl.train.run import newest_good_checkpoint
+
+    assert newest_good_checkpoint(str(tmp_path / "none")) == (None, None)
+    for epoch in (0, 1, 2):
+        save_checkpoint(_with_big_tensor(epoch), tmp_path)
+    _flip_tensor_bytes(tmp_path / "epoch-0002.pt", (torch.arange(4, dtype=torch.float32) + 0.5).numpy().tobytes())
+    (tmp_path / "epoch-0001.pt").write_bytes(b"")
+    with pytest.warns(UserWarning, match=r"skipped 2 newer checkpoint\(s\).*epoch-0002\.pt' is damaged.*epoch-0001"):
+        path, ck = newest_good_checkpoint(str(tmp_path))
+    assert path.endswith("epoch-0000.pt") and ck["epoch"] == 0
+    (tmp_path / "epoch-0000.pt").write_bytes(b"PK\x03\x04 not really")
+    with pytest.raises(CheckpointError, match=r"no usable checkpoint in .*epoch-0002.*epoch-0001.*epoch-0000"):
+        newest_good_checkpoint(str(tmp_path))
+
+
+def test_export_refuses_a_damaged_checkpoint(tmp_path):
+    from dask_dl import ExportError, export_onnx
+
+    path = save_checkpoint(_with_big_tensor(0), tmp_path)
+    _flip_tensor_bytes(path, (torch.arange(4, dtype=torch.float32) + 0.5).numpy().tobytes())
+    with pytest.raises(ExportError, match=r"epoch-0000\.pt' is damaged: its SHA-256"):
+        export_onnx(path, tmp_path / "model.onnx")

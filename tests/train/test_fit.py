@@ -226,6 +226,16 @@ def test_resume_equals_uninterrupted(store, cluster_client, tmp_path):
     pd.testing.assert_frame_equal(on_disk, resumed.history.reset_index(drop=True), check_dtype=False)
 
 
+def test_resume_skips_a_damaged_latest_checkpoint(store, cluster_client, tmp_path):
+    ck = tmp_path / "ck"
+    fit(store, cluster_client, epochs=2, checkpoint_dir=str(ck))
+    (ck / "epoch-0001.pt").write_bytes((ck / "epoch-0001.pt").read_bytes()[:1000])  # truncated, manifest kept
+    with pytest.warns(UserWarning, match=r"resuming from .*epoch-0000\.pt': skipped 1 newer .*epoch-0001\.pt' is dam"):
+        resumed = fit(store, cluster_client, epochs=2, checkpoint_dir=str(ck), resume=True)
+    assert list(resumed.history["event"]) == ["", "resumed"]
+    assert load_checkpoint(ck)["epoch"] == 1  # epoch 1 trained again and written whole, with a fresh manifest
+
+
 def test_tensorboard_scalars(store, cluster_client, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
