@@ -22,19 +22,26 @@ from dask_dl.train.options import OPTIMIZERS
 
 
 class _Group(click.Group):
-    """A click group that turns :class:`DaskDLError` into a one-line message and exit status 1."""
+    """A click group that turns :class:`DaskDLError` into a one-line message and exit status 1.
+
+    Any other exception is a bug and keeps its traceback; ``--debug`` shows the traceback of every error.
+    """
 
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
         except DaskDLError as exc:
-            click.secho(f"error: {exc}", fg="red", err=True)
+            if ctx.params.get("debug"):
+                raise
+            message = " ".join(str(exc).split("\n")) or type(exc).__name__
+            click.secho(f"error: {message}", fg="red", err=True)
             sys.exit(1)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.version_option(package_name="dask-dl", prog_name="dask-dl")
-def cli() -> None:
+@click.option("--debug", is_flag=True, default=False, help="Show the full traceback of every error, expected or not.")
+def cli(debug: bool) -> None:
     """Dask-native deep learning on big image collections: ingest, train, export, predict."""
 
 

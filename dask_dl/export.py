@@ -435,7 +435,87 @@ def load_onnx(path: str | os.PathLike) -> onnx.ModelProto:
     # protobuf parses some arbitrary bytes without error: a real model has an IR version and a graph
     if model.ir_version < 1 or not model.graph.input or not model.graph.output:
         raise ExportError(f"{str(path)!r} is not an ONNX model: it has no IR version or no graph inputs/outputs")
+    _check_operators(str(path), model)
     return model
+
+
+# operator domains onnxruntime implements beyond the ONNX standard ones
+_RUNTIME_DOMAINS = ("com.microsoft", "com.microsoft.nchwc", "com.ms.internal.nhwc")
+
+
+def _check_operators(name: str, model: onnx.ModelProto) -> None:
+    """Refuse a model using an operator neither ONNX, onnxruntime nor the model's own functions define."""
+    local = {(f.domain, f.name) for f in model.functions}
+    unknown = sorted(
+        {
+            f"{node.domain or 'ai.onnx'}::{node.op_type}"
+            for node in model.graph.node
+            if (node.domain, node.op_type) not in local
+            and node.domain not in _RUNTIME_DOMAINS
+            and not onnx.defs.has(node.op_type, node.domain)
+        }
+    )
+    if unknown:
+        raise ExportError(
+            f"{name!r} uses operators no ONNX runtime here knows: {unknown}; export the model with standard ONNX "
+            "operators (dask_dl.export_onnx does) or register the custom operators' library"
+        )
+
+
+def _graph_input_dims(model: onnx.ModelProto) -> list[int | None]:
+    shape = model.graph.input[0].type.tensor_type.shape
+    return [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None for d in shape.dim]
+
+
+def _metadata_info(name: str, model: onnx.ModelProto, raw: str) -> ModelInfo:
+    """Parse and check the ``dask_dl`` metadata entry against the model's graph."""
+    try:
+        data = json.loads(raw)
+    except ValueError as exc:
+        raise ExportError(
+            f"{name!r} has a 'dask_dl' metadata entry that is not JSON ({exc}); the file was altered after "
+            "dask_dl.export_onnx wrote it: export the checkpoint again"
+        ) from None
+    if not isinstance(data, dict):
+        raise ExportError(f"{name!r} has a 'dask_dl' metadata entry that is a {type(data).__name__}, not a JSON object")
+    missing = [k for k in ("labels", "input_size") if k not in data]
+    if missing:
+        raise ExportError(
+            f"{name!r} has dask_dl metadata without {missing}; it cannot be scored safely: export the checkpoint "
+            "again with dask_dl.export_onnx"
+        )
+    labels, size = data["labels"], data["input_size"]
+    if not isinstance(labels, list) or not labels or not all(isinstance(v, str) for v in labels):
+        raise ExportError(f"{name!r}: metadata labels must be a non-empty list of strings; found {labels!r}")
+    channels = data.get("in_channels", 1)
+    for key, value in (("input_size", size), ("in_channels", channels)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ExportError(f"{name!r}: metadata {key} must be a positive integer; found {value!r}")
+    try:
+        info = ModelInfo.from_dict(data)
+    except (TypeError, ValueError) as exc:
+        raise ExportError(f"{name!r} has dask_dl metadata ModelInfo cannot read: {exc}") from None
+    graph_in, graph_out = model.graph.input[0], model.graph.output[0]
+    if (graph_in.name, graph_out.name) != (info.input_name, info.output_name):
+        raise ExportError(
+            f"{name!r}: metadata names input {info.input_name!r} and output {info.output_name!r}, but the graph has "
+            f"{graph_in.name!r} and {graph_out.name!r}"
+        )
+    dims = _graph_input_dims(model)
+    expected = [None, info.in_channels, info.input_size, info.input_size][-len(dims) :] if len(dims) in (3, 4) else None
+    if expected is None or any(d is not None and d != e for d, e in zip(dims[1:], expected[1:], strict=True)):
+        raise ExportError(
+            f"{name!r}: metadata says images of {info.in_channels} x {info.input_size} x {info.input_size}, but the "
+            f"graph input {graph_in.name!r} has shape {['?' if d is None else d for d in dims]}; the metadata does "
+            "not describe this model: export it again"
+        )
+    out_shape = graph_out.type.tensor_type.shape.dim
+    if len(out_shape) == 2 and out_shape[1].HasField("dim_value") and out_shape[1].dim_value not in (0, len(labels)):
+        raise ExportError(
+            f"{name!r}: metadata lists {len(labels)} labels, but the graph outputs {out_shape[1].dim_value} values "
+            "per image"
+        )
+    return info
 
 
 def read_model_info(
@@ -461,14 +541,16 @@ def read_model_info(
     Raises
     ------
     ExportError
-        Not an ONNX file; no dask_dl metadata and no ``input_size``/``labels``; disagreement with the metadata.
+        Not an ONNX file; an operator no runtime knows; no dask_dl metadata and no ``input_size``/``labels``;
+        dask_dl metadata that is not JSON, lacks ``labels`` or ``input_size``, or disagrees with the graph's input
+        and output shapes; disagreement between the arguments and the metadata.
     StoreNotFoundError
         No file at ``path``.
     """
     model = load_onnx(path)
     props = {p.key: p.value for p in model.metadata_props}
     if "dask_dl" in props:
-        info = ModelInfo.from_dict(json.loads(props["dask_dl"]))
+        info = _metadata_info(str(path), model, props["dask_dl"])
         if input_size is not None and int(input_size) != info.input_size:
             raise ExportError(f"{str(path)!r} takes {info.input_size} px images, not input_size={input_size}")
         if labels is not None and list(labels) != list(info.labels):

@@ -265,3 +265,45 @@ def test_model_changed_after_predict_is_refused(tmp_path, model):
         lazy.compute(scheduler="sync")
     fresh = predict(images, copy, providers=["CPUExecutionProvider"]).compute(scheduler="sync")
     np.testing.assert_array_equal(fresh, predict(images, path).compute(scheduler="sync"))
+
+
+def _altered(path, tmp_path, name: str, *, meta=None, op_type=None):
+    """A copy of the model at ``path`` with its dask_dl metadata replaced by ``meta`` or its first node renamed."""
+    proto = onnx.load(str(path))
+    if meta is not None:
+        for prop in proto.metadata_props:
+            if prop.key == "dask_dl":
+                prop.value = meta
+    if op_type is not None:
+        proto.graph.node[0].op_type = op_type
+    out = tmp_path / name
+    onnx.save(proto, str(out))
+    return out
+
+
+def test_bad_onnx_metadata_is_refused_when_the_model_is_opened(tmp_path, store, model):
+    import json
+
+    from dask_dl.export import read_model_info
+
+    _, path = model
+    ds = dask_dl.open_dataset(store)
+    meta = json.loads({p.key: p.value for p in onnx.load(str(path)).metadata_props}["dask_dl"])
+    n = len(meta["labels"])
+    cases = {
+        "notjson.onnx": ('{"labels": [', r"'dask_dl' metadata entry that is not JSON"),
+        "nolabels.onnx": (json.dumps({k: v for k, v in meta.items() if k != "labels"}), r"without \['labels'\]"),
+        "list.onnx": (json.dumps([1, 2]), "is a list, not a JSON object"),
+        "size.onnx": (json.dumps({**meta, "input_size": 128}), r"says images of 1 x 128 x 128, but the graph input"),
+        "labels.onnx": (json.dumps({**meta, "labels": ["a", "b"]}), rf"2 labels, but the graph outputs {n}"),
+    }  # fmt: skip
+    for name, (value, message) in cases.items():
+        bad = _altered(path, tmp_path, name, meta=value)
+        with pytest.raises(ExportError, match=rf"{name}'.*{message}"):
+            read_model_info(bad)
+        with pytest.raises(ExportError, match=message):
+            predict(ds, bad)  # when the graph is built, not when a worker computes
+    unknown = _altered(path, tmp_path, "op.onnx", op_type="NoSuchOperator")
+    with pytest.raises(ExportError, match=r"op\.onnx' uses operators no ONNX runtime here knows: \['ai.onnx::NoSuch"):
+        predict(ds, unknown)
+    assert read_model_info(path).labels == tuple(meta["labels"])  # the untouched model still opens

@@ -1,0 +1,79 @@
+"""The dask-dl command's error handling: one line and exit status 1 for expected failures, tracebacks for bugs.
+
+Real stores (written as ingest lays them out), real checkpoint files, a real LocalCluster for ``train``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import onnx
+import pytest
+import torch
+from click.testing import CliRunner
+
+from dask_dl.cli import cli
+from dask_dl.errors import CheckpointError
+from dask_dl.testing.data import write_store
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cli") / "s.zarr"
+    return str(write_store(path, n=24, size=32, chunk=4, split_of=lambda i: "train" if i < 16 else "val"))
+
+
+def _one_line_error(result, *fragments: str) -> str:
+    assert result.exit_code == 1, result.output
+    lines = result.output.strip().splitlines()
+    assert "Traceback" not in result.output
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.output
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    return lines[0]
+
+
+def test_train_resume_from_damaged_or_hostile_checkpoint(store, cluster_client, tmp_path):
+    runner = CliRunner()
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "epoch-0000.pt").write_bytes(b"PK\x03\x04" + b"\0" * 100)  # a damaged zip, no manifest
+    args = ["train", store, "--checkpoint-dir", str(ck), "--resume", "--epochs", "2", "-b", "4", "--quiet"]
+    args += ["--scheduler", cluster_client.scheduler.address]
+    _one_line_error(runner.invoke(cli, args), "no usable checkpoint", "epoch-0000.pt' is damaged or not a torch file")
+
+    torch.save({"format": 1, "evil": os.system}, ck / "epoch-0000.pt")
+    line = _one_line_error(runner.invoke(cli, args), "holds objects other than tensors and plain data")
+    assert "weights_only" not in line
+
+    result = runner.invoke(cli, ["--debug", *args])  # --debug: the error itself, with its traceback
+    assert result.exit_code == 1 and isinstance(result.exception, CheckpointError)
+
+
+def test_predict_with_bad_onnx_metadata(store, tmp_path):
+    from dask_dl.export import export_onnx
+    from dask_dl.models import build_model
+
+    net = build_model("small_cnn", num_outputs=3, width=4).eval()
+    path = tmp_path / "m.onnx"
+    export_onnx(net, path, labels=["Atelectasis", "Effusion", "Mass"], input_size=32)
+    proto = onnx.load(str(path))
+    for prop in proto.metadata_props:
+        if prop.key == "dask_dl":
+            prop.value = json.dumps({"input_size": 32})
+    onnx.save(proto, str(path))
+    result = CliRunner().invoke(cli, ["predict", store, str(path), "--out", str(tmp_path / "p.parquet")])
+    _one_line_error(result, "m.onnx' has dask_dl metadata without ['labels']")
+
+
+def test_bugs_keep_their_traceback(monkeypatch, store):
+    import dask_dl.data.dataset
+
+    def broken(*args, **kwargs):
+        raise ZeroDivisionError("a bug")
+
+    monkeypatch.setattr(dask_dl.data.dataset, "summary", broken)
+    result = CliRunner().invoke(cli, ["summary", store])
+    assert result.exit_code == 1 and isinstance(result.exception, ZeroDivisionError)
+    assert not result.output.startswith("error: ")
