@@ -46,7 +46,14 @@ class ClusterError(DaskDLError, RuntimeError):
 
 
 class TrainingError(DaskDLError, RuntimeError):
-    """Training failed: a non-finite loss, a trainer that died without a replacement, a bad checkpoint."""
+    """Training failed: a non-finite loss, a trainer that died without a replacement, a bad checkpoint.
+
+    ``lost_workers`` lists the addresses of trainer workers the scheduler lost during the run (empty otherwise).
+    """
+
+    def __init__(self, message: str = "", *, lost_workers: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.lost_workers = list(lost_workers or [])
 
 
 class CheckpointError(TrainingError):

@@ -33,6 +33,7 @@ logger = logging.getLogger("dask_dl.train")
 
 _POLL_S = 0.25  # how often the driver looks at running epochs (errors, live progress, stop requests)
 _PROGRESS_S = 1.0  # how often it asks rank 0 where the epoch is
+_LOSS_WAIT_S = 3.0  # after a rank fails, how long to wait for the scheduler to notice a lost trainer worker
 
 
 class RunSink(Protocol):
@@ -78,6 +79,7 @@ class Driver:
         self._delivered = 0
         self._actor_futures: list[Any] = []
         self._actors: list[Any] = []
+        self._worker_ids: dict[str, str | None] = {}  # trainer address -> the scheduler's id of its worker
         self._thread = threading.Thread(target=self._drive, name=f"dask-dl-{sink.run_id}", daemon=True)
 
     def start(self) -> None:
@@ -129,6 +131,7 @@ class Driver:
             for rank, address in enumerate(self.workers)
         ]
         self._actors = [f.result() for f in self._actor_futures]
+        self._worker_ids = self._trainer_worker_ids()
         if self.stop_requested.is_set():  # stop() came before the actors existed
             self.stop()
         init_method = self._actors[0].free_address().result()
@@ -221,11 +224,49 @@ class Driver:
         except TrainingError:
             raise
         except Exception as exc:
+            advice = (
+                "Every trainer was stopped; the checkpoint of the last completed epoch is kept, and "
+                "fit(..., checkpoint_dir=..., resume=True) continues from it"
+            )
+            lost = self._lost_trainers()
+            if lost and rank not in lost:  # a survivor saw its peer's socket close: blame the worker that died
+                names = ", ".join(f"trainer {r} on {self.workers[r]}" for r in lost)
+                raise TrainingError(
+                    f"{self.sink.run_id}: {names} was lost in epoch {self.epoch} (the scheduler lost its worker: "
+                    f"killed, out of memory or preempted); trainer {rank} on {self.workers[rank]} then failed with "
+                    f"{type(exc).__name__}: {exc}. {advice}",
+                    lost_workers=[self.workers[r] for r in lost],
+                ) from exc
+            failed = "was lost" if rank in lost else "failed"
             raise TrainingError(
-                f"{self.sink.run_id}: trainer {rank} on {self.workers[rank]} failed in epoch {self.epoch}: "
-                f"{type(exc).__name__}: {exc}. Every trainer was stopped; the checkpoint of the last completed "
-                "epoch is kept, and fit(..., checkpoint_dir=..., resume=True) continues from it"
+                f"{self.sink.run_id}: trainer {rank} on {self.workers[rank]} {failed} in epoch {self.epoch}: "
+                f"{type(exc).__name__}: {exc}. {advice}",
+                lost_workers=[self.workers[r] for r in lost],
             ) from exc
+
+    def _trainer_worker_ids(self) -> dict[str, str | None]:
+        """The scheduler's id of each trainer's worker (a nanny's restarted worker gets a new one)."""
+        try:
+            workers = self.client.sync(self.client.scheduler.identity)["workers"]
+        except Exception as exc:  # blaming falls back to the rank that failed
+            logger.warning("%s: could not read the scheduler's workers: %s: %s", self.sink.run_id,
+                           type(exc).__name__, exc)  # fmt: skip
+            return {}
+        return {address: workers.get(address, {}).get("id") for address in self.workers}
+
+    def _lost_trainers(self, *, within: float = _LOSS_WAIT_S) -> list[int]:
+        """Ranks whose worker the scheduler lost (gone or replaced), waiting ``within`` seconds for it to notice."""
+        if not self._worker_ids:
+            return []
+        deadline = time.monotonic() + within
+        while True:
+            now = self._trainer_worker_ids()
+            if not now:
+                return []
+            lost = [r for r, a in enumerate(self.workers) if now.get(a) is None or now[a] != self._worker_ids.get(a)]
+            if lost or time.monotonic() > deadline:
+                return lost
+            time.sleep(0.2)
 
     def _release(self) -> None:
         """Leave the process group on every trainer and delete the actors, also after errors."""

@@ -335,10 +335,13 @@ def test_dead_trainer_fails_fast_and_cluster_recovers(store, cluster_client):
         time.sleep(0.05)
     victim = run.workers[1]
     os.kill(cluster_client.run(os.getpid, workers=[victim])[victim], signal.SIGKILL)
-    # the survivor's all-reduce fails as the peer's socket closes (or after dask-dl.train.timeout at worst)
-    with pytest.raises(TrainingError, match=r"trainer \d on tcp://.* failed in epoch \d+"):
+    # the survivor's all-reduce fails as the peer's socket closes (or after dask-dl.train.timeout at worst); the
+    # error blames the worker the scheduler lost, not the survivor that saw "Connection reset by peer"
+    with pytest.raises(TrainingError, match=rf"trainer 1 on {victim} was lost in epoch \d+") as info:
         run.wait(timeout=60)
+    assert info.value.lost_workers == [victim]
     assert run.status == "failed" and run.checkpoint()["epoch"] >= 0
+    assert run.error is info.value
     cluster_client.wait_for_workers(2, timeout=60)  # the nanny restarts the killed worker
     assert fit(store, cluster_client, epochs=1).status == "finished"
 
