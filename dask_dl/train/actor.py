@@ -32,6 +32,7 @@ import socket
 import sys
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -155,16 +156,20 @@ class TrainingActor:
         """Join the process group, build model, DDP, compressor, optimizer and loaders; load a checkpoint."""
         from distributed import get_worker
 
+        worker = get_worker()
+        _claim_process_group(worker, wait_s=min(float(spec.timeout_s), _CLAIM_WAIT_S))
+        try:
+            return self._setup(worker, spec, init_method=init_method, rank=rank, world_size=world_size)
+        except BaseException:
+            # a failed rendezvous must not leave this worker unusable: no half-made group, no advanced counter
+            self.teardown()
+            raise
+
+    def _setup(self, worker: Any, spec: TrainerSpec, *, init_method: str, rank: int, world_size: int) -> dict[str, Any]:
         from dask_dl.data.loader import ChunkLoader
         from dask_dl.models import MODELS, build_model
         from dask_dl.train.compression import make_compressor
 
-        if dist.is_available() and dist.is_initialized():
-            raise ClusterError(
-                f"worker {get_worker().address} is already in a torch.distributed process group (another fit is "
-                "running on it); wait for that run or stop it (run.stop()), or train on other workers"
-            )
-        worker = get_worker()
         if worker.nanny is not None and multiprocessing.parent_process() is not None:
             _exit_without_finalization()  # only in a worker process of a nanny: never in the user's own process
         if spec.model_name not in MODELS and spec.model_target is not None:  # registered in the user's process
@@ -173,6 +178,8 @@ class TrainingActor:
         self.spec, self.rank, self.world_size = spec, rank, world_size
         cuda = torch.cuda.is_available()
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        global _GROUP_OWNER
+        _GROUP_OWNER = weakref.ref(self)
         dist.init_process_group(
             "nccl" if cuda else "gloo",
             init_method=init_method,
@@ -374,6 +381,29 @@ class TrainingActor:
         dict
             ``status`` (``finished`` or ``stopped``) and, on rank 0, the ``rows`` published by this call.
         """
+        try:
+            return self._epochs(first_epoch=first_epoch, epochs=epochs, history=history, directory=directory,
+                                topic=topic, global_batch=global_batch, price=price, resumed=resumed)  # fmt: skip
+        except BaseException:
+            # leave the group now: the driver's teardown may never come (a client gone, a peer hung), and the
+            # worker must be as good as new for the next fit; rank 0 keeps its last checkpoint for the driver
+            latest = self._latest
+            self.teardown()
+            self._latest = latest
+            raise
+
+    def _epochs(
+        self,
+        *,
+        first_epoch: int,
+        epochs: int,
+        history: list[dict[str, Any]],
+        directory: str | None,
+        topic: str,
+        global_batch: int,
+        price: float,
+        resumed: bool,
+    ) -> dict[str, Any]:
         from distributed import get_worker
 
         from dask_dl.train.aggregate import epoch_row
@@ -461,12 +491,57 @@ class TrainingActor:
             self.__dict__.pop(name, None)
         # DDP's reducer holds the process group: free it before the group goes, not at interpreter exit
         gc.collect()
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+        if _GROUP_OWNER is not None and _GROUP_OWNER() is self:
+            _reset_process_group()
         self._ready = False
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         return True
+
+
+logger = logging.getLogger("dask_dl.train")
+
+_GROUP_OWNER: weakref.ref | None = None  # the actor whose process group this worker process is in
+_CLAIM_WAIT_S = 10.0  # how long setup waits for a failed run's trainer to leave its group before judging it stale
+
+
+def _claim_process_group(worker: Any, *, wait_s: float) -> None:
+    """Make this worker process free to join a new process group, or raise when a live run holds it.
+
+    A group whose actor is no longer on the worker (its run failed and was released while the trainer hung) is
+    stale: it is destroyed. torch's group counter, which a failed rendezvous advances without a group to
+    destroy, is reset, so every rank of the next run names its group alike.
+    """
+    deadline = time.monotonic() + wait_s
+    while dist.is_available() and dist.is_initialized():
+        owner = _GROUP_OWNER() if _GROUP_OWNER is not None else None
+        registered = owner is not None and any(actor is owner for actor in worker.state.actors.values())
+        if registered and getattr(owner, "_ready", False):
+            raise ClusterError(
+                f"worker {worker.address} is already in a torch.distributed process group (another fit is "
+                "running on it); wait for that run or stop it (run.stop()), or train on other workers"
+            )
+        if not registered or time.monotonic() > deadline:  # released, or its teardown never ends: stale
+            logger.warning("worker %s: leaving a process group a failed run left behind", worker.address)
+            break
+        time.sleep(0.2)  # its trainer is leaving the group (a failed run's teardown)
+    _reset_process_group()
+
+
+def _reset_process_group() -> None:
+    """Destroy this process's default group, if any, and reset torch's group counter."""
+    global _GROUP_OWNER
+    from torch.distributed import distributed_c10d
+
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception as exc:  # a group broken by a dead peer: forget it all the same
+            logger.warning("destroying the process group failed: %s: %s", type(exc).__name__, exc)
+    world = getattr(distributed_c10d, "_world", None)
+    if world is not None and not dist.is_initialized():
+        world.group_count = 0
+    _GROUP_OWNER = None
 
 
 _fast_exit_installed = False

@@ -346,6 +346,32 @@ def test_dead_trainer_fails_fast_and_cluster_recovers(store, cluster_client):
     assert fit(store, cluster_client, epochs=1).status == "finished"
 
 
+def test_a_hung_trainer_does_not_poison_its_workers(store, cluster_client):
+    import os
+    import signal
+
+    import dask
+
+    with dask.config.set({"dask-dl.train.timeout": 4}):
+        run = fit(store, cluster_client, epochs=500, batch_size=1, wait=False)
+    deadline = time.monotonic() + 60
+    while not len(run.history) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    victim = run.workers[1]
+    pid = cluster_client.run(os.getpid, workers=[victim])[victim]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        time.sleep(4 + 3)  # rank 0's collective times out after dask-dl.train.timeout
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    with pytest.raises(TrainingError, match=r"trainer \d on tcp://.* failed in epoch \d+"):
+        run.wait(timeout=90)
+    assert in_process_group(cluster_client) == [False, False]
+    for seed in range(3):  # the same workers, as good as new: no stale group, no advanced group counter
+        again = fit(store, cluster_client, epochs=1, seed=seed)
+        assert again.status == "finished" and sorted(again.workers) == sorted(run.workers)
+
+
 def test_bad_input_fails_before_any_actor(store, cluster_client):
     ds = dask_dl.open_dataset(store)
     with pytest.raises(DatasetError, match="no 'val' samples"):
