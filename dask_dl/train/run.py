@@ -144,21 +144,27 @@ def fit(
             UserWarning,
             stacklevel=2,
         )
-    resume_from, history = None, []
-    if options.resume:
-        resume_from, history = _resume_point(options)
+    lease = None
+    if options.checkpoint_dir is not None:  # one live run per checkpoint_dir, held until the run ends
+        from dask_dl.train.lease import CheckpointLease
+
+        lease = CheckpointLease(options.checkpoint_dir).acquire()
     owns_client = client is None and not _current_client_exists()
-    client = get_client(client)
     try:
+        resume_from, history = _resume_point(options) if options.resume else (None, [])
+        client = get_client(client)
         workers = place_trainers(client, options.trainers)
         check_visible(client, options.store, workers=workers)  # the trainers open the store themselves
         run = TrainingRun(
             client, options, workers=workers, history=history, resume_from=resume_from, owns_client=owns_client
         )
     except BaseException:
-        if owns_client:
+        if lease is not None:
+            lease.release()
+        if owns_client and client is not None:
             close_client(client)
         raise
+    run._lease = lease
     _install_dashboard(client)
     run._start()
     if wait:
@@ -200,6 +206,7 @@ class TrainingRun:
         self.epochs, self.checkpoint_dir = options.epochs, options.checkpoint_dir
         self.status, self.error = "starting", None
         self._owns_client = owns_client
+        self._lease: Any = None  # the checkpoint_dir's lease, released when the run ends
         self.steps_per_epoch: int | None = None
         self._rows = [dict(r) for r in history]
         self._epoch = len(history)
@@ -397,6 +404,8 @@ class TrainingRun:
             self._view.update(self.snapshot())
             self._view.close()
             self._history_writer.close()
+            if self._lease is not None:
+                self._lease.release()
             if self._owns_client:  # fit started this cluster for the run: nothing is left running
                 close_client(self.client)
         except Exception as exc:  # the run's outcome stands; what failed after it is reported, not raised

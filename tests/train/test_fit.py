@@ -6,6 +6,8 @@ right. Worker processes import torch once per module (module-scoped cluster), so
 
 from __future__ import annotations
 
+import json
+import socket
 import time
 from pathlib import Path
 
@@ -370,6 +372,23 @@ def test_a_hung_trainer_does_not_poison_its_workers(store, cluster_client):
     for seed in range(3):  # the same workers, as good as new: no stale group, no advanced group counter
         again = fit(store, cluster_client, epochs=1, seed=seed)
         assert again.status == "finished" and sorted(again.workers) == sorted(run.workers)
+
+
+def test_one_live_run_per_checkpoint_dir(store, cluster_client, tmp_path):
+    ck = tmp_path / "ck"
+    run = fit(store, cluster_client, epochs=500, batch_size=1, checkpoint_dir=str(ck), wait=False)
+    lease = ck / "_dask_dl" / "lease.json"
+    assert lease.exists()
+    with pytest.raises(TrainingError, match=r"another training run is writing checkpoints to checkpoint_dir=.*pid"):
+        fit(store, cluster_client, epochs=1, checkpoint_dir=str(ck))
+    run.stop()
+    assert run.wait(timeout=60).status == "stopped"
+    assert not lease.exists()  # released when the run ended
+    assert fit(store, cluster_client, epochs=1, checkpoint_dir=str(ck)).status == "finished"
+    # a lease left by a process that is gone is stale: taken over
+    lease.parent.mkdir(exist_ok=True)
+    lease.write_text(json.dumps({"host": socket.gethostname(), "pid": 999999999, "token": "x", "heartbeat": 0}))
+    assert fit(store, cluster_client, epochs=1, checkpoint_dir=str(ck)).status == "finished"
 
 
 def test_bad_input_fails_before_any_actor(store, cluster_client):
