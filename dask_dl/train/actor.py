@@ -123,6 +123,7 @@ class TrainingActor:
         self._stop = threading.Event()
         self._progress: dict[str, Any] = {}
         self._ready = False
+        self._orphaned = False  # released by the scheduler while running (its client is gone)
         self._latest: dict[str, Any] | None = None  # rank 0: the newest checkpoint when there is no directory
 
     # ---- answered on the event loop, also while an epoch runs ----------------------------------------------
@@ -381,9 +382,17 @@ class TrainingActor:
         dict
             ``status`` (``finished`` or ``stopped``) and, on rank 0, the ``rows`` published by this call.
         """
+        from distributed import get_worker
+
+        done = threading.Event()
+        self._orphaned = False
+        watcher = threading.Thread(
+            target=self._watch_release, args=(get_worker(), done), name="dask-dl-trainer-watch", daemon=True
+        )
+        watcher.start()
         try:
-            return self._epochs(first_epoch=first_epoch, epochs=epochs, history=history, directory=directory,
-                                topic=topic, global_batch=global_batch, price=price, resumed=resumed)  # fmt: skip
+            result = self._epochs(first_epoch=first_epoch, epochs=epochs, history=history, directory=directory,
+                                  topic=topic, global_batch=global_batch, price=price, resumed=resumed)  # fmt: skip
         except BaseException:
             # leave the group now: the driver's teardown may never come (a client gone, a peer hung), and the
             # worker must be as good as new for the next fit; rank 0 keeps its last checkpoint for the driver
@@ -391,6 +400,25 @@ class TrainingActor:
             self.teardown()
             self._latest = latest
             raise
+        finally:
+            done.set()
+        if self._orphaned:  # no driver is left to tear this trainer down: free the worker now
+            self.teardown()
+        return result
+
+    def _watch_release(self, worker: Any, done: threading.Event) -> None:
+        """Stop the epochs when this actor is released without a stop (its client disconnected or was killed).
+
+        The scheduler forgets an actor whose client is gone, and the worker drops it from its actors; the
+        epochs, running in the actor's thread, would otherwise go on for ever.
+        """
+        while not done.wait(_WATCH_S):
+            if not any(actor is self for actor in worker.state.actors.values()):
+                logger.warning("worker %s: trainer %d was released by its client (disconnected?); stopping",
+                               worker.address, self.rank)  # fmt: skip
+                self._orphaned = True
+                self._stop.set()  # every rank sees its own release; they agree on the step at the next check
+                return
 
     def _epochs(
         self,
@@ -502,6 +530,7 @@ class TrainingActor:
 logger = logging.getLogger("dask_dl.train")
 
 _GROUP_OWNER: weakref.ref | None = None  # the actor whose process group this worker process is in
+_WATCH_S = 1.0  # how often a running trainer checks that its actor is still wanted (its client still there)
 _CLAIM_WAIT_S = 10.0  # how long setup waits for a failed run's trainer to leave its group before judging it stale
 
 
