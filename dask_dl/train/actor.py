@@ -396,9 +396,7 @@ class TrainingActor:
         except BaseException:
             # leave the group now: the driver's teardown may never come (a client gone, a peer hung), and the
             # worker must be as good as new for the next fit; rank 0 keeps its last checkpoint for the driver
-            latest = self._latest
-            self.teardown()
-            self._latest = latest
+            self.teardown(keep_latest=True)
             raise
         finally:
             done.set()
@@ -413,7 +411,7 @@ class TrainingActor:
         epochs, running in the actor's thread, would otherwise go on for ever.
         """
         while not done.wait(_WATCH_S):
-            if not any(actor is self for actor in worker.state.actors.values()):
+            if not _registered(worker, self):
                 logger.warning("worker %s: trainer %d was released by its client (disconnected?); stopping",
                                worker.address, self.rank)  # fmt: skip
                 self._orphaned = True
@@ -509,14 +507,19 @@ class TrainingActor:
             save_checkpoint(checkpoint, directory)
         return checkpoint
 
-    def teardown(self) -> bool:
-        """Leave the process group and drop model, loaders and optimizer, so the worker is free again."""
+    def teardown(self, *, keep_latest: bool = False) -> bool:
+        """Leave the process group and drop model, loaders and optimizer, so the worker is free again.
+
+        ``keep_latest`` keeps rank 0's in-memory checkpoint for the driver to fetch (after a failed epoch).
+        """
         for name in ("train_loader", "val_loader"):
             close = getattr(getattr(self, name, None), "close", None)
             if close is not None:
                 close()
-        for name in ("ddp", "optimizer", "compressor", "train_loader", "val_loader", "timer", "_latest"):
+        for name in ("ddp", "optimizer", "compressor", "train_loader", "val_loader", "timer"):
             self.__dict__.pop(name, None)
+        if not keep_latest:
+            self._latest = None
         # DDP's reducer holds the process group: free it before the group goes, not at interpreter exit
         gc.collect()
         if _GROUP_OWNER is not None and _GROUP_OWNER() is self:
@@ -544,7 +547,7 @@ def _claim_process_group(worker: Any, *, wait_s: float) -> None:
     deadline = time.monotonic() + wait_s
     while dist.is_available() and dist.is_initialized():
         owner = _GROUP_OWNER() if _GROUP_OWNER is not None else None
-        registered = owner is not None and any(actor is owner for actor in worker.state.actors.values())
+        registered = owner is not None and _registered(worker, owner)
         if registered and getattr(owner, "_ready", False):
             raise ClusterError(
                 f"worker {worker.address} is already in a torch.distributed process group (another fit is "
@@ -555,6 +558,16 @@ def _claim_process_group(worker: Any, *, wait_s: float) -> None:
             break
         time.sleep(0.2)  # its trainer is leaving the group (a failed run's teardown)
     _reset_process_group()
+
+
+def _registered(worker: Any, actor: Any) -> bool:
+    """True while ``actor`` is one of the worker's actors (the scheduler has not forgotten it)."""
+    for _ in range(10):
+        try:  # the worker's event loop changes the dict while this thread reads it
+            return any(a is actor for a in list(worker.state.actors.values()))
+        except RuntimeError:
+            time.sleep(0.01)
+    return True  # cannot tell: assume still wanted
 
 
 def _reset_process_group() -> None:
