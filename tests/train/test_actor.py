@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 from distributed import Client, LocalCluster, Scheduler, SpecCluster, Worker
-from test_fit import squares_collection
 
 import dask_dl
 from dask_dl import ClusterError, ConfigurationError
+from dask_dl.testing.train import squares_collection
 from dask_dl.train.actor import TrainerSpec, TrainingActor
 from dask_dl.train.placement import place_trainers
 

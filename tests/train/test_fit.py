@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import socket
 import time
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -17,7 +16,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from distributed import Client
-from PIL import Image
 
 import dask_dl
 from dask_dl import ClusterError, ConfigurationError, DatasetError, TrainingError
@@ -25,26 +23,9 @@ from dask_dl.checkpoint import latest_checkpoint, load_checkpoint
 from dask_dl.data.loader import ChunkLoader
 from dask_dl.data.schema import make_catalog
 from dask_dl.models import build_model
+from dask_dl.testing.train import squares_collection
 
 N_TRAIN, N_VAL, SIZE = 64, 32, 32
-
-
-def squares_collection(root: Path, *, n_train: int = N_TRAIN, n_val: int = N_VAL, seed: int = 0) -> pd.DataFrame:
-    """Write 64 px PNGs with a square per positive label and return their catalog (one patient per image)."""
-    rng = np.random.default_rng(seed)
-    (root / "images").mkdir(parents=True, exist_ok=True)
-    rows = []
-    for i in range(n_train + n_val):
-        a, b = rng.random() < 0.5, rng.random() < 0.5
-        pixels = rng.normal(80, 20, (64, 64))
-        pixels[8:24, 8:24] += 120 * a
-        pixels[40:56, 40:56] += 120 * b
-        path = root / "images" / f"{i:04d}.png"
-        Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8)).save(path)
-        split = "train" if i < n_train else "val"
-        rows.append(dict(image_id=path.name, path=str(path), patient_id=f"p{i}", site="A", split=split, a=a, b=b))
-    frame = pd.DataFrame(rows).astype({"a": "uint8", "b": "uint8"})
-    return make_catalog(frame, ["a", "b"])
 
 
 @pytest.fixture(scope="module")
