@@ -6,6 +6,7 @@ samples it holds; label ``j`` of row ``i`` is bit ``j`` of ``i``.
 
 from __future__ import annotations
 
+import shutil
 import threading
 from collections import Counter
 from pathlib import Path
@@ -256,6 +257,48 @@ def test_sharded_read_fetches_one_inner_chunk(store):
     keys = {key for key, _ in Recording.requests}
     assert keys == {"image/c/2/0/0"}
     assert all(r is not None for _, r in Recording.requests)  # byte ranges: index and one chunk, not the shard
+
+
+def test_local_shard_reads_equal_zarr_reads(store, tmp_path):
+    """The loader reads a local store's shard files itself (zarr's per-read overhead is most of a small step)."""
+    image = zarr.open_group(store, mode="r")["image"]
+    loader = ChunkLoader(store, TRAIN, batch_size=2)
+    assert loader._shards is not None  # the fast path is taken for what ingest writes
+    for chunk in range(-(-N // CHUNK)):  # the last chunk holds 2 rows
+        expected = np.asarray(image[chunk * CHUNK : (chunk + 1) * CHUNK])
+        np.testing.assert_array_equal(loader.read_chunk(chunk), expected)
+    # a store written without a compressor (ingest's compressor="none") reads the same way
+    raw = tmp_path / "raw.zarr"
+    shutil.copytree(store, raw)
+    group = zarr.open_group(raw, mode="r+")
+    del group["image"]
+    plain = group.create_array(
+        "image", shape=image.shape, chunks=image.chunks, shards=image.shards, dtype="uint8", compressors=None,
+        chunk_key_encoding={"name": "default", "separator": "/"}, dimension_names=image.metadata.dimension_names,
+        attributes=dict(image.attrs),
+    )  # fmt: skip
+    plain[:] = image[:]
+    loader = ChunkLoader(raw, TRAIN, batch_size=2)
+    assert loader._shards is not None
+    for chunk in range(-(-N // CHUNK)):
+        np.testing.assert_array_equal(loader.read_chunk(chunk), np.asarray(image[chunk * CHUNK : (chunk + 1) * CHUNK]))
+
+
+def test_local_shard_with_a_damaged_index_is_a_store_error(store):
+    path = Path(store, "image", "c", "2", "0", "0")
+    data = bytearray(path.read_bytes())
+    data[-10] ^= 0xFF  # inside the index: its CRC32C no longer matches
+    path.write_bytes(bytes(data))
+    loader = ChunkLoader(store, np.arange(16, 28), batch_size=2, shuffle=False)
+    with pytest.raises(StoreError, match=r"chunk 4 \(rows 16\.\.19\).*CRC32C"):
+        list(loader.epoch(0))
+
+
+def test_local_shard_missing_file_reads_as_zeros_like_zarr(store):
+    Path(store, "image", "c", "1", "0", "0").unlink()  # zarr writes no file for an all-zero shard
+    loader = ChunkLoader(store, TRAIN, batch_size=2)
+    np.testing.assert_array_equal(loader.read_chunk(2), np.zeros((CHUNK, SIZE, SIZE), np.uint8))
+    np.testing.assert_array_equal(loader.read_chunk(2), np.asarray(zarr.open_group(store)["image"][8:12]))
 
 
 def test_accepts_a_dataset_with_its_source(store):
