@@ -98,7 +98,8 @@ def main() -> None:
     print(f"single process loop      {loop:8.1f} images/s")
     print(f"dask_dl.ingest, {args.workers} workers {parallel:8.1f} images/s")
     speedup = parallel / loop
-    print(f"speed-up {speedup:.2f}x; parallel efficiency (speed-up / workers) {speedup / args.workers:.2f}")
+    print(f"speed-up {speedup:.2f}x; parallel efficiency (speed-up / workers) {speedup / args.workers:.2f} "
+          f"(target >= 0.90; load {os.getloadavg()[0]:.1f})")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -54,6 +54,8 @@ def main() -> None:
             print(f"{compression:12s} {'2 vs 1':>8s} {value:10.3f}")
         else:
             print(f"{compression:12s} {trainers:>8d} {value:10.1f} {100 * comm:9.1f}% {sent:12,d}")
+    ratios = ", ".join(f"{c} {v:.3f}" for c, t, v, _, _ in rows if t == "ratio")
+    print(f"images/s, 2 trainers vs 1 (load {os.getloadavg()[0]:.1f}): {ratios} (target >= 1.85)")
 
 
 if __name__ == "__main__":
