@@ -42,8 +42,10 @@ def plain_loop(store: str, samples: np.ndarray, *, model: str, batch_size: int, 
     from distributed import get_worker
 
     from dask_dl.models import build_model, normalize
+    from dask_dl.train import allocator
 
     torch.set_num_threads(get_worker().state.nthreads)
+    allocator.keep_freed_memory()  # as a trainer does (dask_dl/train/allocator.py): compare like with like
     group = zarr.open_group(store, mode="r")
     rows = np.sort(samples)[: steps * batch_size]
     images = np.asarray(group["image"][rows.min() : rows.max() + 1])[rows - rows.min()]
@@ -67,6 +69,7 @@ def plain_loop(store: str, samples: np.ndarray, *, model: str, batch_size: int, 
             opt.step()
             float(loss.detach())  # dask_dl reads the loss every step too
         times.append((time.perf_counter() - start) / len(batches))
+    allocator.restore()
     return min(times[1:])
 
 
