@@ -1,8 +1,9 @@
 """Settings of dask_dl, kept in ``dask.config`` under the ``dask-dl`` key.
 
 The defaults ship in ``dask-dl.yaml`` beside this module. Users override them the usual Dask ways: a
-``~/.config/dask/dask-dl.yaml``, ``DASK_DL__TRAIN__EPOCHS=10`` environment variables, or
-``dask.config.set({"dask-dl.train.epochs": 10})``. Functions take ``None`` for an option to mean "from config".
+``~/.config/dask/dask-dl.yaml``, environment variables such as ``DASK_DASK_DL__TRAIN__EPOCHS=10`` (dask strips
+one ``DASK_``), or ``dask.config.set({"dask-dl.train.epochs": 10})``. Functions take ``None`` for an option to
+mean "from config".
 """
 
 from __future__ import annotations
