@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import dask.config
 import numpy as np
 import pytest
@@ -60,3 +62,5 @@ def test_a_plain_gateway_cluster_works_through_the_default_client(gateway_server
             )  # fmt: skip
             assert sorted(run.workers) == sorted(client.scheduler_info(n_workers=-1)["workers"])
             assert len(run.history) == 1
+    del cluster
+    gc.collect()  # the Gateway's __del__ runs here, under this test's filter, not in whichever test comes next
