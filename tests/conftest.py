@@ -73,3 +73,17 @@ def shared_data() -> Path:
     if not (SHARED_DATA / "nih" / "Data_Entry_2017_v2020.csv.gz").exists():
         pytest.skip(f"real data not found at {SHARED_DATA} (set DASK_DL_SHARED_DATA)")
     return SHARED_DATA
+
+
+@pytest.fixture
+def cpu_hog():
+    """A CPU-bound process beside the test: the busy machine on which shutdown used to print tracebacks."""
+    import subprocess
+    import sys
+
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        yield hog
+    finally:
+        hog.kill()
+        hog.wait()

@@ -10,17 +10,6 @@ import pytest
 import dask_dl
 
 
-@pytest.fixture
-def cpu_hog():
-    """A CPU-bound process beside the demo: on a busy machine shutdown used to print tracebacks and kill workers."""
-    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-    try:
-        yield hog
-    finally:
-        hog.kill()
-        hog.wait()
-
-
 @pytest.mark.slow
 def test_demo_command_end_to_end(tmp_path, cpu_hog):
     out = tmp_path / "demo"

@@ -549,20 +549,6 @@ def test_every_compressor_learns(synthetic_store, cluster_client):
 # ---- clusters opened are clusters closed, quickly and quietly ------------------------------------------------
 
 
-@pytest.fixture
-def cpu_hog():
-    """A CPU-bound process beside the test: the busy machine on which shutdown used to print tracebacks."""
-    import subprocess
-    import sys
-
-    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-    try:
-        yield hog
-    finally:
-        hog.kill()
-        hog.wait()
-
-
 def test_closing_a_cluster_after_fit_is_quick_and_quiet(store):
     import logging
 
