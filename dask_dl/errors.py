@@ -45,6 +45,10 @@ class ClusterError(DaskDLError, RuntimeError):
     """The cluster cannot do what was asked, e.g. fewer workers than trainers."""
 
 
+class CrossSiteError(ClusterError):
+    """A site guard refused to move a site's data to another site's workers (a task, replicate or P2P shuffle)."""
+
+
 class TrainingError(DaskDLError, RuntimeError):
     """Training failed: a non-finite loss, a trainer that died without a replacement, a bad checkpoint.
 
