@@ -242,7 +242,8 @@ class TransferAudit(WorkerPlugin):
         self.worker = worker
         self.site = site_of(worker.state.total_resources, self.sites)
         self.records: list[dict[str, Any]] = []
-        self._ids = (f"{uuid.uuid4().hex}-{n}" for n in itertools.count())
+        incarnation = uuid.uuid4().hex  # a restarted worker may reuse its address
+        self._ids = (f"{incarnation}-{n}" for n in itertools.count())
         self._fetch_reason: dict[Any, str] = {}
         self._config = dask.config.set(TASK_BASED) if self.task_based else None
 
