@@ -63,6 +63,12 @@ def _active_shuffles(dask_scheduler) -> int:
     return len(dask_scheduler.extensions["shuffle"].active_shuffles)
 
 
+async def _ask_for_p2p_run(dask_worker) -> dict:
+    return await dask_worker.scheduler.shuffle_get_or_create(
+        shuffle_id="guard-test", key=("transfer", 0), worker=dask_worker.address
+    )
+
+
 def _expected(n: int) -> np.ndarray:
     return np.stack([row_pattern(i, SIZE) for i in range(n)])
 
@@ -184,6 +190,9 @@ def test_p2p_is_task_based_or_refused_and_close_restores(site_client):
         with pytest.raises(CrossSiteError, match="is a P2P rechunk or shuffle"):
             on_a.rechunk((16, 1), method="p2p").sum().compute()
         assert site_client.run_on_scheduler(_active_shuffles) == 0  # refused before any P2P run started
+        # the backstop: a transfer task that asks the scheduler for a P2P run gets an error, not the run
+        reply = site_client.run(_ask_for_p2p_run, workers=a_workers[:1])[a_workers[0]]
+        assert reply["status"] == "error" and "starts a P2P rechunk or shuffle" in reply["exception_text"]
         audit = guard.audit()
     assert audit.violations == ()
     assert {r.what for r in audit.refusals} == {"p2p"}
