@@ -78,7 +78,7 @@ class SiteGuardPlugin(SchedulerPlugin):
         self.planned: dict[Any, str | None] = {}  # site of a task not yet in memory
         self.own: dict[Any, frozenset | None] = {}  # sites a task's own restrictions allow (None: any)
         self.pins: dict[Any, str] = {}  # resource this plugin added to a task's restrictions
-        self.refused: dict[Any, str] = {}  # key -> message, until the task errs
+        self.refused: dict[Any, str] = {}  # key -> message, until the task is forgotten
         self.handlers: dict[str, Any] = {}
         for address, ws in scheduler.workers.items():
             self.log.worker_joined(address, ws.resources)
@@ -219,7 +219,7 @@ class SiteGuardPlugin(SchedulerPlugin):
         from distributed.protocol import pickle
 
         ts = self.scheduler.tasks.get(key)
-        message = self.refused.pop(key, None)
+        message = self.refused.get(key)  # kept until forgotten: a retried refused task errs again
         if ts is None or message is None or ts.state != "no-worker":
             return
         stimulus_id = f"dask-dl-site-guard-{time()}"
@@ -433,8 +433,13 @@ class SiteGuard:
         """
         if self._final is not None:
             return self._final
-        notes = self.client.run(_worker_notes)
-        snapshot = self.client.run_on_scheduler(_scheduler_audit, notes=[n for ns in notes.values() for n in ns])
+        notes = []
+        for address, found in self.client.run(_worker_notes, on_error="return").items():
+            if isinstance(found, list):
+                notes += found
+            else:  # a worker leaving now: its notes already went to the scheduler as events
+                logger.info("site audit: worker %s did not answer (%r); using the notes it sent", address, found)
+        snapshot = self.client.run_on_scheduler(_scheduler_audit, notes=notes)
         return audit_from(snapshot)
 
     def close(self) -> Audit:

@@ -157,6 +157,9 @@ def test_mixing_sites_is_refused_but_weights_cross(site_client):
         mixing = r"'mix-ab' mixes data of site 'A' \('mix-a'\) and site 'B' \('mix-b'\)"
         with pytest.raises(CrossSiteError, match=mixing):
             mixed.result()
+        mixed.retry()  # refused again, not left waiting for a worker
+        with pytest.raises(CrossSiteError, match=mixing):
+            mixed.result()
         ones_a = site_client.persist(da.ones(8, chunks=4), resources={"site-A": 1})
         twos_b = site_client.persist(da.ones(8, chunks=4) * 2, resources={"site-B": 1})
         with pytest.raises(CrossSiteError, match="mixes data of site 'A'"):
