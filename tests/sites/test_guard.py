@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import dask
 import dask.array as da
+import dask.dataframe as dd
 import numpy as np
+import pandas as pd
 import pytest
 from distributed import Client, Nanny, Scheduler, SpecCluster, futures_of, wait
 
@@ -193,6 +195,12 @@ def test_p2p_is_task_based_or_refused_and_close_restores(site_client):
         with pytest.raises(CrossSiteError, match="is a P2P rechunk or shuffle"):
             on_a.rechunk((16, 1), method="p2p").sum().compute()
         assert site_client.run_on_scheduler(_active_shuffles) == 0  # refused before any P2P run started
+        frame = dd.from_pandas(pd.DataFrame({"x": np.arange(40) % 7, "y": np.arange(40)}), npartitions=4)
+        on_b = site_client.persist(frame, resources={"site-B": 1})
+        assert dask.config.get("dataframe.shuffle.method") == "tasks"
+        assert on_b.shuffle("x").y.sum().compute() == 780  # task-based, on site B
+        with pytest.raises(CrossSiteError, match="is a P2P rechunk or shuffle"):
+            on_b.shuffle("x", shuffle_method="p2p").y.sum().compute()
         # the backstop: a transfer task that asks the scheduler for a P2P run gets an error, not the run
         reply = site_client.run(_ask_for_p2p_run, workers=a_workers[:1])[a_workers[0]]
         assert reply["status"] == "error" and "starts a P2P rechunk or shuffle" in reply["exception_text"]
