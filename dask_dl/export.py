@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from dask_dl._version import __version__
-from dask_dl.errors import ExportError, StoreNotFoundError
+from dask_dl.errors import ConfigurationError, ExportError, StoreNotFoundError
 from dask_dl.models import build_model
 from dask_dl.normalize import DEFAULT_NORMALIZATION, check_normalization, scale
 
@@ -60,7 +60,7 @@ class ModelInfo:
     labels: tuple[str, ...]
     input_size: int
     in_channels: int = 1
-    normalization: dict[str, float] | None = field(default_factory=lambda: dict(DEFAULT_NORMALIZATION))
+    normalization: dict[str, Any] | None = field(default_factory=lambda: dict(DEFAULT_NORMALIZATION))
     task: str = "multilabel"
     activation: str = "sigmoid"
     output: str = "probabilities"
@@ -99,10 +99,17 @@ class ModelInfo:
 class _Scored(nn.Module):
     """The network between pixels 0-255 and probabilities: what the ONNX graph holds."""
 
-    def __init__(self, net: nn.Module, mean: float, std: float, activation: str) -> None:
+    def __init__(self, net: nn.Module, mean: Any, std: Any, activation: str) -> None:
         super().__init__()
         self.net = net
-        self.mean, self.std, self.activation = float(mean), float(std), activation
+        self.activation = activation
+        # numbers stay numbers (the graph of a grey model is what it always was); per-channel values are constants
+        # of shape (C, 1, 1) that broadcast over (batch, C, S, S)
+        for name, value in (("mean", mean), ("std", std)):
+            if isinstance(value, list | tuple):
+                self.register_buffer(name, torch.tensor(value, dtype=torch.float32).view(-1, 1, 1), persistent=False)
+            else:
+                setattr(self, name, float(value))
 
     def forward(self, image: torch.Tensor) -> torch.Tensor:
         # dask_dl.normalize's arithmetic, the loader's too: the graph sees what training saw
@@ -163,11 +170,23 @@ def _from_checkpoint(ck: dict[str, Any]) -> tuple[nn.Module, dict[str, Any]]:
     return net, meta
 
 
+def _first_in_channels(net: nn.Module) -> int:
+    """Input channels of a module's first convolution (1 when it has none: a grey model, as dask_dl trains)."""
+    for module in net.modules():
+        if isinstance(module, nn.Conv2d | nn.Conv1d | nn.Conv3d):
+            return int(module.in_channels)
+    return 1
+
+
 def _resolve(source: Any) -> tuple[nn.Module, dict[str, Any]]:
     if isinstance(source, nn.Module):
         if any(p.device.type != "cpu" for p in source.parameters()):
             source = copy.deepcopy(source).cpu()  # export and check on the CPU; leave the caller's model where it is
-        return source, {"in_channels": 1, "model_name": type(source).__name__, "model_kwargs": {}}
+        return source, {
+            "in_channels": _first_in_channels(source),
+            "model_name": type(source).__name__,
+            "model_kwargs": {},
+        }
     if isinstance(source, dict):
         return _from_checkpoint(source)
     if isinstance(source, str | os.PathLike):
@@ -211,6 +230,8 @@ def _example_batch(info: ModelInfo, example: Any, n: int = 3) -> torch.Tensor:
     batch = torch.as_tensor(np.asarray(example)).to(torch.float32)
     if batch.ndim == 3:
         batch = batch.unsqueeze(1)
+    elif batch.ndim == 4 and batch.shape[-1] == info.in_channels != batch.shape[1]:
+        batch = batch.permute(0, 3, 1, 2)  # channel-last, as a colour store holds images
     if tuple(batch.shape[1:]) != info.image_shape:
         raise ExportError(
             f"the example batch has images of shape {tuple(batch.shape[1:])}; the model takes {info.image_shape} "
@@ -274,8 +295,8 @@ def export_onnx(
     check
         Run onnxruntime on a batch and compare with torch (probabilities within 1e-4).
     example
-        Images (pixels 0-255, ``(B, S, S)`` or ``(B, 1, S, S)``) for the parity check, e.g. a batch of the
-        dataset; default three seeded images (noise and a ramp).
+        Images (pixels 0-255, ``(B, S, S)``, ``(B, C, S, S)`` or a colour store's ``(B, S, S, C)``) for the parity
+        check, e.g. a batch of the dataset; default three seeded images (noise and a ramp).
 
     Returns
     -------
@@ -363,7 +384,10 @@ def _info(meta: dict[str, Any]) -> ModelInfo:
     size = meta["input_size"]
     if isinstance(size, bool) or not isinstance(size, int | np.integer) or size < 32:
         raise ExportError(f"input_size must be an integer of at least 32; got {size!r}")
-    norm = check_normalization(meta.get("normalization"))
+    try:
+        norm = check_normalization(meta.get("normalization"), channels=int(meta.get("in_channels", 1)))
+    except ConfigurationError as exc:
+        raise ExportError(str(exc)) from None
     return ModelInfo(
         labels=tuple(str(label) for label in meta["labels"]),
         input_size=int(size),

@@ -188,7 +188,16 @@ def _check_shape(images: da.Array, info: ModelInfo) -> da.Array:
     if images.dtype.kind not in "uif":
         raise DatasetError(f"images must be uint8 or float pixels 0-255; got dtype {images.dtype}")
     want = info.image_shape
+    if images.ndim == 4 and images.shape[-1] in (1, 3, 4) and images.shape[1] == images.shape[2] != images.shape[3]:
+        images = images.transpose(0, 3, 1, 2)  # channel-last, as a colour store holds images: the model takes NCHW
     got = tuple(images.shape[1:])
+    channels = 1 if images.ndim == 3 else got[0]
+    if images.ndim in (3, 4) and channels != info.in_channels:
+        raise ExportError(
+            f"the model takes {info.in_channels}-channel images of shape {want} (channels, y, x), but the data has "
+            f"{channels}-channel images (shape {got}); score a store ingested with channels={info.in_channels}, "
+            f"or use a model trained on {channels}-channel images"
+        )
     fits = got == want or (info.in_channels == 1 and got == want[1:])
     if images.ndim not in (3, 4) or not fits:
         raise ExportError(
@@ -218,7 +227,8 @@ def predict(
     ----------
     data
         An :func:`~dask_dl.open_dataset` dataset (its ``image``), or a Dask/NumPy array of pixels 0-255, uint8
-        or float, shape ``(n, S, S)`` or ``(n, 1, S, S)``. NumPy arrays are cut into chunks of 256 images.
+        or float, shape ``(n, S, S)`` or ``(n, 1, S, S)`` for a grey model, ``(n, S, S, C)`` (a colour store's
+        layout) or ``(n, C, S, S)`` for a model of ``C`` channels. NumPy arrays are cut into chunks of 256 images.
     model_path
         An ONNX file from :func:`~dask_dl.export_onnx`, on storage every worker can read.
     batch_size
@@ -246,7 +256,7 @@ def predict(
     ------
     ExportError
         Not an ONNX file, a model without metadata and no ``input_size``/``labels``, or images of another shape
-        than the model takes.
+        or another number of channels than the model takes (the message shows both).
     StoreNotFoundError
         No file at ``model_path``.
     ConfigurationError

@@ -151,5 +151,5 @@ def test_normalize_values_and_shapes():
 
 
 def test_normalize_rejects_bad_shape():
-    with pytest.raises(ValueError, match=r"\(B, S, S\) or \(B, 1, S, S\); got \(2, 3, 4, 4\)"):
-        normalize(np.zeros((2, 3, 4, 4), np.uint8))
+    with pytest.raises(ValueError, match=r"\(B, S, S\) or \(B, C, S, S\); got \(2, 4\)"):
+        normalize(np.zeros((2, 4), np.uint8))

@@ -129,9 +129,9 @@ def check_store(store: str | os.PathLike) -> StoreCheck:
 
 
 def _arrays(group: Any, layout: StoreLayout) -> list[tuple[str, str, str]]:
-    n, size, labels = layout.n, layout.size, len(layout.labels)
+    n, labels = layout.n, len(layout.labels)
     expected = {
-        contract.IMAGE: ((n, size, size), "uint8"),
+        contract.IMAGE: ((n, *layout.image_shape), "uint8"),
         contract.LABEL: ((n, labels), "uint8"),
         contract.VALID: ((n,), "bool"),
         contract.SAMPLE: ((n,), "int64"),
@@ -148,9 +148,11 @@ def _arrays(group: Any, layout: StoreLayout) -> list[tuple[str, str, str]]:
             out.append(("arrays", "", f"{name!r} has shape {tuple(array.shape)}, the layout says {shape}"))
         if dtype is not None and str(array.dtype) != dtype:
             out.append(("arrays", "", f"{name!r} has dtype {array.dtype}, the contract says {dtype}"))
-        dims = tuple(array.metadata.dimension_names or ())
-        if dims != contract.DIMS[name]:
-            out.append(("arrays", "", f"{name!r} has dimensions {dims}, the contract says {contract.DIMS[name]}"))
+        dims, want = tuple(array.metadata.dimension_names or ()), contract.DIMS[name]
+        if name == contract.IMAGE:
+            want = layout.image_dims  # a colour store adds `channel`
+        if dims != want:
+            out.append(("arrays", "", f"{name!r} has dimensions {dims}, the contract says {want}"))
     if contract.IMAGE in group and int(group[contract.IMAGE].chunks[0]) != layout.chunk:
         out.append(("arrays", "", f"'image' chunks hold {group[contract.IMAGE].chunks[0]} images, not {layout.chunk}"))
     return out

@@ -1,6 +1,7 @@
 """Open a store written by :func:`dask_dl.ingest` as a lazy :class:`xarray.Dataset`, and summarise it.
 
-The dataset has ``image(sample, y, x)`` uint8 and ``label(sample, finding)`` uint8 as dask arrays chunked like the
+The dataset has ``image(sample, y, x)`` uint8 (``image(sample, y, x, channel)`` for a colour store, with the
+coordinate ``channel = ["R", "G", "B"]``) and ``label(sample, finding)`` uint8 as dask arrays chunked like the
 Zarr chunks along ``sample``, ``valid(sample)``, and the coordinates ``image_id``, ``patient_id``, ``split``,
 ``site`` (in memory: they are small and selections need them), ``finding`` and ``sample``. ``sample`` keeps the
 physical row numbers of the store after rows are dropped, so a loader can go straight to the Zarr chunks.
@@ -63,8 +64,9 @@ def open_dataset(
     Returns
     -------
     xarray.Dataset
-        ``ds.attrs["dask_dl"]`` holds the store's layout (size, chunk, shard, labels, task, n, complete) and
-        ``ds.encoding["source"]`` the store path or URL.
+        ``ds.attrs["dask_dl"]`` holds the store's layout (size, chunk, shard, labels, task, n, channels, complete)
+        and ``ds.encoding["source"]`` the store path or URL. ``ds.image`` is ``(sample, y, x)`` for a grey store
+        and ``(sample, y, x, channel)`` for a colour one (``ds.sizes.get("channel", 1)`` is the channel count).
 
     Raises
     ------
@@ -110,7 +112,9 @@ def open_dataset(
     # not decode a large chunk once per image chunk
     small = {name: (ds[name].dims, ds[name].values[keep], ds[name].attrs) for name in ("label", "valid")}
     ds = ds.drop_vars(["image", "label", "valid"]).isel(sample=np.flatnonzero(keep))
-    ds["image"] = (("sample", "y", "x"), image, {})
+    ds["image"] = (layout.image_dims, image, {})
+    if layout.channels == 3:
+        ds = ds.assign_coords({contract.CHANNEL: (contract.CHANNEL, np.array(list("RGB")))})
     for name, (dims, values, var_attrs) in small.items():
         ds[name] = (dims, da.from_array(values, chunks=(image.chunks[0], *values.shape[1:])), var_attrs)
     ds.attrs = {contract.ATTRIBUTE: layout.to_dict()}

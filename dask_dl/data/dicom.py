@@ -1,4 +1,4 @@
-"""DICOM files: pixels as 8-bit grayscale and headers as catalog metadata, through pydicom.
+"""DICOM files: pixels as 8-bit grayscale (or RGB) and headers as catalog metadata, through pydicom.
 
 pydicom is an optional dependency (the ``dicom`` extra); it is imported when a function here is first called,
 so that reading PNG collections never needs it.
@@ -24,7 +24,18 @@ from dask_dl.data.schema import NIH_LABELS
 from dask_dl.data.splits import split_by_patient
 from dask_dl.errors import CatalogError, ConfigurationError, DatasetError, StoreNotFoundError, missing_dependency
 
-__all__ = ["DICOM_SUFFIXES", "is_dicom", "is_dicom_file", "read_dicom", "read_header", "read_pixels"]
+__all__ = [
+    "DICOM_SUFFIXES",
+    "is_dicom",
+    "is_dicom_file",
+    "read_colour_pixels",
+    "read_dicom",
+    "read_header",
+    "read_pixels",
+]
+
+#: Colour photometric interpretations :func:`read_colour_pixels` converts to RGB.
+COLOUR_PHOTOMETRIC: tuple[str, ...] = ("RGB", "YBR_FULL", "YBR_FULL_422", "YBR_ICT", "YBR_RCT", "YBR_PARTIAL_420")
 
 logger = logging.getLogger(__name__)
 
@@ -187,6 +198,62 @@ def read_pixels(path: str | os.PathLike | BinaryIO, *, reject_degenerate: bool =
     if photometric == "MONOCHROME1":
         image = 255 - image
     return image
+
+
+def read_colour_pixels(path: str | os.PathLike | BinaryIO, *, reject_degenerate: bool = False) -> np.ndarray:
+    """Read a colour DICOM image (``RGB`` or ``YBR_*``) as an ``(Rows, Columns, 3)`` uint8 RGB array.
+
+    ``YBR_FULL``/``YBR_FULL_422`` (the colour space of JPEG-compressed colour DICOM: dermoscopy, endoscopy,
+    whole-slide and fundus images) are converted to RGB by pydicom (``pixel_array``'s ``as_rgb``, pydicom 3; its
+    ``convert_color_space`` before); ``YBR_ICT`` and ``YBR_RCT`` (JPEG 2000) are converted by the decoder.
+    Samples of more than 8 bits are stretched from the image's min..max (over all three channels) onto 0..255.
+
+    Parameters
+    ----------
+    path : str, path or binary file object
+        A DICOM file.
+    reject_degenerate : bool
+        Raise a DatasetError for a constant image instead of returning it.
+
+    Returns
+    -------
+    numpy.ndarray
+        ``uint8`` array of shape ``(Rows, Columns, 3)``.
+
+    Raises
+    ------
+    CatalogError
+        A grey (``MONOCHROME*``), palette, multi-frame image or an unknown colour space; read grey images with
+        :func:`read_pixels`.
+    DatasetError
+        With ``reject_degenerate``, for a constant image.
+    MissingDependencyError
+        If pydicom is not installed.
+    """
+    pydicom = _pydicom("reading DICOM pixels")
+    ds = pydicom.dcmread(path)
+    photometric = str(ds.get("PhotometricInterpretation", "MONOCHROME2")).upper()
+    if photometric not in COLOUR_PHOTOMETRIC or int(ds.get("NumberOfFrames", 1) or 1) != 1:
+        raise CatalogError(
+            f"{_where(path)}not a single-frame colour DICOM (PhotometricInterpretation {photometric!r}, "
+            f"NumberOfFrames {ds.get('NumberOfFrames', 1)}); colour stores read single-frame "
+            f"{'/'.join(COLOUR_PHOTOMETRIC)} images: remove the file from the collection or convert it"
+        )
+    values = np.asarray(ds.pixel_array)
+    if photometric.startswith("YBR_FULL") and int(pydicom.__version__.split(".")[0]) < 3:  # pragma: no cover
+        from pydicom.pixel_data_handlers.util import convert_color_space
+
+        values = convert_color_space(values, photometric, "RGB")  # pydicom 3 returns RGB itself (as_rgb=True)
+    if values.ndim != 3 or values.shape[2] != 3:
+        raise CatalogError(f"{_where(path)}colour pixel data of shape {values.shape}; need (Rows, Columns, 3)")
+    if values.dtype != np.uint8:
+        values = _to_uint8(values, float(values.min()), float(values.max()))
+    if reject_degenerate and values.size and values.min() == values.max():
+        raise DatasetError(
+            f"{_where(path)}the image is constant (every sample {int(values.flat[0])}): no contrast is left to "
+            "learn from"
+        )
+    return values
 
 
 def _where(path: Any) -> str:

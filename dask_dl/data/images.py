@@ -1,4 +1,4 @@
-"""Decode one image file into a square uint8 grayscale array: the per-image step of ingest.
+"""Decode one image file into a square uint8 grey or RGB array: the per-image step of ingest.
 
 The steps, and the choices made in each:
 
@@ -21,6 +21,14 @@ The steps, and the choices made in each:
    alpha channel, and compositing over a background would invent intensities that are not in the radiograph.
    More than 8 bits (16-bit PNG/TIFF, float) are stretched linearly from the image's own min..max to 0..255,
    the usual display windowing when no VOI LUT is known (a constant image becomes all zero).
+   **Colour** (``channels=3``, :func:`to_rgb`): RGB stays RGB; RGBA **drops its alpha** (the colour under a
+   transparent pixel is kept as stored, for the same reason as above, and an opaque alpha changes nothing); a
+   palette image is expanded to its RGB(A) colours first; grey (and grey+alpha) is **replicated** into three equal
+   channels, so grey and colour images can share one colour store; CMYK, YCbCr and other modes go through
+   Pillow's ``convert("RGB")``; DICOM ``RGB``/``YBR_*`` images are converted to RGB
+   (:func:`dask_dl.data.dicom.read_colour_pixels`). More than 8 bits is stretched with one min..max over all
+   three channels, which keeps the colour balance. Grey images are resized before they are replicated (the
+   same result, a third of the work).
 5. **Square.** A non-square image is padded with zeros (black, the background of a radiograph) centred on its
    shorter side, so anatomy keeps its aspect ratio instead of being stretched. NIH images are square already.
 6. **Resize** to ``size x size`` with Pillow's Lanczos filter and ``reducing_gap=2.0``: Pillow first box-reduces by
@@ -43,12 +51,25 @@ import numpy as np
 from PIL import Image
 
 from dask_dl import config
-from dask_dl.data.dicom import is_dicom, read_pixels
+from dask_dl.checks import one_of
+from dask_dl.data.dicom import is_dicom, read_colour_pixels, read_pixels
 from dask_dl.data.paths import PathPolicy
 from dask_dl.data.rejects import REJECT_REASONS, ImageRejected, RejectReason
 from dask_dl.errors import CatalogError, DatasetError
 
-__all__ = ["REJECT_REASONS", "ImageRejected", "RejectReason", "load_image", "resize_square", "to_gray"]
+__all__ = [
+    "CHANNELS",
+    "REJECT_REASONS",
+    "ImageRejected",
+    "RejectReason",
+    "load_image",
+    "resize_square",
+    "to_gray",
+    "to_rgb",
+]
+
+#: Channels a store can hold: 1 (grey, the default for radiographs) or 3 (RGB).
+CHANNELS: tuple[int, ...] = (1, 3)
 
 
 def load_image(
@@ -58,8 +79,9 @@ def load_image(
     min_size: int | None = None,
     max_image_bytes: int | None = None,
     policy: PathPolicy | None = None,
+    channels: int = 1,
 ) -> np.ndarray:
-    """Read the image at ``path`` as a ``(size, size)`` uint8 grayscale array.
+    """Read the image at ``path`` as a ``(size, size)`` uint8 grey or ``(size, size, 3)`` RGB array.
 
     Parameters
     ----------
@@ -75,11 +97,14 @@ def load_image(
         before decoding) exceed this; default ``dask-dl.ingest.max-image-bytes``.
     policy
         Which paths may be read and how large a file may be; default :meth:`PathPolicy.from_config`.
+    channels
+        1: grey (colour images become their luma); 3: RGB (grey images are replicated, alpha is dropped).
 
     Returns
     -------
     numpy.ndarray
-        ``(size, size)`` uint8, see the module documentation for the grayscale, padding and resize rules.
+        ``(size, size)`` uint8 for ``channels=1``, ``(size, size, 3)`` for ``channels=3``; see the module
+        documentation for the grey, colour, padding and resize rules.
 
     Raises
     ------
@@ -94,7 +119,10 @@ def load_image(
     >>> Image.fromarray(np.full((128, 96), 200, np.uint8)).save(fn)
     >>> load_image(fn, size=64, min_size=64).shape
     (64, 64)
+    >>> load_image(fn, size=64, min_size=64, channels=3).shape
+    (64, 64, 3)
     """
+    one_of("channels", channels, CHANNELS)
     size = int(config.get("ingest.size", size))
     min_size = config.get("ingest.min-size", min_size)
     min_size = max(1, size // 4) if min_size is None else int(min_size)
@@ -102,9 +130,14 @@ def load_image(
     path = os.fspath(path)
     data = (policy or PathPolicy.from_config()).read(path)
     decode = _decode_dicom if is_dicom(path, data) else _decode_raster
-    pixels = decode(path, data, limits)
+    pixels = decode(path, data, limits, colour=channels == 3)
     try:
-        out = resize_square(to_gray(pixels), size=size)
+        if channels == 1 or pixels.ndim == 2 or pixels.shape[2] < 3:
+            out = resize_square(to_gray(pixels), size=size)
+            if channels == 3:  # grey into a colour store: resized once, then three equal channels
+                return np.repeat(out[:, :, None], 3, axis=2)
+        else:
+            out = resize_square(to_rgb(pixels), size=size)
     except ValueError as exc:  # e.g. a TIFF with five samples per pixel
         raise ImageRejected("unsupported", path, str(exc)) from None
     # the PNG decode buffer is reused by the next call: never hand it out
@@ -136,7 +169,7 @@ class _Limits(NamedTuple):
             )
 
 
-def _decode_raster(path: str, data: bytes, limits: _Limits) -> np.ndarray:
+def _decode_raster(path: str, data: bytes, limits: _Limits, *, colour: bool = False) -> np.ndarray:
     try:
         # header warnings (a corrupt EXIF block) say nothing about the pixels: kept out of the worker's log
         with warnings.catch_warnings(record=True):
@@ -232,7 +265,7 @@ def _pillow_pixels(image: Image.Image) -> np.ndarray:
     return np.asarray(image.convert("RGB"))  # CMYK, YCbCr, LAB, HSV, ...
 
 
-def _decode_dicom(path: str, data: bytes, limits: _Limits) -> np.ndarray:
+def _decode_dicom(path: str, data: bytes, limits: _Limits, *, colour: bool = False) -> np.ndarray:
     import pydicom
 
     try:
@@ -249,8 +282,12 @@ def _decode_dicom(path: str, data: bytes, limits: _Limits) -> np.ndarray:
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            pixels = read_pixels(io.BytesIO(data), reject_degenerate=True)
-    except CatalogError as exc:  # colour or multi-frame DICOM
+            photometric = str(header.get("PhotometricInterpretation", "MONOCHROME2")).upper()
+            if colour and not photometric.startswith("MONOCHROME"):
+                pixels = read_colour_pixels(io.BytesIO(data), reject_degenerate=True)
+            else:
+                pixels = read_pixels(io.BytesIO(data), reject_degenerate=True)
+    except CatalogError as exc:  # colour DICOM into a grey store, multi-frame, or an unknown colour space
         raise ImageRejected("unsupported", path, str(exc)) from None
     except DatasetError as exc:  # constant, or NaN before scaling
         raise ImageRejected("degenerate", path, str(exc)) from None
@@ -260,7 +297,7 @@ def _decode_dicom(path: str, data: bytes, limits: _Limits) -> np.ndarray:
     if caught:  # damaged compressed pixel data decodes to something far from the original, with a warning
         raise ImageRejected("undecodable", path, f"the decoder warned: {caught[0].message}")
     pixels = np.asarray(pixels)
-    if pixels.ndim != 2:
+    if pixels.ndim != 2 and not (colour and pixels.ndim == 3 and pixels.shape[2] == 3):
         raise ImageRejected("unsupported", path, f"DICOM pixel array has shape {pixels.shape}; need one 2-D frame")
     return pixels
 
@@ -292,6 +329,32 @@ def to_gray(pixels: np.ndarray) -> np.ndarray:
     return _stretch(pixels)
 
 
+def to_rgb(pixels: np.ndarray) -> np.ndarray:
+    """Convert decoded pixels ``(H, W)`` or ``(H, W, C)`` to ``(H, W, 3)`` uint8 RGB.
+
+    RGB stays; RGBA drops its alpha; grey and grey+alpha are replicated into three equal channels; more than 8 bits
+    is stretched with one min..max over all channels (so the colour balance is kept).
+
+    Examples
+    --------
+    >>> to_rgb(np.array([[[255, 0, 0, 7], [0, 0, 255, 255]]], np.uint8)).tolist()
+    [[[255, 0, 0], [0, 0, 255]]]
+    >>> to_rgb(np.array([[9]], np.uint8)).tolist()
+    [[[9, 9, 9]]]
+    """
+    pixels = np.asarray(pixels)
+    if pixels.ndim == 3 and pixels.shape[2] in (1, 2):
+        pixels = pixels[:, :, 0]
+    if pixels.ndim == 2:
+        pixels = np.repeat(pixels[:, :, None], 3, axis=2)
+    elif pixels.ndim != 3 or pixels.shape[2] not in (3, 4):
+        raise ValueError(f"cannot convert an image of shape {pixels.shape} to RGB: need (H, W) or (H, W, 1..4)")
+    pixels = pixels[:, :, :3]
+    if pixels.dtype == np.uint8:
+        return pixels
+    return _stretch(pixels)
+
+
 def _luma(rgb: np.ndarray) -> np.ndarray:
     if rgb.dtype == np.uint8:
         # Pillow's convert("L"): (R*19595 + G*38470 + B*7471 + 0x8000) >> 16, i.e. 601 luma rounded
@@ -310,9 +373,10 @@ def _stretch(pixels: np.ndarray) -> np.ndarray:
 
 
 def resize_square(gray: np.ndarray, *, size: int) -> np.ndarray:
-    """Pad ``gray`` (uint8 ``(H, W)``) to a centred square with zeros and resize it to ``(size, size)``.
+    """Pad ``gray`` (uint8 ``(H, W)``, or RGB ``(H, W, 3)``) to a centred square with zeros, resize it to ``size``.
 
-    Anti-aliased: Pillow Lanczos with ``reducing_gap=2.0``.
+    Anti-aliased: Pillow Lanczos with ``reducing_gap=2.0`` (each RGB channel alike). Returns ``(size, size)`` or
+    ``(size, size, 3)``.
 
     Examples
     --------
@@ -320,10 +384,10 @@ def resize_square(gray: np.ndarray, *, size: int) -> np.ndarray:
     >>> out.shape, out[5, 0], out[5, 5], out[5, 9]
     ((10, 10), np.uint8(0), np.uint8(9), np.uint8(0))
     """
-    height, width = gray.shape
+    height, width = gray.shape[:2]
     side = max(height, width)
     if height != width:
-        square = np.zeros((side, side), np.uint8)
+        square = np.zeros((side, side, *gray.shape[2:]), np.uint8)
         top, left = (side - height) // 2, (side - width) // 2
         square[top : top + height, left : left + width] = gray
         gray = square

@@ -42,7 +42,7 @@ from zarr.codecs import ZstdCodec
 from dask_dl import config
 from dask_dl.checks import one_of, positive_int
 from dask_dl.data import store as contract
-from dask_dl.data.images import ImageRejected, load_image
+from dask_dl.data.images import CHANNELS, ImageRejected, load_image
 from dask_dl.data.lease import StoreLease
 from dask_dl.data.paths import PathPolicy
 from dask_dl.data.rejects import check_share
@@ -137,8 +137,9 @@ def ingest(
     client: Client | None = None,
     progress: bool | None = None,
     rejects: str | os.PathLike | None = None,
+    channels: int | None = None,
 ) -> IngestResult:
-    """Decode, grayscale and resize every image of ``catalog`` into a sharded Zarr store, on a Dask cluster.
+    """Decode, grayscale (or keep RGB) and resize every image of ``catalog`` into a sharded Zarr store, on Dask.
 
     One task per Zarr shard (``chunk * shard`` images) writes that whole shard, so no two tasks ever touch the
     same shard file. Re-running on a store a killed run left behind writes only the missing shards.
@@ -167,6 +168,10 @@ def ingest(
         when ``dask-dl.ingest.progress`` is true and the session is interactive (a terminal or a notebook).
     rejects
         Also write the rejects table to this Parquet file (it is always in ``<store>/_dask_dl/rejects.parquet``).
+    channels
+        1: grey ``image(sample, y, x)``, colour images become their luma (radiographs); 3: RGB
+        ``image(sample, y, x, channel)``, grey images are replicated into three channels and alpha is dropped (see
+        :mod:`dask_dl.data.images`). Default ``dask-dl.ingest.channels`` (1).
 
     Returns
     -------
@@ -180,8 +185,8 @@ def ingest(
         The store holds another dataset and ``overwrite`` is False; another ingest is writing it (its lease);
         the store's disk is full (free space and run again: it resumes).
     ConfigurationError
-        ``size``, ``chunk``, ``shard`` or ``min_size`` is not a positive integer, or ``max_reject_share`` is not
-        a fraction.
+        ``size``, ``chunk``, ``shard`` or ``min_size`` is not a positive integer, ``max_reject_share`` is not
+        a fraction, or ``channels`` is not 1 or 3.
     IngestError
         No image was kept, or more than ``max_reject_share`` were rejected; the message counts the reasons, shows
         the first rejected rows and the fix.
@@ -190,6 +195,7 @@ def ingest(
     --------
     >>> result = dask_dl.ingest(catalog, "cxr.zarr", size=224)  # doctest: +SKIP
     >>> print(result.summary())  # doctest: +SKIP
+    >>> dask_dl.ingest(read_folders("derm/"), "derm.zarr", size=128, channels=3)  # colour  # doctest: +SKIP
     """
     from dask_dl.cluster import close_client, get_client
 
@@ -197,7 +203,7 @@ def ingest(
     catalog = validate_catalog(catalog)
     if not len(catalog):
         raise CatalogError("the catalog has no rows: there is nothing to ingest")
-    layout, options = _layout(catalog, size=size, chunk=chunk, shard=shard, min_size=min_size)
+    layout, options = _layout(catalog, size=size, chunk=chunk, shard=shard, min_size=min_size, channels=channels)
     share = _share("max_reject_share", config.get("ingest.max-reject-share", max_reject_share))
     reading = {  # the driver's settings, not each worker's
         "max_image_bytes": positive_int("max-image-bytes", config.get("ingest.max-image-bytes")),
@@ -275,7 +281,13 @@ def _share(name: str, value: Any) -> float:
 
 
 def _layout(
-    catalog: pd.DataFrame, *, size: int | None, chunk: int | None, shard: int | None, min_size: int | None
+    catalog: pd.DataFrame,
+    *,
+    size: int | None,
+    chunk: int | None,
+    shard: int | None,
+    min_size: int | None,
+    channels: int | None = None,
 ) -> tuple[StoreLayout, dict[str, Any]]:
     """The store's layout, and the ingest options that decide which rows are rejected."""
     compressor = config.get("ingest.compressor")
@@ -291,6 +303,7 @@ def _layout(
         labels=tuple(labels_of(catalog)),
         task=one_of("task", task_of(catalog), contract.TASKS),
         n=len(catalog),
+        channels=one_of("channels", config.get("ingest.channels", channels), CHANNELS),
     )
     min_size = config.get("ingest.min-size", min_size)
     image_ids = "\n".join(catalog["image_id"]).encode()
@@ -369,18 +382,18 @@ def _prepare_store(
 
 
 def _create_image(group: zarr.Group, layout: StoreLayout, options: dict[str, Any]) -> None:
-    n, size = layout.n, layout.size
+    image = layout.image_shape
     group.create_array(
         contract.IMAGE,
-        shape=(n, size, size),
+        shape=(layout.n, *image),
         dtype="uint8",
-        chunks=(layout.chunk, size, size),
-        shards=(layout.shard_rows, size, size),
+        chunks=(layout.chunk, *image),
+        shards=(layout.shard_rows, *image),
         # spelled out: StoreLayout.shard_key relies on this encoding of the Zarr 3 specification
         chunk_key_encoding={"name": "default", "separator": "/"},
         compressors=ZstdCodec(level=3) if options["compressor"] == "zstd" else None,
         fill_value=0,
-        dimension_names=contract.DIMS[contract.IMAGE],
+        dimension_names=layout.image_dims,
         attributes={"coordinates": " ".join(contract.COORDS)},
     )
 
@@ -439,12 +452,15 @@ def _ingest_shard(
     """The task: decode one shard's images, write the whole shard, then its status file."""
     layout_ = StoreLayout.from_dict(layout)
     size = layout_.size
-    block = np.zeros((len(job["paths"]), size, size), np.uint8)
+    block = np.zeros((len(job["paths"]), *layout_.image_shape), np.uint8)
     status = []
     for i, (path, image_id) in enumerate(zip(job["paths"], job["image_ids"], strict=True)):
         row = job["start"] + i
         try:
-            block[i] = load_image(path, size=size, min_size=min_size, max_image_bytes=max_image_bytes, policy=policy)
+            block[i] = load_image(
+                path, size=size, min_size=min_size, max_image_bytes=max_image_bytes, policy=policy,
+                channels=layout_.channels,
+            )  # fmt: skip
             status.append((row, image_id, True, "", ""))
         except ImageRejected as exc:
             status.append((row, image_id, False, exc.reason, exc.detail))

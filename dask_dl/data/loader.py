@@ -43,7 +43,7 @@ from dask_dl.checks import positive_int
 from dask_dl.data import store as contract
 from dask_dl.data.store import open_store
 from dask_dl.errors import ConfigurationError, DatasetError, StoreError
-from dask_dl.normalize import normalize
+from dask_dl.normalize import check_normalization, normalize
 
 __all__ = ["Augmentation", "ChunkLoader"]
 
@@ -91,11 +91,15 @@ class Augmentation:
         return asdict(self)
 
     def apply(self, images: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-        """Return augmented copies of the uint8 ``images`` ``(B, S, S)``, drawing parameters from ``rng``."""
-        b = len(images)
+        """Return augmented copies of the uint8 ``images`` ``(B, S, S)`` or ``(B, S, S, C)``, drawing from ``rng``.
+
+        Every channel of an image moves with the same transform and jitter (colours are not shifted apart).
+        """
+        b, colour = len(images), images.ndim == 4
         # Augment in 0..1 so that grid_sample's zero padding is black, then back to uint8: the model sees the same
         # pixel grid and the same normalize() as at inference time.
-        x = torch.from_numpy(images).unsqueeze(1).to(torch.float32).div_(255.0)
+        x = torch.from_numpy(images)
+        x = (x.permute(0, 3, 1, 2) if colour else x.unsqueeze(1)).to(torch.float32).div_(255.0)
         u = rng.uniform(-1.0, 1.0, size=(6, b))
         angle = np.deg2rad(self.rotation * u[0])
         zoom = 1.0 + self.scale * u[1]
@@ -114,7 +118,8 @@ class Augmentation:
         contrast = torch.from_numpy(1.0 + self.contrast * u[4]).to(torch.float32).view(b, 1, 1, 1)
         brightness = torch.from_numpy(self.brightness * u[5]).to(torch.float32).view(b, 1, 1, 1)
         x = (x - mean) * contrast + mean + brightness
-        return x.clamp_(0.0, 1.0).mul_(255.0).round_().to(torch.uint8).squeeze(1).numpy()
+        x = x.clamp_(0.0, 1.0).mul_(255.0).round_().to(torch.uint8)
+        return np.ascontiguousarray(x.permute(0, 2, 3, 1).numpy()) if colour else x.squeeze(1).numpy()
 
 
 class ChunkLoader:
@@ -147,11 +152,15 @@ class ChunkLoader:
         Drop the samples that do not fill a batch on every rank, so all ranks take ``steps_per_epoch`` full
         batches. False serves every sample exactly once across ranks (the last batch of a rank may be short and
         ranks may differ by one batch).
+    normalization : dict, optional
+        ``{"mean": m, "std": s}``, numbers or one per channel (:func:`dask_dl.normalize.check_normalization`);
+        default :data:`dask_dl.normalize.DEFAULT_NORMALIZATION`.
 
     Raises
     ------
     ConfigurationError
-        ``batch_size``, ``world_size``, ``window`` or ``prefetch`` is not a count, ``rank`` or ``seed`` out of range.
+        ``batch_size``, ``world_size``, ``window`` or ``prefetch`` is not a count, ``rank`` or ``seed`` out of range,
+        ``normalization`` is not one (or has another number of channels than the store).
     StoreNotFoundError
         Nothing at ``store``.
     StoreError
@@ -180,6 +189,7 @@ class ChunkLoader:
         prefetch: int | None = None,
         augment: bool | Augmentation = False,
         drop_last: bool = True,
+        normalization: dict[str, Any] | None = None,
     ) -> None:
         self.batch_size = positive_int("batch_size", batch_size, example=32)
         self.world_size = positive_int("world_size", world_size)
@@ -202,6 +212,9 @@ class ChunkLoader:
         self._shards = _LocalShards.of(self.source, self._image, layout)
         self.chunk = layout.chunk
         self.image_size = layout.size
+        self.channels = layout.channels
+        self.image_shape = layout.image_shape
+        self.normalization = check_normalization(normalization, channels=self.channels)
         self.labels = list(layout.labels)
         # Labels of the whole store are n x n_labels bytes: read them once rather than once per chunk.
         self._label = np.asarray(group[contract.LABEL][:], dtype=np.float32)
@@ -268,7 +281,8 @@ class ChunkLoader:
         return [(int(rows[0] // self.chunk), rows) for rows in np.split(mine, cuts)]
 
     def read_chunk(self, chunk: int) -> np.ndarray:
-        """Return all images of chunk ``chunk`` (one chunk-aligned read, one decode), uint8 ``(k, S, S)``."""
+        """Return all images of chunk ``chunk`` (one chunk-aligned read, one decode), uint8 ``(k, S, S)`` grey or
+        ``(k, S, S, 3)`` colour (the store's layout)."""
         start = chunk * self.chunk
         stop = min(start + self.chunk, self._image.shape[0])
         if self._shards is not None:
@@ -288,7 +302,8 @@ class ChunkLoader:
         Yields
         ------
         x : torch.Tensor
-            float32 ``(B, 1, S, S)``, normalized by :func:`dask_dl.normalize.normalize`.
+            float32 ``(B, C, S, S)`` (``C`` the store's channels: 1 grey, 3 RGB, channels first), normalized per
+            channel by :func:`dask_dl.normalize.normalize`.
         y : torch.Tensor
             float32 ``(B, n_labels)``, 0 or 1.
         samples : numpy.ndarray
@@ -375,8 +390,7 @@ class ChunkLoader:
     def _batches(self, epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, np.ndarray]]:
         mix = np.random.default_rng([self.seed, epoch, _MIX, self.rank])
         augment_rng = np.random.default_rng([self.seed, epoch, _AUGMENT, self.rank])
-        size = self.image_size
-        carry_x, carry_s = np.empty((0, size, size), np.uint8), np.empty(0, np.int64)
+        carry_x, carry_s = np.empty((0, *self.image_shape), np.uint8), np.empty(0, np.int64)
         window_x: list[np.ndarray] = []
         window_s: list[np.ndarray] = []
         plan = self.plan(epoch)
@@ -404,7 +418,11 @@ class ChunkLoader:
     ) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
         if self.augmentation is not None:
             images = self.augmentation.apply(images, rng)
-        return normalize(images), torch.from_numpy(self._label[rows]), rows
+        x = torch.from_numpy(images)
+        if x.ndim == 4:  # the store is channel-last like an image file; the models take channels first
+            x = x.permute(0, 3, 1, 2)
+        x = normalize(x, mean=self.normalization["mean"], std=self.normalization["std"])
+        return x.contiguous(), torch.from_numpy(self._label[rows]), rows
 
 
 class _Producer:
@@ -479,7 +497,7 @@ class _LocalShards:
         from numcodecs import Zstd
 
         self._root, self._layout, self._per_shard = root, layout, layout.shard
-        self._shape = (layout.chunk, layout.size, layout.size)
+        self._shape = (layout.chunk, *layout.image_shape)
         self._nbytes = int(np.prod(self._shape))
         self._zstd = Zstd() if zstd else None
         self._index: dict[int, np.ndarray | None] = {}
@@ -502,7 +520,7 @@ class _LocalShards:
             return None
         if sharding.index_location != ShardingCodecIndexLocation.end or not os.path.isdir(root):
             return None
-        if tuple(int(v) for v in sharding.chunk_shape) != (layout.chunk, layout.size, layout.size):
+        if tuple(int(v) for v in sharding.chunk_shape) != (layout.chunk, *layout.image_shape):
             return None
         return cls(root, layout, zstd=ZstdCodec in inner)
 

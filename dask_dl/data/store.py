@@ -6,12 +6,19 @@ A store is a Zarr 3 group:
 array           shape, dtype           notes
 ==============  =====================  ==========================================================================
 ``image``       (n, S, S) uint8        dims ``sample, y, x``; chunks ``(chunk, S, S)`` inside shards of
-                                       ``chunk * shard`` images; rejected rows stay all zero
+                                       ``chunk * shard`` images; rejected rows stay all zero. A colour store
+                (n, S, S, 3) uint8     (``channels=3``) adds a last dimension ``channel`` (R, G, B): chunks
+                                       ``(chunk, S, S, 3)``; a grey store has no channel dimension
 ``label``       (n, n_labels) uint8    dims ``sample, finding``
 ``valid``       (n,) bool              False for rejected rows
 coordinates     (n,) str               ``image_id``, ``patient_id``, ``split``, ``site``; ``finding`` (labels);
                                        ``sample`` int64 = row number 0..n-1
 ==============  =====================  ==========================================================================
+
+Grey stores keep exactly the layout of the first format (no ``channel`` axis of length 1), so every store written
+before colour existed reads as it did. Colour is channel-last, like an RGB image file, Pillow and scikit-image
+(``channel_axis=-1``): ``ds.image[0]`` is an ordinary ``(y, x, 3)`` picture; the loader hands the models
+``(B, C, S, S)``.
 
 The group attribute ``dask_dl`` is a :class:`StoreLayout` (:meth:`StoreLayout.to_dict`); ``dask_dl_ingest``
 holds the ingest options that decide which rows are rejected. Beside the arrays, ``_dask_dl/`` holds one status
@@ -62,6 +69,9 @@ DIMS: dict[str, tuple[str, ...]] = {
     FINDING: (FINDING,),
     **{name: (SAMPLE,) for name in COORDS},
 }
+CHANNEL = "channel"
+#: Dimensions of a colour store's ``image`` array (``channels=3``); grey stores use ``DIMS[IMAGE]``.
+COLOUR_IMAGE_DIMS: tuple[str, ...] = (SAMPLE, "y", "x", CHANNEL)
 META_GROUP = "_dask_dl"
 STATUS_PREFIX = f"{META_GROUP}/status/"
 REJECTS_KEY = f"{META_GROUP}/rejects.parquet"
@@ -88,7 +98,7 @@ class StoreLayout:
     n
         Rows (samples) in the store, rejected ones included.
     channels
-        Image channels; dask_dl stores grayscale (1).
+        Image channels: 1 (grey, ``image(sample, y, x)``) or 3 (RGB, ``image(sample, y, x, channel)``).
     complete
         True once every shard is written and verified, ``valid`` and the rejects table are final.
     format
@@ -122,6 +132,16 @@ class StoreLayout:
         return self.chunk * self.shard
 
     @property
+    def image_dims(self) -> tuple[str, ...]:
+        """Dimension names of the ``image`` array: ``(sample, y, x)``, plus ``channel`` for colour."""
+        return DIMS[IMAGE] if self.channels == 1 else COLOUR_IMAGE_DIMS
+
+    @property
+    def image_shape(self) -> tuple[int, ...]:
+        """Shape of one image: ``(S, S)`` grey, ``(S, S, channels)`` colour."""
+        return (self.size, self.size) if self.channels == 1 else (self.size, self.size, self.channels)
+
+    @property
     def n_shards(self) -> int:
         """Shards of the image array."""
         return -(-self.n // self.shard_rows)
@@ -133,7 +153,7 @@ class StoreLayout:
 
     def shard_key(self, shard: int) -> str:
         """Key of shard ``shard``'s file under the store (Zarr 3 ``default`` chunk key encoding, ``/``)."""
-        return f"{IMAGE}/c/{int(shard)}/0/0"
+        return f"{IMAGE}/c/{int(shard)}/0/0" + ("/0" if self.channels != 1 else "")
 
     @staticmethod
     def status_key(shard: int) -> str:

@@ -31,12 +31,13 @@ from dask_dl.data.labels import NO_FINDING
 from dask_dl.data.nih import NIH_HEADER
 from dask_dl.data.radiograph import draw_with_boxes
 from dask_dl.data.schema import NIH_LABELS
+from dask_dl.data.swatches import make_collection
 from dask_dl.errors import CatalogError, ConfigurationError, StoreNotFoundError
 
 if TYPE_CHECKING:  # pragma: no cover
     from distributed import Client
 
-__all__ = ["synthesize"]
+__all__ = ["make_collection", "synthesize"]
 
 _BLOCK = 64  # images per task; fixed, so that seeds (and files) do not depend on how the work is spread
 _CORRUPT_KINDS = ("truncated", "empty", "garbage")

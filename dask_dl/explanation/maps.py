@@ -178,19 +178,29 @@ def _chosen_labels(spec: ModelSpec, labels: Sequence[str] | None) -> list[str]:
 
 
 def _whole_images(images: da.Array, spec: ModelSpec) -> da.Array:
+    """Grey ``(n, S, S)``, or colour as ``(n, C, S, S)`` (a colour store's ``(n, S, S, C)`` is turned around)."""
+    channels = int(spec.in_channels or 1)
     if images.ndim == 4 and images.shape[1] == 1:
         images = images[:, 0]
-    if images.ndim != 3 or images.shape[1] != images.shape[2] or images.dtype.kind not in "uif":
+    elif images.ndim == 4 and images.shape[-1] == channels and images.shape[1] != channels:
+        images = images.transpose(0, 3, 1, 2)  # channel-last, as a colour store holds it
+    got = 1 if images.ndim == 3 else images.shape[1]
+    if images.ndim not in (3, 4) or images.shape[-1] != images.shape[-2] or images.dtype.kind not in "uif":
         raise DatasetError(
-            f"explain takes square grayscale images (n, S, S) of pixels 0-255; got shape {images.shape}, dtype "
-            f"{images.dtype}"
+            f"explain takes square images (n, S, S) grey or (n, S, S, C) colour of pixels 0-255; got shape "
+            f"{images.shape}, dtype {images.dtype}"
+        )
+    if got != channels:
+        raise DatasetError(
+            f"the model takes images of {channels} channel(s) but the data has {got}; explain it on a store "
+            f"ingested with channels={channels}"
         )
     if spec.input_size is not None and images.shape[-1] != spec.input_size:
         raise DatasetError(
             f"the model takes {spec.input_size} px images but the data has {images.shape[-1]} px images; ingest the "
             f"collection at size={spec.input_size} or explain a model trained at {images.shape[-1]} px"
         )
-    return images.rechunk({1: -1, 2: -1})
+    return images.rechunk({i: -1 for i in range(1, images.ndim)})
 
 
 def _occlusion_options(side: int, window: int | None, stride: int | None) -> dict[str, int]:
@@ -280,7 +290,8 @@ def _explain_block(
         loaded = get_model(spec, payload, device)
         forward, lock, where = None, loaded.lock, loaded.device
     for start in range(0, n, batch_size):
-        pixels = torch.from_numpy(np.asarray(block[start : start + batch_size], np.float32)[:, None]).to(where)
+        pixels = np.asarray(block[start : start + batch_size], np.float32)
+        pixels = torch.from_numpy(pixels[:, None] if pixels.ndim == 3 else pixels).to(where)
         if spec.kind == "onnx":
             raw = _occlusion(forward, pixels, targets, options)
         else:
@@ -293,10 +304,12 @@ def _explain_block(
 def _torch_maps(net, spec: ModelSpec, method: str, pixels, targets, options) -> np.ndarray:
     import torch
 
+    from dask_dl.normalize import scale
+
     mean, std = spec.normalization["mean"], spec.normalization["std"]
 
     def logits(x):
-        return net((x / 255.0 - mean) / std)
+        return net(scale(x, mean, std))
 
     if method == "gradcam":
         attr = _captum()
@@ -326,7 +339,7 @@ def _occlusion(forward, pixels, targets, options) -> np.ndarray:
     maps = []
     for j in targets:
         attribution = occlusion.attribute(
-            pixels, sliding_window_shapes=(1, window, window), strides=(1, stride, stride), target=j,
+            pixels, sliding_window_shapes=(pixels.shape[1], window, window), strides=(1, stride, stride), target=j,
             baselines=baseline, perturbations_per_eval=per_eval, show_progress=False,
         )  # fmt: skip
         maps.append(attribution[:, 0].detach().float().cpu().numpy())
@@ -355,7 +368,9 @@ def _onnx_forward(spec: ModelSpec):
         if io["input_rank"] == 3:
             batch = batch[:, 0]
         if spec.normalization is not None:
-            batch = (batch / 255.0 - spec.normalization["mean"]) / spec.normalization["std"]
+            from dask_dl.normalize import scale
+
+            batch = scale(batch, spec.normalization["mean"], spec.normalization["std"])
         result = session.run([io["output_name"]], {io["input_name"]: batch.astype(io["input_dtype"], copy=False)})
         return torch.from_numpy(np.asarray(result[0], np.float32))
 

@@ -80,6 +80,10 @@ class TrainerSpec:
     resume_from: str | None = None
     #: steps between the ranks' agreement on stop and non-finite loss (one small all-reduce each)
     check_every: int = 8
+    #: image channels of the store (1 grey, 3 RGB): the model's first layer takes this many
+    channels: int = 1
+    #: ``{"mean": m, "std": s}`` for the loaders and the checkpoint; None: DEFAULT_NORMALIZATION
+    normalization: dict[str, Any] | None = None
 
 
 def _epoch_seed(seed: int, epoch: int, rank: int) -> int:
@@ -191,7 +195,9 @@ class TrainingActor:
             timeout=timedelta(seconds=spec.timeout_s),
         )
         torch.manual_seed(spec.seed)  # every rank builds the same initial weights (DDP broadcasts rank 0's anyway)
-        model = build_model(spec.model_name, num_outputs=len(spec.labels), in_channels=1, **spec.model_kwargs)
+        model = build_model(
+            spec.model_name, num_outputs=len(spec.labels), in_channels=spec.channels, **spec.model_kwargs
+        )
         model = model.to(self.device)
         self.ddp = DistributedDataParallel(model, device_ids=[self.device.index] if cuda else None)
         self.timer = _CommTimer()
@@ -210,7 +216,8 @@ class TrainingActor:
         self.start_epoch = 0
         if spec.resume_from is not None:
             self._load(load_checkpoint(spec.resume_from, map_location=self.device))
-        common = dict(rank=rank, world_size=world_size, seed=spec.seed, window=spec.window, prefetch=spec.prefetch)
+        common = dict(rank=rank, world_size=world_size, seed=spec.seed, window=spec.window, prefetch=spec.prefetch,
+                      normalization=spec.normalization)  # fmt: skip
         self.train_loader = ChunkLoader(
             spec.store, spec.train_samples, batch_size=spec.batch_size, shuffle=True, augment=spec.augment, **common
         )
@@ -497,8 +504,8 @@ class TrainingActor:
             "labels": list(spec.labels),
             "task": spec.task,
             "input_size": int(spec.input_size),
-            "in_channels": 1,
-            "normalization": dict(DEFAULT_NORMALIZATION),
+            "in_channels": int(spec.channels),
+            "normalization": dict(spec.normalization or DEFAULT_NORMALIZATION),
             "epoch": int(epoch),
             "optimizer": _to_cpu(self.optimizer.state_dict()),
             "compressor": [g["compressor"] for g in gathered],

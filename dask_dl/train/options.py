@@ -18,6 +18,7 @@ import numpy as np
 from dask_dl import config
 from dask_dl.checks import one_of, positive_int
 from dask_dl.errors import ConfigurationError, DatasetError
+from dask_dl.normalize import check_normalization
 
 __all__ = ["OPTIMIZERS", "VIEWS", "RunOptions", "check_dataset", "check_run"]
 
@@ -57,6 +58,10 @@ class RunOptions:
     prefetch: int | None
     timeout_s: float
     check_every: int
+    #: image channels of the store (1 grey, 3 RGB): the models' first layer takes this many
+    channels: int = 1
+    #: ``{"mean": m, "std": s}``, numbers or one per channel, applied by the loader and written to checkpoints
+    normalization: dict[str, Any] = field(default_factory=lambda: {"mean": 0.5, "std": 0.25})
 
     @property
     def global_batch(self) -> int:
@@ -95,6 +100,7 @@ def check_run(
     compression_options: dict[str, Any] | None = None,
     view: str = "none",
     tensorboard: str | None = None,
+    normalization: dict[str, Any] | None = None,
 ) -> RunOptions:
     """Check every argument of :func:`dask_dl.fit` and return the run's options (config fills what is None).
 
@@ -102,7 +108,8 @@ def check_run(
     ------
     ConfigurationError
         An unknown model, model option, compressor, compressor option, optimizer or view; a number out of range;
-        ``resume=True`` without ``checkpoint_dir``.
+        ``resume=True`` without ``checkpoint_dir``; a ``normalization`` that is not one, or has per-channel values
+        for another number of channels than the dataset's.
     DatasetError
         Not a dataset of :func:`dask_dl.open_dataset`, no ``train``/``val`` samples or labels, or a batch larger
         than one trainer's share of the training split.
@@ -155,11 +162,12 @@ def check_run(
         prefetch=config.get("train.prefetch"),
         timeout_s=_positive_real("dask-dl.train.timeout", config.get("train.timeout"), example=120),
         check_every=positive_int("dask-dl.train.check-every", config.get("train.check-every"), example=8),
+        normalization=check_normalization(normalization, channels=data["channels"]),
     )
 
 
 def check_dataset(dataset: Any) -> dict[str, Any]:
-    """Return the data part of the options (store, samples, labels, task, size) from an open_dataset result.
+    """Return the data part of the options (store, samples, labels, task, size, channels) from an open_dataset result.
 
     Raises
     ------
@@ -202,7 +210,9 @@ def check_dataset(dataset: Any) -> dict[str, Any]:
         "val_samples": parts["val"],
         "labels": labels,
         "task": meta.get("task", "multilabel"),
-        "input_size": int(meta.get("size") or dataset["image"].shape[-1]),
+        "input_size": int(meta.get("size") or dataset["image"].sizes["y"]),
+        # a grey store has no channel dimension; a colour one says so in its layout and in `image`'s dims
+        "channels": int(meta.get("channels") or dataset["image"].sizes.get("channel", 1)),
     }
 
 

@@ -53,6 +53,7 @@ def fit(
     tensorboard: str | None = None,
     client: Client | None = None,
     wait: bool = True,
+    normalization: dict[str, Any] | None = None,
 ) -> TrainingRun:
     """Train a model on ``dataset`` with synchronous data-parallel SGD over Dask workers.
 
@@ -98,6 +99,11 @@ def fit(
         runs by making a ``distributed.Client`` first.
     wait : bool
         Block until training ends (True), or return the running :class:`TrainingRun` at once (False).
+    normalization : dict, optional
+        ``{"mean": m, "std": s}`` applied to pixels scaled to [0, 1]: numbers for every channel, or one per channel
+        of a colour store (e.g. ImageNet's ``{"mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}``, or
+        :func:`dask_dl.normalize.channel_stats` of the training split). It goes into the checkpoints and the
+        exported ONNX graph. Default :data:`dask_dl.normalize.DEFAULT_NORMALIZATION`.
 
     Returns
     -------
@@ -132,7 +138,7 @@ def fit(
         dataset, model=model, epochs=epochs, batch_size=batch_size, trainers=trainers, compression=compression,
         lr=lr, optimizer=optimizer, warmup_steps=warmup_steps, checkpoint_dir=checkpoint_dir, resume=resume,
         seed=seed, augment=augment, model_kwargs=model_kwargs, compression_options=compression_options, view=view,
-        tensorboard=tensorboard,
+        tensorboard=tensorboard, normalization=normalization,
     )  # fmt: skip
     total_steps = options.steps_per_epoch * options.epochs
     if options.compression != "none" and options.warmup_steps >= total_steps:
@@ -318,7 +324,10 @@ class TrainingRun:
         ck = self.checkpoint()
         if ck["model_name"] not in MODELS:  # a model registered in another process
             MODELS.register(ck["model_name"], self.spec.model_target)
-        net = build_model(ck["model_name"], num_outputs=len(ck["labels"]), in_channels=1, **ck["model_kwargs"])
+        in_channels = int(ck.get("in_channels", 1))
+        net = build_model(
+            ck["model_name"], num_outputs=len(ck["labels"]), in_channels=in_channels, **ck["model_kwargs"]
+        )
         net.load_state_dict(ck["model"])
         return net.eval()
 
@@ -464,6 +473,8 @@ def _trainer_spec(options: RunOptions, resume_from: str | None) -> Any:
         timeout_s=options.timeout_s,
         check_every=options.check_every,
         resume_from=resume_from,
+        channels=options.channels,
+        normalization=dict(options.normalization),
     )
 
 
