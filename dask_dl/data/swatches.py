@@ -1,8 +1,8 @@
 """A synthetic colour collection in class folders, whose class only colour tells (for the demo and the tests).
 
-:func:`make_collection` writes ``root/<split>/<class>/<split>-<class>-<k>.png``: each image is smooth grey noise with a disc of its
-class's colour at a random place and size, and a random brightness. The class colours have the same luma (BT.601,
-within two levels) and the brightness jitter is larger than that, so the classes differ in hue only: a model trained
+:func:`make_collection` writes ``root/<split>/<class>/<split>-<class>-<k>.png``: each image is smooth grey noise
+with a disc of its class's colour at a random place and size, and a random brightness. The class colours have the
+same luma (BT.601, within two levels) and the brightness jitter is larger than that, so the classes differ in hue only: a model trained
 on the RGB store (``ingest(..., channels=3)``) can learn them, one trained on the grey store of the same files
 cannot, which is what makes the collection a test of the colour path rather than of shapes.
 

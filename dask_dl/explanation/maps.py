@@ -141,7 +141,7 @@ def explain(
         batch_size=batch_size,
         device=device,
         options=options,
-        new_axis=[1],
+        new_axis=[1] if images.ndim == 3 else None,  # colour (n, C, S, S): the channel axis becomes `finding`
         chunks=(images.chunks[0], (k,), (side,), (side,)),
         dtype=np.dtype(dtype),
         meta=np.empty((0, 0, 0, 0), np.dtype(dtype)),

@@ -150,7 +150,8 @@ def write_dicom(
 ) -> str:
     """Write ``pixels`` as an uncompressed single-frame DICOM; ``elements`` are extra header keywords.
 
-    Returns the SOP Instance UID.
+    ``(H, W, 3)`` uint8 ``pixels`` are RGB: written as ``photometric`` ``"RGB"``, or converted to ``"YBR_FULL"``
+    with pydicom's ``convert_color_space`` (pass ``photometric="YBR_FULL"``). Returns the SOP Instance UID.
     """
     from pydicom.dataset import Dataset, FileMetaDataset
     from pydicom.uid import ExplicitVRLittleEndian, SecondaryCaptureImageStorage, generate_uid
@@ -168,9 +169,16 @@ def write_dicom(
     if patient is not None:
         ds.PatientID = patient
     ds.Modality = "CR"
-    ds.SamplesPerPixel = 1
+    colour = pixels.ndim == 3
+    if colour:
+        from pydicom.pixels import convert_color_space
+
+        photometric = "RGB" if photometric == "MONOCHROME2" else photometric
+        pixels = pixels if photometric == "RGB" else convert_color_space(pixels, "RGB", photometric)
+        bits, ds.PlanarConfiguration = 8, 0
+    ds.SamplesPerPixel = 3 if colour else 1
     ds.PhotometricInterpretation = photometric
-    ds.Rows, ds.Columns = pixels.shape
+    ds.Rows, ds.Columns = pixels.shape[:2]
     ds.BitsAllocated = 16 if bits > 8 else 8
     ds.BitsStored = bits
     ds.HighBit = bits - 1
