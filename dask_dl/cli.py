@@ -294,12 +294,16 @@ def synth(root, images, size, seed, patients, label_source, sites, rgba, corrupt
     help="Fail when more than this share of the images is rejected (default from config: 0.5).",
 )  # fmt: skip
 @click.option("--overwrite", is_flag=True, help="Replace STORE if it holds another dataset (size, catalog, ...).")
+@click.option(
+    "--channels", type=click.Choice(["1", "3"]), default=None,
+    help="1: grey (radiographs); 3: keep RGB colour (grey images replicated, alpha dropped). Default from config: 1.",
+)  # fmt: skip
 @scheduler_option
 @quiet_option
 def ingest_command(
-    source, store, size, chunk, shard, min_size, max_reject_share, overwrite, scheduler, workers, quiet
+    source, store, size, chunk, shard, min_size, max_reject_share, overwrite, channels, scheduler, workers, quiet
 ) -> None:
-    """Decode, grayscale and resize the images of SOURCE into the sharded Zarr store STORE.
+    """Decode, grayscale (or keep RGB: --channels 3) and resize the images of SOURCE into the Zarr store STORE.
 
     SOURCE is anything `dask-dl catalog` reads (a collection root or a catalog .parquet). Rerunning on a store
     that a killed run left behind writes only the missing shards. Rejected images are listed in
@@ -321,6 +325,7 @@ def ingest_command(
         result = ingest(
             catalog, store, size=size, chunk=chunk, shard=shard, min_size=min_size,
             max_reject_share=max_reject_share, overwrite=overwrite, client=client, progress=False if quiet else None,
+            channels=None if channels is None else int(channels),
         )  # fmt: skip
     click.echo(result.summary())
 

@@ -2,9 +2,9 @@
 
 :func:`make_collection` writes ``root/<split>/<class>/<split>-<class>-<k>.png``: each image is smooth grey noise
 with a disc of its class's colour at a random place and size, and a random brightness. The class colours have the
-same luma (BT.601, within two levels) and the brightness jitter is larger than that, so the classes differ in hue only: a model trained
-on the RGB store (``ingest(..., channels=3)``) can learn them, one trained on the grey store of the same files
-cannot, which is what makes the collection a test of the colour path rather than of shapes.
+same luma (BT.601, within two levels) and the brightness jitter is larger than that, so the classes differ in hue
+only: a model trained on the RGB store (``ingest(..., channels=3)``) can learn them, one trained on the grey store of
+the same files cannot, which is what makes the collection a test of the colour path rather than of shapes.
 
 Everything is a function of ``seed``: image ``k`` of class ``c`` in split ``s`` draws from
 ``numpy.random.default_rng([seed, s, c, k])``.
