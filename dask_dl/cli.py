@@ -446,8 +446,9 @@ def _echo_epochs(run, shown: int, interactive: bool) -> int:
 def export_command(checkpoint, out, overwrite, opset) -> None:
     """Write the model of CHECKPOINT (an epoch-NNNN.pt file or a checkpoint directory) as ONNX file OUT.
 
-    The graph takes float32 pixels 0-255 (batch, 1, S, S) and returns probabilities; labels, input size and
-    normalization are in its metadata. onnxruntime's output is checked against torch before OUT is written.
+    The graph takes float32 pixels 0-255 (batch, C, S, S), C the store's channels, and returns probabilities;
+    labels, input size, channels and normalization are in its metadata. onnxruntime's output is checked against
+    torch before OUT is written.
     """
     from dask_dl.export import export_onnx, read_model_info
 

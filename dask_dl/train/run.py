@@ -62,6 +62,7 @@ def fit(
     dataset : xarray.Dataset
         From :func:`dask_dl.open_dataset`; needs ``train`` and ``val`` samples. Only its coordinates are read
         here: every trainer reads the images straight from the store named by ``dataset.encoding["source"]``.
+        The model's input channels are the store's (its layout's ``channels``: 1 grey, 3 for a colour store).
     model : str, optional
         A name from :func:`dask_dl.list_models`. Default ``dask-dl.train.model``.
     epochs, batch_size, lr, warmup_steps : optional

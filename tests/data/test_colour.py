@@ -226,7 +226,7 @@ def run(stores, cluster_client):
     colour, _ = stores
     ds = dask_dl.open_dataset(colour)
     return dask_dl.fit(
-        ds, model="small_cnn", model_kwargs={"width": 8}, epochs=3, batch_size=8, trainers=2, lr=0.05, seed=1,
+        ds, model="small_cnn", model_kwargs={"width": 8}, epochs=2, batch_size=4, trainers=2, lr=0.05, seed=1,
         client=cluster_client, normalization=channel_stats(ds),
     )  # fmt: skip
 
@@ -234,7 +234,8 @@ def run(stores, cluster_client):
 def test_fit_learns_colour_on_two_trainers(run):
     history = run.history
     last = history.iloc[-1]
-    assert run.status == "finished" and len(history) == 3
+    print(history[["epoch", "train_loss", "val_loss", "val_accuracy", "val_auroc_mean"]])
+    assert run.status == "finished" and len(history) == 2
     # three classes of equal luma: chance is 1/3 accuracy and 0.5 AUROC
     assert last["val_accuracy"] >= 0.6, history[["epoch", "train_loss", "val_loss", "val_accuracy"]]
     assert last["val_auroc_mean"] >= 0.8
@@ -267,12 +268,17 @@ def test_export_and_predict_colour(run, stores, cluster_client, tmp_path):
         dask_dl.predict(dask_dl.open_dataset(grey), path)
 
 
-def test_grey_model_refuses_colour_data(stores, tmp_path):
+def test_grey_model_refuses_colour_data(stores):
+    from dask_dl.export import ModelInfo
+    from dask_dl.inference import _check_shape
+
     colour, _ = stores
-    net = dask_dl.build_model("small_cnn", num_outputs=3, width=8).eval()
-    path = dask_dl.export_onnx(net, tmp_path / "grey.onnx", labels=["blue", "green", "red"], input_size=SIZE)
+    grey_model = ModelInfo(labels=("blue", "green", "red"), input_size=SIZE)
     with pytest.raises(ExportError, match=r"takes 1-channel images .* data has 3-channel images"):
-        dask_dl.predict(dask_dl.open_dataset(colour), path)
+        _check_shape(dask_dl.open_dataset(colour).image.data, grey_model)
+    colour_model = ModelInfo(labels=("blue", "green", "red"), input_size=SIZE, in_channels=3)
+    ok = _check_shape(dask_dl.open_dataset(colour).image.data, colour_model)  # channel-last turned around
+    assert ok.shape[1:] == (3, SIZE, SIZE) and ok.chunks[1:] == ((3,), (SIZE,), (SIZE,))
 
 
 def test_explain_colour(run, stores):
