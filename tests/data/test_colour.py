@@ -226,7 +226,7 @@ def run(stores, cluster_client):
     colour, _ = stores
     ds = dask_dl.open_dataset(colour)
     return dask_dl.fit(
-        ds, model="small_cnn", model_kwargs={"width": 8}, epochs=2, batch_size=4, trainers=2, lr=0.05, seed=1,
+        ds, model="small_cnn", model_kwargs={"width": 8}, epochs=2, batch_size=8, trainers=2, lr=0.05, seed=1,
         client=cluster_client, normalization=channel_stats(ds),
     )  # fmt: skip
 
@@ -234,10 +234,9 @@ def run(stores, cluster_client):
 def test_fit_learns_colour_on_two_trainers(run):
     history = run.history
     last = history.iloc[-1]
-    print(history[["epoch", "train_loss", "val_loss", "val_accuracy", "val_auroc_mean"]])
     assert run.status == "finished" and len(history) == 2
     # three classes of equal luma: chance is 1/3 accuracy and 0.5 AUROC
-    assert last["val_accuracy"] >= 0.6, history[["epoch", "train_loss", "val_loss", "val_accuracy"]]
+    assert last["val_accuracy"] >= 0.75, history[["epoch", "train_loss", "val_loss", "val_accuracy"]]
     assert last["val_auroc_mean"] >= 0.8
     ck = run.checkpoint()
     assert ck["in_channels"] == 3 and len(ck["normalization"]["mean"]) == 3
