@@ -194,6 +194,21 @@ def test_ingest_refuses_a_channel_change_and_bad_channels(collection, stores, cl
         dask_dl.ingest(catalog, grey, size=SIZE, chunk=CHUNK, shard=2, channels=4, client=cluster_client)
 
 
+def test_cli_ingest_channels(cluster_client, tmp_path):
+    from click.testing import CliRunner
+
+    from dask_dl.cli import cli
+
+    root = make_collection(tmp_path / "discs", per_class=2, val_per_class=1, size=SIZE)
+    address = ["--scheduler", cluster_client.scheduler.address, "--quiet"]
+    args = ["ingest", str(root), str(tmp_path / "s.zarr"), "--size", str(SIZE), "--chunk", "4", "--shard", "2"]
+    result = CliRunner().invoke(cli, [*args, "--channels", "3", *address])
+    assert result.exit_code == 0, result.output
+    assert dask_dl.open_dataset(tmp_path / "s.zarr").image.shape == (9, SIZE, SIZE, 3)
+    result = CliRunner().invoke(cli, [*args, "--channels", "2", *address])
+    assert result.exit_code == 2 and "'2' is not one of '1', '3'" in result.output
+
+
 def test_channel_stats_and_loader_batches(stores):
     colour, _ = stores
     ds = dask_dl.open_dataset(colour)
