@@ -18,7 +18,7 @@ import numpy as np
 from dask_dl import config
 from dask_dl.checks import one_of, positive_int
 from dask_dl.errors import ConfigurationError, DatasetError
-from dask_dl.normalize import check_normalization
+from dask_dl.normalize import DEFAULT_NORMALIZATION, check_normalization
 
 __all__ = ["OPTIMIZERS", "VIEWS", "RunOptions", "check_dataset", "check_run"]
 
@@ -61,7 +61,7 @@ class RunOptions:
     #: image channels of the store (1 grey, 3 RGB): the models' first layer takes this many
     channels: int = 1
     #: ``{"mean": m, "std": s}``, numbers or one per channel, applied by the loader and written to checkpoints
-    normalization: dict[str, Any] = field(default_factory=lambda: {"mean": 0.5, "std": 0.25})
+    normalization: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_NORMALIZATION))
 
     @property
     def global_batch(self) -> int:
