@@ -48,6 +48,7 @@ from dask_dl.checkpoint import load_checkpoint
 from dask_dl.errors import ClusterError, TrainingError
 from dask_dl.train import allocator
 from dask_dl.train.checkpoint import rng_state, set_rng_state
+from dask_dl.train.parallel import data_shard
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,11 @@ class TrainerSpec:
     channels: int = 1
     #: ``{"mean": m, "std": s}`` for the loaders and the checkpoint; None: DEFAULT_NORMALIZATION
     normalization: dict[str, Any] | None = None
+    #: how the trainers share the model (:mod:`dask_dl.train.parallel`): "ddp", "fsdp" or "pipeline"
+    parallel: str = "ddp"
+    stages: int = 1
+    microbatches: int = 1
+    schedule: str = "1f1b"
 
 
 def _epoch_seed(seed: int, epoch: int, rank: int) -> int:
@@ -199,14 +205,22 @@ class TrainingActor:
             spec.model_name, num_outputs=len(spec.labels), in_channels=spec.channels, **spec.model_kwargs
         )
         model = model.to(self.device)
-        self.ddp = DistributedDataParallel(model, device_ids=[self.device.index] if cuda else None)
-        self.timer = _CommTimer()
-        self.timer.attach(self.ddp)
-        self.compressor = make_compressor(
-            spec.compression, warmup_steps=spec.warmup_steps, **dict(spec.compression_options)
-        )
-        self.compressor.register(self.ddp)
-        del self.ddp.register_comm_hook  # drop the timing shim: it would keep ddp in a reference cycle
+        self.parallel = None  # fsdp or pipeline (dask_dl.train.parallel): no DDP, no comm hook
+        if spec.parallel != "ddp":
+            from dask_dl.train.parallel.wrap import wrap_model
+
+            self.ddp = self.parallel = wrap_model(spec, model, device=self.device, rank=rank, world_size=world_size)
+            model = self.parallel.module  # what this rank trains: the sharded model or its pipeline stage
+            self.timer, self.compressor = _CommTimer(), make_compressor("none")
+        else:
+            self.ddp = DistributedDataParallel(model, device_ids=[self.device.index] if cuda else None)
+            self.timer = _CommTimer()
+            self.timer.attach(self.ddp)
+            self.compressor = make_compressor(
+                spec.compression, warmup_steps=spec.warmup_steps, **dict(spec.compression_options)
+            )
+            self.compressor.register(self.ddp)
+            del self.ddp.register_comm_hook  # drop the timing shim: it would keep ddp in a reference cycle
         if spec.optimizer == "adamw":
             self.optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay)
         else:
@@ -216,8 +230,9 @@ class TrainingActor:
         self.start_epoch = 0
         if spec.resume_from is not None:
             self._load(load_checkpoint(spec.resume_from, map_location=self.device))
-        common = dict(rank=rank, world_size=world_size, seed=spec.seed, window=spec.window, prefetch=spec.prefetch,
-                      normalization=spec.normalization)  # fmt: skip
+        data_rank, data_world = data_shard(spec.parallel, spec.stages, rank, world_size)  # a pipeline's stages share
+        common = dict(rank=data_rank, world_size=data_world, seed=spec.seed, window=spec.window,
+                      prefetch=spec.prefetch, normalization=spec.normalization)  # fmt: skip
         self.train_loader = ChunkLoader(
             spec.store, spec.train_samples, batch_size=spec.batch_size, shuffle=True, augment=spec.augment, **common
         )
@@ -236,8 +251,11 @@ class TrainingActor:
         }
 
     def _load(self, checkpoint: dict[str, Any]) -> None:
-        self.ddp.module.load_state_dict(checkpoint["model"])
-        self.optimizer.load_state_dict(checkpoint["optimizer"])
+        if self.parallel is not None:  # sharded (fsdp) or per stage (pipeline)
+            self.parallel.load(checkpoint, self.optimizer, source=self.spec.resume_from)
+        else:
+            self.ddp.module.load_state_dict(checkpoint["model"])
+            self.optimizer.load_state_dict(checkpoint["optimizer"])
         for group in self.optimizer.param_groups:  # the lr passed to this fit wins over the checkpoint's
             group["lr"] = self.spec.lr
         states = checkpoint["compressor"]
@@ -284,11 +302,14 @@ class TrainingActor:
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             hook_s_before, timer.last_return = timer.hook_s, None
             self.optimizer.zero_grad(set_to_none=True)
-            loss = self._loss(self.ddp(x), y)
-            loss.backward()
+            if self.parallel is not None:
+                loss = self.parallel.forward_backward(x, y, self._loss)
+            else:
+                loss = self._loss(self.ddp(x), y)
+                loss.backward()
             backward_end = time.perf_counter()
             loss_acc += loss.detach()  # stays on the device: no host sync per step
-            examples += x.shape[0]
+            examples += x.shape[0] if getattr(self.parallel, "counts_examples", True) else 0
             stop = bad = False
             if (step + 1) % check_every == 0 or step + 1 == steps:
                 # every `check_every` steps (the same steps on every rank) one small all-reduce makes the ranks
@@ -315,7 +336,8 @@ class TrainingActor:
             comm_s += (timer.hook_s - hook_s_before) + tail + (flags_end - backward_end)
             busy_s += end - begin
             elapsed = time.perf_counter() - started
-            self._progress.update(step=step + 1, images_per_s=examples * self.world_size / elapsed)
+            data_world = getattr(self.parallel, "data_world", self.world_size)
+            self._progress.update(step=step + 1, images_per_s=examples * data_world / elapsed)
             if stop:
                 stopped = True
                 break
@@ -347,9 +369,12 @@ class TrainingActor:
         model = self.ddp.module
         model.eval()
         samples, scores, labels, loss_sum = [], [], [], 0.0
-        for x, y, s in self.val_loader.epoch(epoch, with_samples=True):
-            x, y = x.to(self.device), y.to(self.device)
-            logits = model(x)
+        batches = self.val_loader.epoch(epoch, with_samples=True)
+        if self.parallel is not None:  # fsdp: all ranks gather each block; pipeline: through the stages
+            scored = self.parallel.evaluate(batches)
+        else:
+            scored = _evaluate(model, batches, self.device)
+        for logits, y, s in scored:
             loss_sum += float(self._loss(logits, y, reduction="sum"))
             prob = logits.softmax(dim=1) if self.spec.task == "multiclass" else logits.sigmoid()
             samples.append(np.asarray(s, dtype=np.int64))
@@ -491,6 +516,9 @@ class TrainingActor:
         from dask_dl.train.checkpoint import save_checkpoint
 
         mine = {"compressor": _to_cpu(self.compressor.state_dict()), "rng": rng_state()}
+        # fsdp / pipeline: collective (shards written, the model consolidated on rank 0)
+        parts = {} if self.parallel is None else self.parallel.checkpoint_parts(self.optimizer, epoch=epoch,
+                                                                               directory=directory)  # fmt: skip
         gathered: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
         dist.gather_object(mine, gathered, dst=0)
         if self.rank != 0:
@@ -500,17 +528,18 @@ class TrainingActor:
             "format": FORMAT,
             "model_name": spec.model_name,
             "model_kwargs": dict(spec.model_kwargs),
-            "model": _to_cpu(self.ddp.module.state_dict()),
+            "model": parts["model"] if parts else _to_cpu(self.ddp.module.state_dict()),
             "labels": list(spec.labels),
             "task": spec.task,
             "input_size": int(spec.input_size),
             "in_channels": int(spec.channels),
             "normalization": dict(spec.normalization or DEFAULT_NORMALIZATION),
             "epoch": int(epoch),
-            "optimizer": _to_cpu(self.optimizer.state_dict()),
+            "optimizer": parts["optimizer"] if parts else _to_cpu(self.optimizer.state_dict()),
             "compressor": [g["compressor"] for g in gathered],
             "rng": [g["rng"] for g in gathered],
             "history": [_plain(row) for row in history],
+            "parallel": parts.get("parallel", {"kind": "ddp", "trainers": self.world_size}),
         }
         if directory is not None:
             save_checkpoint(checkpoint, directory)
@@ -525,7 +554,7 @@ class TrainingActor:
             close = getattr(getattr(self, name, None), "close", None)
             if close is not None:
                 close()
-        for name in ("ddp", "optimizer", "compressor", "train_loader", "val_loader", "timer"):
+        for name in ("ddp", "parallel", "optimizer", "compressor", "train_loader", "val_loader", "timer"):
             self.__dict__.pop(name, None)
         if not keep_latest:
             self._latest = None
@@ -628,6 +657,12 @@ def _exit_without_finalization() -> None:
         os._exit(0)
 
     atexit.register(exit_now)
+
+
+def _evaluate(model: Any, batches: Any, device: torch.device) -> Any:
+    """``(logits, y, samples)`` of each validation batch, by the whole (unwrapped) model on this rank."""
+    for x, y, s in batches:
+        yield model(x.to(device)), y.to(device), s
 
 
 def _to_cpu(obj: Any) -> Any:

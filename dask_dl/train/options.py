@@ -19,6 +19,7 @@ from dask_dl import config
 from dask_dl.checks import one_of, positive_int
 from dask_dl.errors import ConfigurationError, DatasetError
 from dask_dl.normalize import DEFAULT_NORMALIZATION, check_normalization
+from dask_dl.train.parallel import check_parallel
 
 __all__ = ["OPTIMIZERS", "VIEWS", "RunOptions", "check_dataset", "check_run"]
 
@@ -62,11 +63,17 @@ class RunOptions:
     channels: int = 1
     #: ``{"mean": m, "std": s}``, numbers or one per channel, applied by the loader and written to checkpoints
     normalization: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_NORMALIZATION))
+    #: how the trainers share the model (:mod:`dask_dl.train.parallel`)
+    parallel: str = "ddp"
+    stages: int = 1
+    microbatches: int = 1
+    schedule: str = "1f1b"
+    memory_budget: int | None = None
 
     @property
     def global_batch(self) -> int:
-        """Images per optimizer step over all trainers: ``batch_size`` is per trainer."""
-        return self.batch_size * self.trainers
+        """Images per optimizer step over all trainers: ``batch_size`` is per trainer (per pipeline with stages)."""
+        return self.batch_size * (self.trainers // self.stages)
 
     @property
     def steps_per_epoch(self) -> int:
@@ -101,6 +108,10 @@ def check_run(
     view: str = "none",
     tensorboard: str | None = None,
     normalization: dict[str, Any] | None = None,
+    parallel: str | None = None,
+    stages: int | None = None,
+    microbatches: int | None = None,
+    memory_budget: int | str | None = None,
 ) -> RunOptions:
     """Check every argument of :func:`dask_dl.fit` and return the run's options (config fills what is None).
 
@@ -109,7 +120,8 @@ def check_run(
     ConfigurationError
         An unknown model, model option, compressor, compressor option, optimizer or view; a number out of range;
         ``resume=True`` without ``checkpoint_dir``; a ``normalization`` that is not one, or has per-channel values
-        for another number of channels than the dataset's.
+        for another number of channels than the dataset's; a ``parallel`` mode the compressor, trainers or batch
+        do not fit; a model over ``memory_budget`` per trainer.
     DatasetError
         Not a dataset of :func:`dask_dl.open_dataset`, no ``train``/``val`` samples or labels, or a batch larger
         than one trainer's share of the training split.
@@ -131,13 +143,20 @@ def check_run(
     _check_model(model, model_kwargs)
     compression = config.get("train.compression", compression)
     _check_compression(compression, warmup_steps, compression_options)
+    plan = check_parallel(config.get("train.parallel", parallel), trainers=trainers, batch_size=batch_size,
+                          compression=compression, stages=stages, microbatches=microbatches,
+                          schedule=config.get("train.pipeline-schedule"))  # fmt: skip
+    readers = trainers // plan["stages"]  # a pipeline's stages read the same batches
     n_train = len(data["train_samples"])
-    if n_train // trainers < batch_size:
+    if n_train // readers < batch_size:
         raise DatasetError(
             f"batch_size={batch_size} is larger than one trainer's share of the training split "
-            f"({n_train} samples / {trainers} trainers = {n_train // trainers}); use batch_size <= "
-            f"{max(n_train // trainers, 1)} or fewer trainers"
+            f"({n_train} samples / {readers} trainers = {n_train // readers}); use batch_size <= "
+            f"{max(n_train // readers, 1)} or fewer trainers"
         )
+    momentum = _non_negative_real("dask-dl.train.momentum", config.get("train.momentum"))
+    memory_budget = _check_memory(config.get("train.memory-budget", memory_budget), model, model_kwargs, data,
+                                  plan=plan, trainers=trainers, optimizer=optimizer, momentum=momentum)  # fmt: skip
     return RunOptions(
         **data,
         model=model,
@@ -149,7 +168,7 @@ def check_run(
         compression_options=compression_options,
         lr=lr,
         optimizer=optimizer,
-        momentum=_non_negative_real("dask-dl.train.momentum", config.get("train.momentum")),
+        momentum=momentum,
         weight_decay=_non_negative_real("dask-dl.train.weight-decay", config.get("train.weight-decay")),
         warmup_steps=warmup_steps,
         seed=seed,
@@ -163,6 +182,8 @@ def check_run(
         timeout_s=_positive_real("dask-dl.train.timeout", config.get("train.timeout"), example=120),
         check_every=positive_int("dask-dl.train.check-every", config.get("train.check-every"), example=8),
         normalization=check_normalization(normalization, channels=data["channels"]),
+        memory_budget=memory_budget,
+        **plan,
     )
 
 
@@ -234,6 +255,18 @@ def _check_compression(name: Any, warmup_steps: int, options: dict[str, Any]) ->
     from dask_dl.train.compression import make_compressor  # the options' checks (imports torch)
 
     make_compressor(name, warmup_steps=warmup_steps, **options)
+
+
+def _check_memory(budget: Any, model: str, options: dict[str, Any], data: dict[str, Any], *, plan: dict[str, Any],
+                  trainers: int, optimizer: str, momentum: float) -> int | None:  # fmt: skip
+    from dask_dl.train.parallel.memory import check_memory_budget, parse_budget
+
+    budget = parse_budget(budget)
+    if budget is not None:
+        check_memory_budget(model, options, num_outputs=len(data["labels"]), in_channels=data["channels"],
+                            budget=budget, parallel=plan["parallel"], trainers=trainers, stages=plan["stages"],
+                            optimizer=optimizer, momentum=momentum)  # fmt: skip
+    return budget
 
 
 def _positive_real(name: str, value: Any, *, example: float) -> float:

@@ -20,6 +20,7 @@ import pandas as pd
 
 from dask_dl.errors import CheckpointError, TrainingError
 from dask_dl.train.options import RunOptions, check_run
+from dask_dl.train.parallel import check_resume
 from dask_dl.train.placement import place_trainers
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -54,6 +55,10 @@ def fit(
     client: Client | None = None,
     wait: bool = True,
     normalization: dict[str, Any] | None = None,
+    parallel: str | None = None,
+    stages: int | None = None,
+    microbatches: int | None = None,
+    memory_budget: int | str | None = None,
 ) -> TrainingRun:
     """Train a model on ``dataset`` with synchronous data-parallel SGD over Dask workers.
 
@@ -105,6 +110,22 @@ def fit(
         of a colour store (e.g. ImageNet's ``{"mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}``, or
         :func:`dask_dl.normalize.channel_stats` of the training split). It goes into the checkpoints and the
         exported ONNX graph. Default :data:`dask_dl.normalize.DEFAULT_NORMALIZATION`.
+    parallel : {"ddp", "fsdp", "pipeline"}, optional
+        How the trainers share the model (:mod:`dask_dl.train.parallel`): ``ddp`` (each holds all of it),
+        ``fsdp`` (parameters, gradients and optimizer state sharded over the trainers; checkpoints sharded with
+        ``torch.distributed.checkpoint`` beside a consolidated ``epoch-NNNN.pt``) or ``pipeline`` (the model's
+        blocks in ``stages`` stages on as many trainers). Compressors other than ``none`` apply to ``ddp`` only.
+        Default ``dask-dl.train.parallel``.
+    stages : int, optional
+        Pipeline stages (``parallel="pipeline"``; default 2); ``trainers`` must be a multiple (``trainers //
+        stages`` data-parallel replicas of the pipeline, each reading ``batch_size`` images per step).
+    microbatches : int, optional
+        Micro-batches a pipeline cuts each batch into (default ``stages``; must divide ``batch_size``). The
+        schedule is ``dask-dl.train.pipeline-schedule`` (``1f1b`` or ``gpipe``).
+    memory_budget : int or str, optional
+        Bytes (or e.g. ``"2 GiB"``) of model state (parameters, gradients, optimizer state) one trainer may hold;
+        estimated before anything is placed, and a run over it fails with both numbers and the modes that fit.
+        Default ``dask-dl.train.memory-budget`` (none).
 
     Returns
     -------
@@ -115,8 +136,9 @@ def fit(
     DatasetError
         No ``train`` or ``val`` samples, no labels, or a batch larger than one trainer's share of the data.
     ConfigurationError
-        Unknown model, compressor, optimizer or view, an unknown option of one, or a number out of range;
-        raised before anything is placed on the cluster.
+        Unknown model, compressor, optimizer or view, an unknown option of one, or a number out of range; a
+        compressor with ``parallel`` other than ``ddp``; a model over ``memory_budget``; raised before anything
+        is placed on the cluster.
     ClusterError
         Fewer workers than trainers.
 
@@ -139,7 +161,8 @@ def fit(
         dataset, model=model, epochs=epochs, batch_size=batch_size, trainers=trainers, compression=compression,
         lr=lr, optimizer=optimizer, warmup_steps=warmup_steps, checkpoint_dir=checkpoint_dir, resume=resume,
         seed=seed, augment=augment, model_kwargs=model_kwargs, compression_options=compression_options, view=view,
-        tensorboard=tensorboard, normalization=normalization,
+        tensorboard=tensorboard, normalization=normalization, parallel=parallel, stages=stages,
+        microbatches=microbatches, memory_budget=memory_budget,
     )  # fmt: skip
     total_steps = options.steps_per_epoch * options.epochs
     if options.compression != "none" and options.warmup_steps >= total_steps:
@@ -234,7 +257,7 @@ class TrainingRun:
             first_epoch=len(history),
             history=history,
             checkpoint_dir=options.checkpoint_dir,
-            global_batch=options.batch_size * len(self.workers),
+            global_batch=options.global_batch,
             sink=self,
         )
 
@@ -253,8 +276,8 @@ class TrainingRun:
 
     @property
     def global_batch(self) -> int:
-        """Images per optimizer step over all trainers (``batch_size`` is per trainer)."""
-        return self.options.batch_size * len(self.workers)
+        """Images per optimizer step over all trainers (``batch_size`` is per trainer, or per pipeline)."""
+        return self.options.global_batch
 
     def stop(self) -> TrainingRun:
         """Ask every trainer to stop; returns at once (``wait()`` to block until the workers are free).
@@ -476,6 +499,10 @@ def _trainer_spec(options: RunOptions, resume_from: str | None) -> Any:
         resume_from=resume_from,
         channels=options.channels,
         normalization=dict(options.normalization),
+        parallel=options.parallel,
+        stages=options.stages,
+        microbatches=options.microbatches,
+        schedule=options.schedule,
     )
 
 
@@ -500,6 +527,7 @@ def _resume_point(options: RunOptions) -> tuple[str | None, list[dict[str, Any]]
             f"{model!r} with {list(labels)}; resume with model={ck['model_name']!r} on the same store, or use a "
             "new checkpoint_dir"
         )
+    check_resume(ck, path, parallel=options.parallel, stages=options.stages)
     if len(ck["compressor"]) != options.trainers:
         raise TrainingError(
             f"the checkpoint {path!r} was written by {len(ck['compressor'])} trainers; resume with "

@@ -1,0 +1,284 @@
+"""parallel="fsdp" and parallel="pipeline" on real gloo ranks in a real LocalCluster (2 worker processes).
+
+Exactness: a few steps of FSDP (2 trainers x batch b) and of a 2-stage pipeline (micro-batched) end with the
+weights and losses of one process training the same model on the same batches, to float tolerance. Then the
+sharded checkpoints resume and export, the memory budget picks FSDP over DDP, and compressors that do not apply
+fail before any actor is placed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dask_dl
+from dask_dl import ConfigurationError, TrainingError
+from dask_dl.data.loader import ChunkLoader
+from dask_dl.models import build_model
+from dask_dl.normalize import normalize
+from dask_dl.testing.train import squares_collection
+from dask_dl.train.parallel import check_parallel, data_shard
+from dask_dl.train.parallel.memory import estimate_memory, parse_budget
+from dask_dl.train.parallel.split import assign_stages, blocks, stage_names
+
+N_TRAIN, SIZE, LR = 64, 32, 0.05
+MODEL = dict(model="small_cnn", model_kwargs={"width": 8})
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory, cluster_client) -> str:
+    root = tmp_path_factory.mktemp("squares")
+    path = str(root / "squares.zarr")
+    dask_dl.ingest(squares_collection(root), path, size=SIZE, chunk=8, shard=2, client=cluster_client, progress=False)
+    return path
+
+
+def fit(store, client, **kwargs):
+    options = dict(**MODEL, epochs=1, batch_size=8, trainers=2, lr=LR, seed=3)
+    return dask_dl.fit(dask_dl.open_dataset(store), client=client, **{**options, **kwargs})
+
+
+def train_samples(store) -> np.ndarray:
+    ds = dask_dl.open_dataset(store)
+    return ds.sample.values[ds.split.values == "train"]
+
+
+def new_model() -> nn.Module:
+    torch.manual_seed(3)  # the trainers' seed: every rank builds these initial weights
+    return build_model("small_cnn", num_outputs=2, width=8)
+
+
+# ---- one process, the same batches -------------------------------------------------------------------------
+
+
+def data_parallel_reference(store, *, b: int, trainers: int, epochs: int) -> tuple[dict, list[float]]:
+    """Weights and per-epoch mean losses of ``trainers`` ranks of batch ``b`` with averaged gradients, in one process.
+
+    BatchNorm sees each rank's batch on its own and rank 0's running statistics are kept (FSDP does not shard
+    buffers and each rank updates its own; DDP broadcasts rank 0's), so the reference normalizes each rank's part
+    alone and keeps rank 0's buffers.
+    """
+    loaders = [ChunkLoader(store, train_samples(store), batch_size=b, rank=r, world_size=trainers, seed=3, prefetch=0)
+               for r in range(trainers)]  # fmt: skip
+    model = new_model().train()
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    losses = []
+    for epoch in range(epochs):
+        step_losses = []
+        for batches in zip(*(loader.epoch(epoch) for loader in loaders), strict=True):
+            opt.zero_grad()
+            rank_losses, rank0_buffers = [], None
+            for r, (x, y) in enumerate(batches):
+                rank_losses.append(F.binary_cross_entropy_with_logits(model(x), y))
+                if r == 0:
+                    rank0_buffers = {k: v.clone() for k, v in model.named_buffers()}
+            loss = torch.stack(rank_losses).mean()  # each rank's mean loss, gradients averaged over ranks
+            loss.backward()
+            with torch.no_grad():
+                for k, v in model.named_buffers():
+                    v.copy_(rank0_buffers[k])
+            opt.step()
+            step_losses.append(float(loss.detach()))
+        losses.append(float(np.mean(step_losses)))
+    return model.state_dict(), losses
+
+
+def pipeline_reference(store, *, b: int, microbatches: int) -> tuple[dict, float]:
+    """One epoch of one process accumulating the gradients of ``microbatches`` equal parts of each batch."""
+    loader = ChunkLoader(store, train_samples(store), batch_size=b, rank=0, world_size=1, seed=3, prefetch=0)
+    model = new_model().train()
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    step_losses = []
+    for x, y in loader.epoch(0):
+        opt.zero_grad()
+        parts = [F.binary_cross_entropy_with_logits(model(xs), ys)
+                 for xs, ys in zip(x.chunk(microbatches), y.chunk(microbatches), strict=True)]  # fmt: skip
+        loss = torch.stack(parts).mean()
+        loss.backward()
+        opt.step()
+        step_losses.append(float(loss.detach()))
+    return model.state_dict(), float(np.mean(step_losses))
+
+
+def assert_weights(got: dict, expected: dict) -> None:
+    assert set(got) == set(expected)
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-5, msg=name)
+    initial = new_model().state_dict()  # and training moved the weights well beyond that tolerance
+    assert max(float((got[k] - initial[k]).abs().max()) for k in got if got[k].is_floating_point()) > 1e-2
+
+
+# ---- 1. FSDP ------------------------------------------------------------------------------------------------
+
+
+def test_fsdp_matches_one_process_and_resumes_from_its_shards(store, cluster_client, tmp_path):
+    directory = tmp_path / "ck"
+    # a budget between FSDP's and DDP's need: DDP refuses it before any actor (below), FSDP trains under it
+    model = build_model("small_cnn", num_outputs=2, width=8)
+    ddp = estimate_memory(model, parallel="ddp", trainers=2).total
+    fsdp = estimate_memory(model, parallel="fsdp", trainers=2).total
+    assert fsdp < ddp
+    budget = (fsdp + ddp) // 2
+    run = fit(store, cluster_client, parallel="fsdp", checkpoint_dir=str(directory), memory_budget=budget)
+    assert run.status == "finished"
+    # the epoch's shards, one file per rank, and the consolidated checkpoint written after them
+    assert sorted(p.name for p in (directory / "epoch-0000.dcp").iterdir()) == [
+        ".metadata", "__0_0.distcp", "__1_0.distcp"
+    ]  # fmt: skip
+    ck = run.checkpoint()
+    assert ck["parallel"] == {"kind": "fsdp", "trainers": 2, "sharded": "epoch-0000.dcp"}
+    assert ck["optimizer"] == {}  # the optimizer state lives in the shards only
+    expected, losses = data_parallel_reference(store, b=8, trainers=2, epochs=2)
+    first, _ = data_parallel_reference(store, b=8, trainers=2, epochs=1)
+    assert_weights(ck["model"], first)
+    assert run.history["train_loss"].iloc[0] == pytest.approx(losses[0], rel=1e-5)
+    assert run.history["steps"].iloc[0] == N_TRAIN // 16
+
+    # resume: epoch 1 from the shards (parameters and momentum) equals an uninterrupted two-epoch run
+    resumed = fit(store, cluster_client, parallel="fsdp", checkpoint_dir=str(directory), resume=True, epochs=2)
+    assert list(resumed.history["event"]) == ["", "resumed"]
+    assert_weights(resumed.checkpoint()["model"], expected)
+    assert resumed.history["train_loss"].iloc[1] == pytest.approx(losses[1], rel=1e-5)
+
+    # the consolidated model exports (export_onnx checks onnxruntime against torch); scores are the reference's
+    onnx_path = dask_dl.export_onnx(resumed, tmp_path / "fsdp.onnx")
+    images = np.random.default_rng(1).integers(0, 256, (3, SIZE, SIZE), dtype=np.uint8)
+    session = onnxruntime.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+    got = session.run(None, {session.get_inputs()[0].name: images[:, None].astype(np.float32)})[0]
+    reference = new_model()
+    reference.load_state_dict(expected)
+    with torch.no_grad():
+        want = torch.sigmoid(reference.eval()(normalize(images))).numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+    # a DDP run cannot resume an FSDP checkpoint: the message says how
+    with pytest.raises(TrainingError, match=r"parallel='fsdp'.*resume with parallel='fsdp'"):
+        fit(store, cluster_client, checkpoint_dir=str(directory), resume=True, epochs=3)
+
+
+def test_ddp_over_the_memory_budget_fails_before_any_actor(store, cluster_client):
+    model = build_model("small_cnn", num_outputs=2, width=8)
+    fsdp = estimate_memory(model, parallel="fsdp", trainers=2).total
+    ddp = estimate_memory(model, parallel="ddp", trainers=2).total
+    budget = (fsdp + ddp) // 2
+    with pytest.raises(
+        ConfigurationError, match=r"needs about .* per trainer with parallel='ddp'.*use parallel='fsdp'"
+    ):
+        fit(store, cluster_client, memory_budget=budget)
+    with pytest.raises(ConfigurationError, match=r"over the memory budget of .*; use more trainers"):
+        fit(store, cluster_client, parallel="fsdp", memory_budget=fsdp // 4)
+    assert not cluster_client.run_on_scheduler(
+        lambda dask_scheduler: [k for k in dask_scheduler.tasks if "dask-dl-trainer" in str(k)]
+    )
+
+
+def test_memory_estimates():
+    model = nn.Sequential(nn.Linear(10, 10), nn.ReLU(), nn.Linear(10, 6))  # 110 + 66 parameters
+    ddp = estimate_memory(model, parallel="ddp", trainers=2, optimizer="adamw")
+    assert (ddp.parameters, ddp.gradients, ddp.optimizer, ddp.total) == (4 * 176, 4 * 176, 8 * 176, 16 * 176)
+    sgd = estimate_memory(model, parallel="ddp", trainers=2, optimizer="sgd", momentum=0.0)
+    assert sgd.total == 8 * 176  # no momentum buffer
+    fsdp = estimate_memory(model, parallel="fsdp", trainers=2)
+    assert (fsdp.parameters, fsdp.optimizer, fsdp.gathered) == (4 * 88, 4 * 88, 2 * 4 * 110)
+    pipe = estimate_memory(model, parallel="pipeline", trainers=2, stages=2)
+    assert pipe.parameters == 4 * 110  # the larger stage
+    assert parse_budget("2 GiB") == 2**31 and parse_budget(1000) == 1000 and parse_budget(None) is None
+    for bad in ("lots", 0, -5, True):
+        with pytest.raises(ConfigurationError, match="memory_budget must be a positive number of bytes"):
+            parse_budget(bad)
+
+
+# ---- 2. pipeline --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_pipeline_matches_one_process_accumulating_microbatches(store, cluster_client, tmp_path, schedule):
+    import dask
+
+    with dask.config.set({"dask-dl.train.pipeline-schedule": schedule}):
+        run = fit(store, cluster_client, parallel="pipeline", stages=2, microbatches=4, batch_size=16,
+                  checkpoint_dir=str(tmp_path / "ck"))  # fmt: skip
+    expected, loss = pipeline_reference(store, b=16, microbatches=4)
+    ck = run.checkpoint()
+    assert ck["parallel"] == {"kind": "pipeline", "trainers": 2, "stages": 2}
+    assert len(ck["optimizer"]["stages"]) == 2
+    assert_weights(ck["model"], expected)  # the stages' parameters, under the model's own names
+    row = run.history.iloc[0]
+    assert row["train_loss"] == pytest.approx(loss, rel=1e-5)
+    assert row["steps"] == N_TRAIN // 16 and row["global_batch"] == 16
+    # validation went through the stages: every validation image scored once, as the whole model scores it
+    ds = dask_dl.open_dataset(store)
+    val = ChunkLoader(store, ds.sample.values[ds.split.values == "val"], batch_size=16, shuffle=False,
+                      drop_last=False, prefetch=0)  # fmt: skip
+    model, total, count = run.model(), 0.0, 0
+    with torch.no_grad():
+        for x, y in val.epoch(0):
+            total += float(F.binary_cross_entropy_with_logits(model(x), y, reduction="none").mean(1).sum())
+            count += len(x)
+    assert count == 32
+    assert row["val_loss"] == pytest.approx(total / count, rel=1e-5)
+
+
+def test_pipeline_layout_and_checks():
+    assert [data_shard("pipeline", 2, r, 4) for r in range(4)] == [(0, 2), (0, 2), (1, 2), (1, 2)]
+    assert check_parallel("ddp", trainers=2, batch_size=8, compression="onebit")["stages"] == 1
+    cases = [
+        (dict(parallel="pipeline", trainers=3, stages=2), "trainers=3 is not a multiple of stages=2"),
+        (dict(parallel="pipeline", stages=2, microbatches=3), "microbatches=3 does not divide batch_size=8"),
+        (dict(parallel="pipeline", stages=2, microbatches=1), "1f1b schedule needs at least as many micro-batches"),
+        (dict(parallel="ddp", stages=2), "stages=2 applies to parallel='pipeline' only"),
+        (dict(parallel="tensor"), "unknown parallel 'tensor': use one of ddp, fsdp, pipeline"),
+    ]
+    for kwargs, message in cases:
+        kwargs = {"trainers": 2, "batch_size": 8, "compression": "none", **kwargs}
+        with pytest.raises(ConfigurationError, match=message):
+            check_parallel(kwargs.pop("parallel"), **kwargs)
+
+
+@pytest.mark.parametrize("name", ["small_cnn", "resnet18"])
+def test_registry_models_split_into_blocks_that_compose_to_the_model(name):
+    torch.manual_seed(0)
+    model = build_model(name, num_outputs=3).eval()
+    x = torch.randn(2, 1, 32, 32)
+    parts = blocks(model)
+    stages = [nn.Sequential(*group) for group in assign_stages(parts, 3)]
+    assert all(len(s) for s in stages) and sum(len(s) for s in stages) == len(parts)
+    with torch.no_grad():
+        torch.testing.assert_close(nn.Sequential(*stages)(x), model(x), rtol=0, atol=0)
+    names = [n for s in stages for n in stage_names(model, s).values()]
+    assert sorted(names) == sorted(model.state_dict())  # every tensor in exactly one stage, by its own name
+
+
+def test_a_model_that_cannot_be_split_says_how():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.b(self.a(x))
+
+    with pytest.raises(ConfigurationError, match=r"make it an nn.Sequential, or give it a method pipeline_blocks"):
+        blocks(Net(), name="mine")
+    net = Net()
+    net.pipeline_blocks = lambda: [net.a, net.b]
+    assert blocks(net) == [net.a, net.b]
+    with pytest.raises(ConfigurationError, match="has 2 blocks, fewer than stages=3"):
+        assign_stages(blocks(net), 3)
+
+
+# ---- 3. compressors -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("parallel", ["fsdp", "pipeline"])
+def test_compressors_do_not_apply_to_fsdp_or_pipeline(store, cluster_client, parallel):
+    with pytest.raises(ConfigurationError, match=rf"compression='onebit' does not apply to parallel='{parallel}'"
+                       r".*only compression='none' applies"):  # fmt: skip
+        fit(store, cluster_client, parallel=parallel, compression="onebit")
+    assert not cluster_client.run_on_scheduler(
+        lambda dask_scheduler: [k for k in dask_scheduler.tasks if "dask-dl-trainer" in str(k)]
+    )
