@@ -154,6 +154,10 @@ def check_run(
             f"({n_train} samples / {readers} trainers = {n_train // readers}); use batch_size <= "
             f"{max(n_train // readers, 1)} or fewer trainers"
         )
+    if plan["parallel"] == "pipeline":  # a model that cannot be cut into the stages fails here, not on a trainer
+        from dask_dl.train.parallel.split import check_split
+
+        check_split(model, model_kwargs, num_outputs=len(data["labels"]), in_channels=1, stages=plan["stages"])
     momentum = _non_negative_real("dask-dl.train.momentum", config.get("train.momentum"))
     memory_budget = _check_memory(config.get("train.memory-budget", memory_budget), model, model_kwargs, data,
                                   plan=plan, trainers=trainers, optimizer=optimizer, momentum=momentum)  # fmt: skip

@@ -18,7 +18,7 @@ from torch import nn
 import dask_dl
 from dask_dl import ConfigurationError, TrainingError
 from dask_dl.data.loader import ChunkLoader
-from dask_dl.models import build_model
+from dask_dl.models import MODELS, build_model
 from dask_dl.normalize import normalize
 from dask_dl.testing.train import squares_collection
 from dask_dl.train.parallel import check_parallel, data_shard
@@ -87,21 +87,24 @@ def data_parallel_reference(store, *, b: int, trainers: int, epochs: int) -> tup
     return model.state_dict(), losses
 
 
-def pipeline_reference(store, *, b: int, microbatches: int) -> tuple[dict, float]:
-    """One epoch of one process accumulating the gradients of ``microbatches`` equal parts of each batch."""
+def pipeline_reference(store, *, b: int, microbatches: int, epochs: int = 1) -> tuple[dict, list[float]]:
+    """One process accumulating the gradients of ``microbatches`` equal parts of each batch; per-epoch losses."""
     loader = ChunkLoader(store, train_samples(store), batch_size=b, rank=0, world_size=1, seed=3, prefetch=0)
     model = new_model().train()
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    step_losses = []
-    for x, y in loader.epoch(0):
-        opt.zero_grad()
-        parts = [F.binary_cross_entropy_with_logits(model(xs), ys)
-                 for xs, ys in zip(x.chunk(microbatches), y.chunk(microbatches), strict=True)]  # fmt: skip
-        loss = torch.stack(parts).mean()
-        loss.backward()
-        opt.step()
-        step_losses.append(float(loss.detach()))
-    return model.state_dict(), float(np.mean(step_losses))
+    losses = []
+    for epoch in range(epochs):
+        step_losses = []
+        for x, y in loader.epoch(epoch):
+            opt.zero_grad()
+            parts = [F.binary_cross_entropy_with_logits(model(xs), ys)
+                     for xs, ys in zip(x.chunk(microbatches), y.chunk(microbatches), strict=True)]  # fmt: skip
+            loss = torch.stack(parts).mean()
+            loss.backward()
+            opt.step()
+            step_losses.append(float(loss.detach()))
+        losses.append(float(np.mean(step_losses)))
+    return model.state_dict(), losses
 
 
 def assert_weights(got: dict, expected: dict) -> None:
@@ -202,13 +205,13 @@ def test_pipeline_matches_one_process_accumulating_microbatches(store, cluster_c
     with dask.config.set({"dask-dl.train.pipeline-schedule": schedule}):
         run = fit(store, cluster_client, parallel="pipeline", stages=2, microbatches=4, batch_size=16,
                   checkpoint_dir=str(tmp_path / "ck"))  # fmt: skip
-    expected, loss = pipeline_reference(store, b=16, microbatches=4)
+    expected, losses = pipeline_reference(store, b=16, microbatches=4)
     ck = run.checkpoint()
     assert ck["parallel"] == {"kind": "pipeline", "trainers": 2, "stages": 2}
     assert len(ck["optimizer"]["stages"]) == 2
     assert_weights(ck["model"], expected)  # the stages' parameters, under the model's own names
     row = run.history.iloc[0]
-    assert row["train_loss"] == pytest.approx(loss, rel=1e-5)
+    assert row["train_loss"] == pytest.approx(losses[0], rel=1e-5)
     assert row["steps"] == N_TRAIN // 16 and row["global_batch"] == 16
     # validation went through the stages: every validation image scored once, as the whole model scores it
     ds = dask_dl.open_dataset(store)
@@ -221,6 +224,14 @@ def test_pipeline_matches_one_process_accumulating_microbatches(store, cluster_c
             count += len(x)
     assert count == 32
     assert row["val_loss"] == pytest.approx(total / count, rel=1e-5)
+    if schedule == "gpipe":  # resume: each stage takes its parameters and optimizer state back
+        with dask.config.set({"dask-dl.train.pipeline-schedule": schedule}):
+            resumed = fit(store, cluster_client, parallel="pipeline", stages=2, microbatches=4, batch_size=16,
+                          checkpoint_dir=str(tmp_path / "ck"), resume=True, epochs=2)  # fmt: skip
+        expected, losses = pipeline_reference(store, b=16, microbatches=4, epochs=2)
+        assert list(resumed.history["event"]) == ["", "resumed"]
+        assert_weights(resumed.checkpoint()["model"], expected)
+        assert resumed.history["train_loss"].iloc[1] == pytest.approx(losses[1], rel=1e-5)
 
 
 def test_pipeline_layout_and_checks():
@@ -251,6 +262,31 @@ def test_registry_models_split_into_blocks_that_compose_to_the_model(name):
         torch.testing.assert_close(nn.Sequential(*stages)(x), model(x), rtol=0, atol=0)
     names = [n for s in stages for n in stage_names(model, s).values()]
     assert sorted(names) == sorted(model.state_dict())  # every tensor in exactly one stage, by its own name
+
+
+def test_a_model_that_cannot_be_split_fails_before_any_actor(store, cluster_client):
+    @dask_dl.register_model("two_linear_unsplit")
+    def two_linear(num_outputs, in_channels=1):
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.a, self.b = nn.Flatten(), nn.Linear(in_channels * SIZE * SIZE, num_outputs)
+
+            def forward(self, x):
+                return self.b(self.a(x))
+
+        return Net()
+
+    try:
+        with pytest.raises(ConfigurationError, match=r"'two_linear_unsplit' \(Net\) cannot be split into pipeline"):
+            fit(store, cluster_client, model="two_linear_unsplit", model_kwargs={}, parallel="pipeline")
+    finally:
+        MODELS._entries.pop("two_linear_unsplit")  # the registry is process-wide: leave it as the other tests see it
+    with pytest.raises(ConfigurationError, match="'small_cnn' has 16 blocks, fewer than stages=17"):
+        fit(store, cluster_client, parallel="pipeline", stages=17, trainers=17, batch_size=17)
+    assert not cluster_client.run_on_scheduler(
+        lambda dask_scheduler: [k for k in dask_scheduler.tasks if "dask-dl-trainer" in str(k)]
+    )
 
 
 def test_a_model_that_cannot_be_split_says_how():

@@ -16,7 +16,7 @@ from torch import nn
 
 from dask_dl.errors import ConfigurationError
 
-__all__ = ["assign_stages", "blocks", "stage_names"]
+__all__ = ["assign_stages", "blocks", "check_split", "stage_names"]
 
 
 def blocks(model: nn.Module, *, name: str = "model") -> list[nn.Module]:
@@ -84,6 +84,25 @@ def assign_stages(parts: list[nn.Module], stages: int, *, name: str = "model") -
     bounds.reverse()
     groups = [parts[bounds[k] : bounds[k + 1]] for k in range(stages)]
     return groups
+
+
+def check_split(
+    model_name: str, model_kwargs: dict[str, Any], *, num_outputs: int, in_channels: int, stages: int
+) -> None:
+    """Check, before anything is placed, that the model ``model_name`` splits into ``stages`` stages.
+
+    The model is built on torch's ``meta`` device (no memory, no initialization cost).
+
+    Raises
+    ------
+    ConfigurationError
+        The model cannot be split, or has fewer blocks than stages.
+    """
+    from dask_dl.models import build_model
+
+    with torch.device("meta"):
+        model = build_model(model_name, num_outputs=num_outputs, in_channels=in_channels, **model_kwargs)
+    assign_stages(blocks(model, name=model_name), stages, name=model_name)
 
 
 def stage_names(model: nn.Module, stage: nn.Module) -> dict[str, str]:
