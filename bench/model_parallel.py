@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -47,7 +46,7 @@ def _state_bytes(module, optimizer) -> dict[str, int]:
     }
 
 
-def _rank(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
+def _rank(rank: int, args: argparse.Namespace, rendezvous: str, out: str) -> None:
     from datetime import timedelta
 
     import torch
@@ -59,7 +58,7 @@ def _rank(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
     from dask_dl.train.parallel.wrap import wrap_model
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.ranks,
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=args.ranks,
                             timeout=timedelta(seconds=300))  # fmt: skip
 
     def loss_fn(logits, y):
@@ -125,12 +124,10 @@ def main() -> None:
     from dask_dl.models import build_model
     from dask_dl.train.parallel.memory import estimate_memory
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = os.path.join(tempfile.mkdtemp(prefix="dask-dl-bench-"), "results.json")
+    folder = tempfile.mkdtemp(prefix="dask-dl-bench-")
+    out, rendezvous = os.path.join(folder, "results.json"), f"file://{folder}/rendezvous"  # no port to race for
     started = time.perf_counter()
-    mp.spawn(_rank, args=(args, port, out), nprocs=args.ranks, join=True)
+    mp.spawn(_rank, args=(args, rendezvous, out), nprocs=args.ranks, join=True)
     with open(out) as f:
         results = json.load(f)
     with torch.device("meta"):
