@@ -114,7 +114,8 @@ def fit(
         How the trainers share the model (:mod:`dask_dl.train.parallel`): ``ddp`` (each holds all of it),
         ``fsdp`` (parameters, gradients and optimizer state sharded over the trainers; checkpoints sharded with
         ``torch.distributed.checkpoint`` beside a consolidated ``epoch-NNNN.pt``) or ``pipeline`` (the model's
-        blocks in ``stages`` stages on as many trainers). Compressors other than ``none`` apply to ``ddp`` only.
+        blocks in ``stages`` stages on as many trainers). Every compressor applies to ``ddp``; ``fsdp`` takes
+        ``fp16`` and ``bf16`` (its reduce-scatter's dtype), ``pipeline`` only ``none``.
         Default ``dask-dl.train.parallel``.
     stages : int, optional
         Pipeline stages (``parallel="pipeline"``; default 2); ``trainers`` must be a multiple (``trainers //
@@ -137,8 +138,8 @@ def fit(
         No ``train`` or ``val`` samples, no labels, or a batch larger than one trainer's share of the data.
     ConfigurationError
         Unknown model, compressor, optimizer or view, an unknown option of one, or a number out of range; a
-        compressor with ``parallel`` other than ``ddp``; a model over ``memory_budget``; raised before anything
-        is placed on the cluster.
+        compressor that does not apply to ``parallel``; a model that cannot be split into ``stages``; a model
+        over ``memory_budget``; raised before anything is placed on the cluster.
     ClusterError
         Fewer workers than trainers.
 
@@ -165,7 +166,7 @@ def fit(
         microbatches=microbatches, memory_budget=memory_budget,
     )  # fmt: skip
     total_steps = options.steps_per_epoch * options.epochs
-    if options.compression != "none" and options.warmup_steps >= total_steps:
+    if options.compression != "none" and options.parallel == "ddp" and options.warmup_steps >= total_steps:
         warnings.warn(
             f"compression={options.compression!r} starts after warmup_steps={options.warmup_steps} uncompressed "
             f"steps, but this run takes {total_steps} steps in all ({options.epochs} epochs x "

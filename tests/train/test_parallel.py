@@ -310,11 +310,27 @@ def test_a_model_that_cannot_be_split_says_how():
 # ---- 3. compressors -----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("parallel", ["fsdp", "pipeline"])
-def test_compressors_do_not_apply_to_fsdp_or_pipeline(store, cluster_client, parallel):
-    with pytest.raises(ConfigurationError, match=rf"compression='onebit' does not apply to parallel='{parallel}'"
-                       r".*only compression='none' applies"):  # fmt: skip
-        fit(store, cluster_client, parallel=parallel, compression="onebit")
+@pytest.mark.parametrize(
+    ("parallel", "compression", "applies"),
+    [("fsdp", "onebit", "'none' or 'fp16' or 'bf16'"), ("fsdp", "powersgd", "'none' or 'fp16' or 'bf16'"),
+     ("pipeline", "bf16", "'none'")],
+)  # fmt: skip
+def test_compressors_that_do_not_apply_fail_before_any_actor(store, cluster_client, parallel, compression, applies):
+    message = rf"compression='{compression}' does not apply to parallel='{parallel}'"
+    message += rf".*only compression={applies} applies"
+    with pytest.raises(ConfigurationError, match=message):
+        fit(store, cluster_client, parallel=parallel, compression=compression)
     assert not cluster_client.run_on_scheduler(
         lambda dask_scheduler: [k for k in dask_scheduler.tasks if "dask-dl-trainer" in str(k)]
     )
+
+
+def test_fsdp_reduces_gradients_in_bf16(store, cluster_client):
+    """compression="bf16" with FSDP: gradients reduce-scattered in bfloat16, close to float32 but not equal."""
+    run = fit(store, cluster_client, parallel="fsdp", compression="bf16")
+    expected, _ = data_parallel_reference(store, b=8, trainers=2, epochs=1)
+    got = run.checkpoint()["model"]
+    differences = [float((got[k] - v).abs().max()) for k, v in expected.items() if v.is_floating_point()]
+    assert max(differences) > 1e-5  # the float32 run matches to 1e-5: bf16 rounding shows
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=0.05, atol=0.01, msg=name)

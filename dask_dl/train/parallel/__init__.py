@@ -17,8 +17,11 @@
 
 Which gradient compressors apply where (checked by :func:`check_parallel` before anything is placed):
 DDP's comm hooks (``fp16``, ``bf16``, ``powersgd``, ``onebit``, ``onebit2``) are a DDP mechanism and apply to
-``parallel="ddp"`` only. FSDP reduce-scatters and pipeline stages send activations point to point: neither calls
-a DDP comm hook, so with ``fsdp`` and ``pipeline`` only ``compression="none"`` applies.
+``parallel="ddp"``. FSDP reduce-scatters gradients itself: ``fp16`` and ``bf16`` apply to it as its
+``MixedPrecisionPolicy(reduce_dtype=...)`` (gradients reduce-scattered in 16 bits from the first step: no
+``warmup_steps``), the others do not. Pipeline stages send activations point to point, not gradient buckets: with
+``pipeline`` only ``compression="none"`` applies (the gradient average of a stage's replicas is a plain
+all-reduce).
 
 This package's top level imports no torch: the driver checks options with it. The parts that run on the
 trainers (:mod:`.fsdp`, :mod:`.pipeline`, :mod:`.split`, :mod:`.memory`) import torch.
@@ -31,10 +34,12 @@ from typing import Any
 from dask_dl.checks import one_of, positive_int
 from dask_dl.errors import ConfigurationError, TrainingError
 
-__all__ = ["PARALLEL", "SCHEDULES", "check_parallel", "check_resume", "data_shard"]
+__all__ = ["FSDP_COMPRESSION", "PARALLEL", "SCHEDULES", "check_parallel", "check_resume", "data_shard"]
 
 PARALLEL: tuple[str, ...] = ("ddp", "fsdp", "pipeline")
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b")
+#: compressions that apply to FSDP: the dtype its reduce-scatter sends gradients in
+FSDP_COMPRESSION: tuple[str, ...] = ("none", "fp16", "bf16")
 
 
 def check_parallel(
@@ -80,12 +85,18 @@ def check_parallel(
     """
     parallel = one_of("parallel", parallel, PARALLEL)
     schedule = one_of("dask-dl.train.pipeline-schedule", schedule, SCHEDULES)
-    if parallel != "ddp" and compression != "none":
+    applies = FSDP_COMPRESSION if parallel == "fsdp" else ("none",) if parallel == "pipeline" else None
+    if applies is not None and compression not in applies:
+        why = (
+            "FSDP reduce-scatters gradients itself, in float32 or, with fp16/bf16, in that dtype"
+            if parallel == "fsdp"
+            else "pipeline stages send activations, not gradient buckets"
+        )
         raise ConfigurationError(
             f"compression={compression!r} does not apply to parallel={parallel!r}: gradient compressors are DDP "
-            f"comm hooks, and {'FSDP reduce-scatters gradients itself' if parallel == 'fsdp' else 'pipeline stages send activations, not gradient buckets'}; "  # noqa: E501
-            f"with parallel={parallel!r} only compression='none' applies. Pass compression='none', or "
-            f"parallel='ddp' to keep compression={compression!r}"
+            f"comm hooks, and {why}; with parallel={parallel!r} only compression="
+            f"{' or '.join(repr(c) for c in applies)} applies. Pass one of those, or parallel='ddp' to keep "
+            f"compression={compression!r}"
         )
     if parallel != "pipeline":
         for name, value in (("stages", stages), ("microbatches", microbatches)):

@@ -36,17 +36,28 @@ class ShardedModel:
     kind = "fsdp"
     counts_examples = True  # every trainer trains on its own images
 
-    def __init__(self, model: nn.Module, *, device: torch.device, world_size: int, input_shape: tuple[int, ...]):
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        device: torch.device,
+        world_size: int,
+        input_shape: tuple[int, ...],
+        compression: str = "none",
+    ) -> None:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         from dask_dl.train.parallel.memory import fsdp_units
 
         self.world_size, self.data_world, self.input_shape = world_size, world_size, tuple(input_shape)
         mesh = init_device_mesh(device.type, (world_size,))
+        # fp16 / bf16 "compression": gradients are reduce-scattered in that dtype (parameters stay float32)
+        reduce_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(compression)
+        policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
         for unit in fsdp_units(model):
-            fully_shard(unit, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(unit, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
         self.module = model
         self.device = device
 

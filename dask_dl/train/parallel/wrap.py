@@ -21,7 +21,8 @@ def wrap_model(spec: Any, model: nn.Module, *, device: torch.device, rank: int, 
     if spec.parallel == "fsdp":
         from dask_dl.train.parallel.fsdp import ShardedModel
 
-        return ShardedModel(model, device=device, world_size=world_size, input_shape=shape)
+        return ShardedModel(model, device=device, world_size=world_size, input_shape=shape,
+                            compression=spec.compression)  # fmt: skip
     from dask_dl.train.parallel.pipeline import PipelineModel
 
     return PipelineModel(model, name=spec.model_name, device=device, rank=rank, world_size=world_size,
