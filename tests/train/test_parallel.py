@@ -334,3 +334,40 @@ def test_fsdp_reduces_gradients_in_bf16(store, cluster_client):
     assert max(differences) > 1e-5  # the float32 run matches to 1e-5: bf16 rounding shows
     for name, value in expected.items():
         torch.testing.assert_close(got[name], value, rtol=0.05, atol=0.01, msg=name)
+
+
+# ---- 4. pipeline replicas (last: the module's cluster grows to 4 workers and back) ---------------------------
+
+
+def replicated_pipeline_reference(store, *, b: int, microbatches: int, replicas: int) -> dict:
+    """Replicas of a micro-batched pipeline averaging their gradients; replica 0's BatchNorm statistics kept."""
+    loaders = [ChunkLoader(store, train_samples(store), batch_size=b, rank=r, world_size=replicas, seed=3, prefetch=0)
+               for r in range(replicas)]  # fmt: skip
+    model = new_model().train()
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    for batches in zip(*(loader.epoch(0) for loader in loaders), strict=True):
+        opt.zero_grad()
+        losses, replica0_buffers = [], None
+        for r, (x, y) in enumerate(batches):
+            chunks = zip(x.chunk(microbatches), y.chunk(microbatches), strict=True)
+            losses.append(torch.stack([F.binary_cross_entropy_with_logits(model(xs), ys) for xs, ys in chunks]).mean())
+            if r == 0:
+                replica0_buffers = {k: v.clone() for k, v in model.named_buffers()}
+        torch.stack(losses).mean().backward()
+        with torch.no_grad():
+            for k, v in model.named_buffers():
+                v.copy_(replica0_buffers[k])
+        opt.step()
+    return model.state_dict()
+
+
+def test_two_replicas_of_a_two_stage_pipeline(store, cluster_client):
+    cluster = cluster_client.cluster
+    cluster.scale(4)
+    try:
+        cluster_client.wait_for_workers(4, timeout=120)
+        run = fit(store, cluster_client, parallel="pipeline", stages=2, microbatches=2, batch_size=8, trainers=4)
+        assert run.history["global_batch"].iloc[0] == 16 and run.history["steps"].iloc[0] == N_TRAIN // 16
+        assert_weights(run.checkpoint()["model"], replicated_pipeline_reference(store, b=8, microbatches=2, replicas=2))
+    finally:
+        cluster.scale(2)
