@@ -19,6 +19,7 @@ from dask_dl.models import MODELS
 from dask_dl.registry import Registry
 from dask_dl.train.compressors import COMPRESSORS
 from dask_dl.train.options import OPTIMIZERS
+from dask_dl.train.parallel import PARALLEL
 
 
 class _Group(click.Group):
@@ -372,11 +373,20 @@ def check_command(store) -> None:
 @click.option("--resume", is_flag=True, help="Continue from the latest checkpoint in --checkpoint-dir.")
 @click.option("--seed", type=int, default=None, help="Seed of weights, data order and augmentation.")
 @click.option("--augment", is_flag=True, help="Random affine and brightness/contrast augmentation.")
+@click.option(
+    "--parallel",
+    type=click.Choice(PARALLEL),
+    default=None,
+    help="How the trainers share the model: ddp (each all of it), fsdp (sharded), pipeline (stages).",
+)
+@click.option("--stages", type=int, default=None, help="Pipeline stages (--parallel pipeline; default 2).")
+@click.option("--microbatches", type=int, default=None, help="Micro-batches per pipeline batch (default: stages).")
+@click.option("--memory-budget", default=None, help="Model state one trainer may hold, e.g. '2 GiB'; checked first.")
 @scheduler_option
 @quiet_option
 def train_command(
     store, model, epochs, batch_size, trainers, compression, lr, optimizer, checkpoint_dir, resume, seed, augment,
-    scheduler, workers, quiet,
+    parallel, stages, microbatches, memory_budget, scheduler, workers, quiet,
 ) -> None:  # fmt: skip
     """Train a model on the train split of STORE, validating on its val split after every epoch.
 
@@ -398,7 +408,8 @@ def train_command(
         run = fit(
             dataset, model=model, epochs=epochs, batch_size=batch_size, trainers=n_trainers, compression=compression,
             lr=lr, optimizer=optimizer, checkpoint_dir=checkpoint_dir, resume=resume, seed=seed, augment=augment,
-            view="terminal" if interactive else "none", client=client, wait=False,
+            view="terminal" if interactive else "none", client=client, wait=False, parallel=parallel, stages=stages,
+            microbatches=microbatches, memory_budget=memory_budget,
         )  # fmt: skip
         shown = 0
         try:

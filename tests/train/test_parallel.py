@@ -336,6 +336,20 @@ def test_fsdp_reduces_gradients_in_bf16(store, cluster_client):
         torch.testing.assert_close(got[name], value, rtol=0.05, atol=0.01, msg=name)
 
 
+def test_train_command_takes_the_parallel_options(store, cluster_client):
+    from click.testing import CliRunner
+
+    from dask_dl.cli import cli
+
+    args = ["train", store, "--parallel", "pipeline", "--stages", "2", "--microbatches", "3", "-b", "8", "-t", "2"]
+    result = CliRunner().invoke(cli, [*args, "--quiet", "--scheduler", cluster_client.scheduler.address])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert result.output.strip().splitlines() == [
+        "error: microbatches=3 does not divide batch_size=8 (every micro-batch has the same size); pass e.g. "
+        "batch_size=6"
+    ]
+
+
 # ---- 4. pipeline replicas (last: the module's cluster grows to 4 workers and back) ---------------------------
 
 
