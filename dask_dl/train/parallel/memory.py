@@ -39,9 +39,11 @@ class MemoryEstimate:
 
     @property
     def total(self) -> int:
+        """All of it, in bytes."""
         return self.parameters + self.gradients + self.optimizer + self.gathered
 
     def describe(self) -> str:
+        """``"652.84 MiB (parameters 217.61 MiB + gradients ... )"``: the total and its parts, for messages."""
         from dask.utils import format_bytes
 
         parts = [
