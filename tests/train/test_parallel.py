@@ -163,6 +163,25 @@ def test_fsdp_matches_one_process_and_resumes_from_its_shards(store, cluster_cli
         fit(store, cluster_client, checkpoint_dir=str(directory), resume=True, epochs=3)
 
 
+def test_fsdp_validation_with_more_batches_on_one_rank(tmp_path_factory, cluster_client):
+    """33 validation images: rank 0 scores 17 (3 batches), rank 1 16 (2 batches, then one empty forward)."""
+    root = tmp_path_factory.mktemp("odd")
+    store = str(root / "odd.zarr")
+    dask_dl.ingest(squares_collection(root, n_val=33), store, size=SIZE, chunk=8, shard=2, client=cluster_client,
+                   progress=False)  # fmt: skip
+    run = fit(store, cluster_client, parallel="fsdp")
+    ds = dask_dl.open_dataset(store)
+    val = ChunkLoader(store, ds.sample.values[ds.split.values == "val"], batch_size=8, shuffle=False,
+                      drop_last=False, prefetch=0)  # fmt: skip
+    model, total, count = run.model(), 0.0, 0
+    with torch.no_grad():  # every image scored once, with rank 0's BatchNorm statistics (the checkpoint's)
+        for x, y in val.epoch(0):
+            total += float(F.binary_cross_entropy_with_logits(model(x), y, reduction="none").mean(1).sum())
+            count += len(x)
+    assert count == 33
+    assert run.history["val_loss"].iloc[0] == pytest.approx(total / count, rel=1e-5)
+
+
 def test_ddp_over_the_memory_budget_fails_before_any_actor(store, cluster_client):
     model = build_model("small_cnn", num_outputs=2, width=8)
     fsdp = estimate_memory(model, parallel="fsdp", trainers=2).total
