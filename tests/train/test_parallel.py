@@ -23,7 +23,7 @@ from dask_dl.normalize import normalize
 from dask_dl.testing.train import squares_collection
 from dask_dl.train.parallel import check_parallel, data_shard
 from dask_dl.train.parallel.memory import estimate_memory, parse_budget
-from dask_dl.train.parallel.split import assign_stages, blocks, stage_names
+from dask_dl.train.parallel.split import assign_stages, blocks, check_split, stage_names
 
 N_TRAIN, SIZE, LR = 64, 32, 0.05
 MODEL = dict(model="small_cnn", model_kwargs={"width": 8})
@@ -306,6 +306,20 @@ def test_a_model_that_cannot_be_split_fails_before_any_actor(store, cluster_clie
     assert not cluster_client.run_on_scheduler(
         lambda dask_scheduler: [k for k in dask_scheduler.tasks if "dask-dl-trainer" in str(k)]
     )
+
+
+def test_a_builder_that_needs_real_tensors_is_checked_on_the_cpu():
+    def reads_values(num_outputs, in_channels=1):  # .tolist() has no meaning on torch's meta device
+        scale = torch.ones(1).tolist()[0]
+        return nn.Sequential(nn.Flatten(), nn.Linear(in_channels * 4, int(scale) * num_outputs))
+
+    MODELS.register("reads_values_in_test", reads_values)
+    try:
+        check_split("reads_values_in_test", {}, num_outputs=2, in_channels=1, stages=2)
+        with pytest.raises(ConfigurationError, match="has 2 blocks, fewer than stages=3"):
+            check_split("reads_values_in_test", {}, num_outputs=2, in_channels=1, stages=3)
+    finally:
+        MODELS._entries.pop("reads_values_in_test")
 
 
 def test_a_model_that_cannot_be_split_says_how():

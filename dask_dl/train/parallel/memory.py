@@ -18,7 +18,6 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import nn
 
 from dask_dl.errors import ConfigurationError
@@ -153,10 +152,9 @@ def check_memory_budget(
     """
     from dask.utils import format_bytes
 
-    from dask_dl.models import build_model
+    from dask_dl.train.parallel.split import build_bare
 
-    with torch.device("meta"):
-        model = build_model(model_name, num_outputs=num_outputs, in_channels=in_channels, **model_kwargs)
+    model = build_bare(model_name, model_kwargs, num_outputs=num_outputs, in_channels=in_channels)
     common = dict(trainers=trainers, optimizer=optimizer, momentum=momentum)
     need = estimate_memory(model, parallel=parallel, stages=stages, **common)
     if need.total <= budget:

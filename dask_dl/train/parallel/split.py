@@ -9,12 +9,15 @@ a stage map back to the model's own names (:func:`stage_names`).
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 from torch import nn
 
 from dask_dl.errors import ConfigurationError
+
+logger = logging.getLogger("dask_dl.train")
 
 __all__ = ["assign_stages", "blocks", "check_split", "stage_names"]
 
@@ -91,18 +94,33 @@ def check_split(
 ) -> None:
     """Check, before anything is placed, that the model ``model_name`` splits into ``stages`` stages.
 
-    The model is built on torch's ``meta`` device (no memory, no initialization cost).
+    The model is built on torch's ``meta`` device (no memory, no initialization cost; see :func:`build_bare`).
 
     Raises
     ------
     ConfigurationError
         The model cannot be split, or has fewer blocks than stages.
     """
+    model = build_bare(model_name, model_kwargs, num_outputs=num_outputs, in_channels=in_channels)
+    assign_stages(blocks(model, name=model_name), stages, name=model_name)
+
+
+def build_bare(model_name: str, model_kwargs: dict[str, Any], *, num_outputs: int, in_channels: int) -> nn.Module:
+    """Build a model for looking at its structure: on torch's ``meta`` device, without memory or initialization.
+
+    A builder that cannot run on ``meta`` (one that reads a file into its tensors, say) is run on the CPU instead.
+    """
     from dask_dl.models import build_model
 
-    with torch.device("meta"):
-        model = build_model(model_name, num_outputs=num_outputs, in_channels=in_channels, **model_kwargs)
-    assign_stages(blocks(model, name=model_name), stages, name=model_name)
+    try:
+        with torch.device("meta"):
+            return build_model(model_name, num_outputs=num_outputs, in_channels=in_channels, **model_kwargs)
+    except ConfigurationError:
+        raise
+    except Exception as exc:  # the builder needs real tensors: build it for real, once
+        logger.debug("model %r cannot be built on the meta device (%s: %s); building it on the CPU", model_name,
+                     type(exc).__name__, exc)  # fmt: skip
+        return build_model(model_name, num_outputs=num_outputs, in_channels=in_channels, **model_kwargs)
 
 
 def stage_names(model: nn.Module, stage: nn.Module) -> dict[str, str]:
