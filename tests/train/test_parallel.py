@@ -21,6 +21,7 @@ from dask_dl.data.loader import ChunkLoader
 from dask_dl.models import MODELS, build_model
 from dask_dl.normalize import normalize
 from dask_dl.testing.train import squares_collection
+from dask_dl.train.checkpoint import save_checkpoint
 from dask_dl.train.parallel import check_parallel, data_shard
 from dask_dl.train.parallel.memory import estimate_memory, parse_budget
 from dask_dl.train.parallel.split import assign_stages, blocks, check_split, stage_names
@@ -180,6 +181,17 @@ def test_fsdp_validation_with_more_batches_on_one_rank(tmp_path_factory, cluster
             count += len(x)
     assert count == 33
     assert run.history["val_loss"].iloc[0] == pytest.approx(total / count, rel=1e-5)
+
+    # without checkpoint_dir the checkpoint holds the consolidated optimizer state: written out, it resumes too
+    ck = run.checkpoint()
+    assert ck["parallel"] == {"kind": "fsdp", "trainers": 2} and ck["optimizer"]["state"]
+    directory = str(tmp_path_factory.mktemp("odd-ck"))
+    save_checkpoint(ck, directory)
+    resumed = fit(store, cluster_client, parallel="fsdp", checkpoint_dir=directory, resume=True, epochs=2)
+    assert list(resumed.history["event"]) == ["", "resumed"]
+    expected, losses = data_parallel_reference(store, b=8, trainers=2, epochs=2)
+    assert_weights(resumed.checkpoint()["model"], expected)
+    assert resumed.history["train_loss"].iloc[1] == pytest.approx(losses[1], rel=1e-5)
 
 
 def test_ddp_over_the_memory_budget_fails_before_any_actor(store, cluster_client):
