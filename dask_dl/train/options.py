@@ -157,7 +157,9 @@ def check_run(
     if plan["parallel"] == "pipeline":  # a model that cannot be cut into the stages fails here, not on a trainer
         from dask_dl.train.parallel.split import check_split
 
-        check_split(model, model_kwargs, num_outputs=len(data["labels"]), in_channels=1, stages=plan["stages"])
+        check_split(
+            model, model_kwargs, num_outputs=len(data["labels"]), in_channels=data["channels"], stages=plan["stages"]
+        )
     momentum = _non_negative_real("dask-dl.train.momentum", config.get("train.momentum"))
     memory_budget = _check_memory(config.get("train.memory-budget", memory_budget), model, model_kwargs, data,
                                   plan=plan, trainers=trainers, optimizer=optimizer, momentum=momentum)  # fmt: skip

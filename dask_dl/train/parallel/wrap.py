@@ -17,7 +17,7 @@ def wrap_model(spec: Any, model: nn.Module, *, device: torch.device, rank: int, 
     ``forward_backward(x, y, loss_fn)``, ``evaluate(batches)``, ``counts_examples``, ``data_world`` (trainers
     reading distinct data), and the collective checkpoint methods ``checkpoint_parts`` and ``load``.
     """
-    shape = (getattr(spec, "channels", 1), spec.input_size, spec.input_size)  # one image
+    shape = (spec.channels, spec.input_size, spec.input_size)  # one image
     if spec.parallel == "fsdp":
         from dask_dl.train.parallel.fsdp import ShardedModel
 
