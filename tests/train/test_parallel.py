@@ -194,6 +194,22 @@ def test_fsdp_validation_with_more_batches_on_one_rank(tmp_path_factory, cluster
     assert resumed.history["train_loss"].iloc[1] == pytest.approx(losses[1], rel=1e-5)
 
 
+@pytest.mark.parametrize("parallel", ["fsdp", "pipeline"])
+def test_colour_collections_train_sharded_and_in_stages(tmp_path_factory, cluster_client, parallel):
+    """channels=3: the first stage, FSDP's empty validation batches and the checks take three channels."""
+    from dask_dl.data.synthetic import make_collection
+
+    root = tmp_path_factory.mktemp(f"colour-{parallel}")
+    catalog = dask_dl.read_folders(make_collection(root / "discs", per_class=8, val_per_class=5, size=SIZE))
+    store = str(root / "colour.zarr")
+    dask_dl.ingest(catalog, store, size=SIZE, chunk=8, shard=2, channels=3, client=cluster_client, progress=False)
+    options = {"stages": 2, "microbatches": 2} if parallel == "pipeline" else {}
+    run = fit(store, cluster_client, parallel=parallel, batch_size=4, **options)
+    ck = run.checkpoint()
+    assert ck["in_channels"] == 3 and ck["model"]["features.0.weight"].shape[1] == 3
+    assert np.isfinite(run.history["val_loss"].iloc[0])
+
+
 def test_ddp_over_the_memory_budget_fails_before_any_actor(store, cluster_client):
     model = build_model("small_cnn", num_outputs=2, width=8)
     fsdp = estimate_memory(model, parallel="fsdp", trainers=2).total
