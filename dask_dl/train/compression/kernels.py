@@ -3,9 +3,9 @@
 Eager torch makes about 20 passes over a gradient to quantize it (bool-to-float copies, broadcasts, transposes,
 sums, lerps). Here a quantization group is read once from memory and handled while it is in cache:
 
-- :func:`quantize_tasks` adds the residual, sums the entries ``>= 0`` and the others (float64, four lanes in a
-  fixed order, so sums do not depend on how the work is cut), writes the two scales, the packed signs and the
-  new residual. Its source is either a gradient bucket or, on the two-stage server side, the mean of ``N``
+- :func:`quantize_tasks` adds the residual, sums the entries ``>= 0`` and the others (float64, 16 lanes in a
+  fixed order, so sums do not depend on how the work is cut or on the CPU), writes the two scales, the packed
+  signs and the new residual. Its source is either a gradient bucket or, on the two-stage server side, the mean of ``N``
   received messages (decoded on the fly).
 - :func:`decode_tasks` decodes all ``N`` messages of a bucket and writes their mean (summed in float64 in rank
   order, times ``1/N``) into the bucket once; or, for the two-stage all-gather, each entry from its owner's
@@ -15,6 +15,9 @@ Work is described by a *task table* (:mod:`dask_dl.train.compression.plan` build
 quantization groups of one parameter and where their signs and scales go in a message. Rows run in parallel
 (``prange``); sign bytes shared by two rows (when a row's signs do not start or end on a byte boundary) are
 collected apart and OR-ed in afterwards, so no two threads write one byte.
+
+The inner loops over values are vector loops (:mod:`dask_dl.train.compression.simd`, 16 values and two sign
+bytes per step); the ragged ends of runs that do not start or end on a sign byte are done value by value.
 
 Calls hold a lock (numba's default threading layer must not be entered from two threads at once, and DDP
 runs hooks and their callbacks on different threads) and use as many threads as torch does.
@@ -32,13 +35,15 @@ import numba
 import numpy as np
 from numba import njit, prange
 
+from dask_dl.train.compression import simd
+from dask_dl.train.compression.simd import W
+
 # task table columns
 S, OUT, REST, TR, T0, T1, LO, PITCH, M, DBIT, DCOL, HEAD, TAIL, P = range(14)
 N_FIELDS = 14
 # reduction table columns (untransposed pieces: their bands' partial sums, added up in band order)
 R_P, R_BANDS, R_PITCH, R_M, R_DCOL, R_OUT = range(6)
 N_REDUCE = 6
-LANES = 64  # float64 accumulators per group (see _sums)
 
 _LOCK = threading.Lock()
 
@@ -168,43 +173,6 @@ def _signs1(src, mp, mn, ef, bits):
 
 
 @njit(cache=True, inline="always")
-def _sums(v, lanes, p, q, c):
-    """float64 sums of the entries ``>= 0`` and of the others in ``v``, and the count of the first.
-
-    Entry ``e`` is added to lane ``e % lanes`` (``lanes`` long arrays ``p``, ``q``, ``c``; a run-time length, so
-    that the compiler vectorizes across lanes without reordering any lane's additions), then the lanes are
-    added in order: a fixed order for a group, whatever shares its task and however many threads run.
-    """
-    n = v.shape[0]
-    for j in range(lanes):
-        p[j] = 0.0
-        q[j] = 0.0
-        c[j] = 0.0
-    rows = n // lanes
-    for i in range(rows):
-        x_row = v[i * lanes : (i + 1) * lanes]
-        for j in range(lanes):
-            x = np.float64(x_row[j])
-            pos = x >= 0
-            p[j] += x if pos else 0.0
-            q[j] += 0.0 if pos else x
-            c[j] += 1.0 if pos else 0.0
-    x_row = v[rows * lanes :]
-    for j in range(n - rows * lanes):
-        x = np.float64(x_row[j])
-        pos = x >= 0
-        p[j] += x if pos else 0.0
-        q[j] += 0.0 if pos else x
-        c[j] += 1.0 if pos else 0.0
-    sp, sn, cp = 0.0, 0.0, 0.0
-    for j in range(lanes):
-        sp += p[j]
-        sn += q[j]
-        cp += c[j]
-    return sp, sn, cp
-
-
-@njit(cache=True, inline="always")
 def _means(sp, sn, cp, length):
     mp = np.float32(sp / cp) if cp > 0 else np.float32(0.0)
     mn = np.float32(sn / (length - cp)) if length - cp > 0 else np.float32(0.0)
@@ -217,9 +185,123 @@ def _add(target, source):
         target[j] += source[j]
 
 
-def quantize_tasks(
-    mode, grad, received, mp_in, mn_in, vals, ef, tasks, msgs, scales, heads, tails, psp, psn, pcp, lanes
-):
+@njit(cache=True, inline="always")
+def _group_sums(vals, grad, base, length, add):
+    """float64 sums of the entries ``>= 0`` of ``vals[base:base + length]``, of the others, and the count of the
+    first; with ``add``, ``grad``'s entries are added to ``vals`` first (and stored). 16 lanes, then the ragged
+    end in order (:mod:`~dask_dl.train.compression.simd`): a fixed order for a group, whoever runs it."""
+    k = length // W
+    if add:
+        sp, sn, cp = simd.add_sums(vals, base, grad, base, k)
+    else:
+        sp, sn, cp = simd.sums(vals, base, k)
+    for j in range(base + W * k, base + length):
+        if add:
+            vals[j] += grad[j]
+        x = np.float64(vals[j])
+        if x >= 0:
+            sp += x
+            cp += 1.0
+        else:
+            sn += x
+    return sp, sn, cp
+
+
+@njit(cache=True, inline="always")
+def _band_sums(vals, grad, base, stride, rows, pitch, add, psp, psn, pcp, p):
+    """Add the columns of the band of ``rows`` rows of ``pitch`` values from ``vals[base]``, ``stride`` apart
+    (plus ``grad``'s, stored, with ``add``), to their float64 partial sums ``psp/psn/pcp[p:p + pitch]``: each
+    column summed down the band in row order."""
+    k = pitch // W
+    if add:
+        simd.add_band_sums(vals, base, grad, stride, rows, k, psp, psn, pcp, p)
+    else:
+        simd.band_sums(vals, base, stride, rows, k, psp, psn, pcp, p)
+    for j in range(W * k, pitch):
+        sp, sn, cp = 0.0, 0.0, 0.0
+        for i in range(rows):
+            at = base + i * stride + j
+            if add:
+                vals[at] += grad[at]
+            x = np.float64(vals[at])
+            if x >= 0:
+                sp += x
+                cp += 1.0
+            else:
+                sn += x
+        psp[p + j] += sp
+        psn[p + j] += sn
+        pcp[p + j] += cp
+
+
+@njit(cache=True, inline="always")
+def _sign_run(v, mp, mn, ef, bit0, msgs, m, head, tail, heads, tails, t, bits):
+    """Signs (and with ``ef`` errors) of the run ``v`` of one group (means ``mp``, ``mn``) into message ``m``
+    from sign bit ``bit0``: whole bytes 16 values at a time, the ragged ends packed bit by bit."""
+    length = v.shape[0]
+    e = min((8 - (bit0 & 7)) & 7, length)
+    if e > 0:
+        _signs1(v[:e], mp, mn, ef, bits)
+        _pack(bits, e, bit0, msgs, m, head, tail, heads, tails, t)
+    k = (length - e) // W
+    if k > 0:
+        row, byte = msgs[m], (bit0 + e) >> 3
+        if ef:
+            simd.signs_error(v, e, k, mp, mn, 0, row, byte)
+        else:
+            simd.signs(v, e, k, mp, mn, 0, row, byte)
+    done = e + W * k
+    if done < length:
+        _signs1(v[done:], mp, mn, ef, bits)
+        _pack(bits, length - done, bit0 + done, msgs, m, head, tail, heads, tails, t)
+
+
+@njit(cache=True, inline="always")
+def _column_sign_run(v, mps, mns, ef, bit0, msgs, m, head, tail, heads, tails, t, bits):
+    """:func:`_sign_run` for a row of a band: entry ``j`` of ``v`` in a column of means ``mps[j]``, ``mns[j]``."""
+    length = v.shape[0]
+    e = min((8 - (bit0 & 7)) & 7, length)
+    if e > 0:
+        _signs(v[:e], mps, mns, ef, bits)
+        _pack(bits, e, bit0, msgs, m, head, tail, heads, tails, t)
+    k = (length - e) // W
+    if k > 0:
+        row, byte = msgs[m], (bit0 + e) >> 3
+        if ef:
+            simd.column_signs_error(v, e, k, mps, mns, e, row, byte)
+        else:
+            simd.column_signs(v, e, k, mps, mns, e, row, byte)
+    done = e + W * k
+    if done < length:
+        _signs(v[done:], mps[done:], mns[done:], ef, bits)
+        _pack(bits, length - done, bit0 + done, msgs, m, head, tail, heads, tails, t)
+
+
+@njit(cache=True, inline="always")
+def _decode_run(msgs, mp, mn, r0, r1, inv_n, col, per_column, bit0, out, add, bits, acc):
+    """:func:`_mean_run` with whole sign bytes decoded 16 values at a time (same sums, same order)."""
+    length = out.shape[0]
+    e = min((8 - (bit0 & 7)) & 7, length)
+    if e > 0:
+        _mean_run(msgs, mp, mn, r0, r1, inv_n, col, per_column, bit0, out[:e], add, bits, acc)
+    k = (length - e) // W
+    if k > 0:
+        byte = (bit0 + e) >> 3
+        if per_column and add:
+            simd.column_decode_add(msgs, r0, r1, byte, k, mp, mn, col + e, inv_n, out, e)
+        elif per_column:
+            simd.column_decode(msgs, r0, r1, byte, k, mp, mn, col + e, inv_n, out, e)
+        elif add:
+            simd.decode_add(msgs, r0, r1, byte, k, mp, mn, col, inv_n, out, e)
+        else:
+            simd.decode(msgs, r0, r1, byte, k, mp, mn, col, inv_n, out, e)
+    done = e + W * k
+    if done < length:
+        c = col + done if per_column else col
+        _mean_run(msgs, mp, mn, r0, r1, inv_n, c, per_column, bit0 + done, out[done:], add, bits, acc)
+
+
+def quantize_tasks(mode, grad, received, mp_in, mn_in, vals, ef, tasks, msgs, scales, heads, tails, psp, psn, pcp):
     """Phase one of quantizing: transposed groups completely (sums, scales, signs, residual, while each is in
     cache); untransposed pieces' bands up to their partial column sums ``psp``/``psn``/``pcp``.
 
@@ -230,46 +312,34 @@ def quantize_tasks(
     """
     n_in = received.shape[0]
     inv_n = 1.0 / max(n_in, 1)
-    store = ef or mode == 1
+    src = vals if ef or mode == 1 else grad  # the values quantized (and, with ``ef``, their errors)
     for t in prange(tasks.shape[0]):
         s, rest, tr = tasks[t, S], tasks[t, REST], tasks[t, TR]
         t0, t1, lo, pitch, m = tasks[t, T0], tasks[t, T1], tasks[t, LO], tasks[t, PITCH], tasks[t, M]
         dbit, dcol, head, tail = tasks[t, DBIT], tasks[t, DCOL], tasks[t, HEAD], tasks[t, TAIL]
         if tr:  # each group is a contiguous row of ``rest`` entries
-            bits = np.empty(rest, dtype=np.uint8)
-            acc = np.empty(rest)
-            p, q, c = np.empty(lanes), np.empty(lanes), np.empty(lanes)
+            bits = np.empty(W, dtype=np.uint8)  # scratch for the ragged ends
+            acc = np.empty(W)
             for g in range(t0, t1):
                 base, bit0, col = s + g * rest, dbit + (g - lo) * rest, dcol + g - lo
-                v = vals[base : base + rest] if store else grad[base : base + rest]
+                v = src[base : base + rest]
                 if mode == 1:
-                    _mean_run(received, mp_in, mn_in, 0, n_in, inv_n, col, False, bit0, v, ef, bits, acc)
-                elif ef:
-                    _add(v, grad[base : base + rest])
-                sp, sn, cp = _sums(v, lanes, p, q, c)
+                    _decode_run(received, mp_in, mn_in, 0, n_in, inv_n, col, False, bit0, v, ef, bits, acc)
+                sp, sn, cp = _group_sums(src, grad, base, rest, ef and mode == 0)
                 mp, mn = _means(sp, sn, cp, rest)
                 scales[m, 2 * col] = mp
                 scales[m, 2 * col + 1] = mn
-                _signs1(v, mp, mn, ef, bits)
-                _pack(bits, rest, bit0, msgs, m, head, tail, heads, tails, t)
+                _sign_run(v, mp, mn, ef, bit0, msgs, m, head, tail, heads, tails, t, bits)
         else:  # a band of rows t0:t1 of columns lo:lo+pitch: partial sums per column
-            bits = np.empty(pitch, dtype=np.uint8)
-            acc = np.empty(pitch)
+            bits = np.empty(W, dtype=np.uint8)
+            acc = np.empty(W)
             p = tasks[t, P]
-            bsp, bsn, bcp = psp[p : p + pitch], psn[p : p + pitch], pcp[p : p + pitch]
-            for i in range(t0, t1):
-                base, bit0 = s + i * rest + lo, dbit + i * pitch
-                v = vals[base : base + pitch] if store else grad[base : base + pitch]
-                if mode == 1:
-                    _mean_run(received, mp_in, mn_in, 0, n_in, inv_n, dcol, True, bit0, v, ef, bits, acc)
-                elif ef:
-                    _add(v, grad[base : base + pitch])
-                for j in range(pitch):
-                    x = np.float64(v[j])
-                    pos = x >= 0
-                    bsp[j] += x if pos else 0.0
-                    bsn[j] += 0.0 if pos else x
-                    bcp[j] += 1.0 if pos else 0.0
+            if mode == 1:
+                for i in range(t0, t1):
+                    base, bit0 = s + i * rest + lo, dbit + i * pitch
+                    v = src[base : base + pitch]
+                    _decode_run(received, mp_in, mn_in, 0, n_in, inv_n, dcol, True, bit0, v, ef, bits, acc)
+            _band_sums(src, grad, s + t0 * rest + lo, rest, t1 - t0, pitch, ef and mode == 0, psp, psn, pcp, p)
 
 
 def reduce_columns(reductions, psp, psn, pcp, scales):
@@ -298,12 +368,11 @@ def sign_bands(mode, grad, vals, ef, tasks, msgs, scales, heads, tails):
         head, tail = tasks[t, HEAD], tasks[t, TAIL]
         mps = scales[m, 2 * dcol : 2 * (dcol + pitch) : 2].copy()
         mns = scales[m, 2 * dcol + 1 : 2 * (dcol + pitch) : 2].copy()
-        bits = np.empty(pitch, dtype=np.uint8)
+        bits = np.empty(W, dtype=np.uint8)
         for i in range(t0, t1):
             base, bit0 = s + i * rest + lo, dbit + i * pitch
             v = vals[base : base + pitch] if store else grad[base : base + pitch]
-            _signs(v, mps, mns, ef, bits)
-            _pack(bits, pitch, bit0, msgs, m, head, tail, heads, tails, t)
+            _column_sign_run(v, mps, mns, ef, bit0, msgs, m, head, tail, heads, tails, t, bits)
 
 
 def decode_tasks(msgs, mp, mn, tasks, average, out):
@@ -315,19 +384,18 @@ def decode_tasks(msgs, mp, mn, tasks, average, out):
         t0, t1, lo, pitch, m = tasks[t, T0], tasks[t, T1], tasks[t, LO], tasks[t, PITCH], tasks[t, M]
         dbit, dcol = tasks[t, DBIT], tasks[t, DCOL]
         r0, r1, inv_n = (0, n, 1.0 / n) if average else (m, m + 1, 1.0)
-        length = rest if tr else pitch
-        bits = np.empty(length, dtype=np.uint8)
-        acc = np.empty(length)
+        bits = np.empty(W, dtype=np.uint8)
+        acc = np.empty(W)
         if tr:
             for g in range(t0, t1):
                 base, bit0 = s + g * rest, dbit + (g - lo) * rest
                 o = out[base : base + rest]
-                _mean_run(msgs, mp, mn, r0, r1, inv_n, dcol + g - lo, False, bit0, o, False, bits, acc)
+                _decode_run(msgs, mp, mn, r0, r1, inv_n, dcol + g - lo, False, bit0, o, False, bits, acc)
         else:
             for i in range(t0, t1):
                 base, bit0 = s + i * rest + lo, dbit + i * pitch
                 o = out[base : base + pitch]
-                _mean_run(msgs, mp, mn, r0, r1, inv_n, dcol, True, bit0, o, False, bits, acc)
+                _decode_run(msgs, mp, mn, r0, r1, inv_n, dcol, True, bit0, o, False, bits, acc)
 
 
 def _twins(function: Callable) -> tuple[Callable, Callable]:
@@ -406,7 +474,7 @@ def quantize(
     msgs.fill(0)  # signs are OR-ed in where two tasks share a byte
     with _kernels(table.values) as k:
         QUANTIZE_TASKS[k](
-            mode, grad, received, mp_in, mn_in, vals, ef, tasks, msgs, scales, heads, tails, psp, psn, pcp, LANES
+            mode, grad, received, mp_in, mn_in, vals, ef, tasks, msgs, scales, heads, tails, psp, psn, pcp
         )
         if len(table.reductions):
             REDUCE_COLUMNS[k](table.reductions, psp, psn, pcp, scales)

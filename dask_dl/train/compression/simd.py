@@ -1,0 +1,277 @@
+"""Vector loops for the 1-bit kernels, written as LLVM IR (numba intrinsics): 16 values per step.
+
+numba's loops leave two things to LLVM's auto-vectorizer that it does not do: a float64 sum is a chain it may
+not reorder (fastmath would change results), and packing comparisons into sign bytes is not a pattern it knows.
+Here each loop is spelled with LLVM vector types, which LLVM lowers to whatever the CPU has (AVX-512, AVX2,
+SSE, NEON) without reordering anything:
+
+- sums of the entries ``>= 0``, of the others (float64, the negative side summed itself) and their count, in 16
+  lanes (entry ``e`` of a run goes to lane ``e % 16``), the lanes added in order at the end: a fixed order, so
+  results do not depend on how work is cut or on the CPU;
+- signs (``x >= 0``: NaN on the negative side, zeros on the positive) packed 16 to two bytes, most significant
+  bit first, with the error ``x - mean`` written back while the values are in registers;
+- the mean of ``N`` messages decoded into float32, summed in float64 in message order, one store per value.
+
+Every loop covers ``count`` blocks of 16 values; callers do the ragged ends with scalar code in the same order.
+numba's cache does not follow imports: a change here needs a change to ``kernels.py`` (or a cleared cache).
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba.core import cgutils, types
+from numba.extending import intrinsic
+
+W = 16  # values per vector step: two bytes of signs
+_I32, _I64 = ir.IntType(32), ir.IntType(64)
+_F32, _F64 = ir.FloatType(), ir.DoubleType()
+_VF, _VD = ir.VectorType(_F32, W), ir.VectorType(_F64, W)
+_ZERO_D = ir.Constant(_VD, [0.0] * W)
+_ONE_D = ir.Constant(_VD, [1.0] * W)
+_ZERO_F = ir.Constant(_VF, [0.0] * W)
+# bit k of a byte holds value 8*i + 7 - k (MSB first), a vector of i1 bitcast to an integer puts element k in bit k
+_MSB_FIRST = ir.Constant(ir.VectorType(_I32, W), [8 * (k // 8) + 7 - k % 8 for k in range(W)])
+
+
+def _int(context, builder, value, ty):
+    return context.cast(builder, value, ty, types.int64)
+
+
+def _base(context, builder, aryty, ary, offset):
+    """Pointer to element ``offset`` of a 1-D array (or of row 0 of a 2-D one)."""
+    return builder.gep(context.make_array(aryty)(context, builder, ary).data, [offset])
+
+
+def _row(context, builder, aryty, ary, row, offset):
+    """Pointer to element ``offset`` of row ``row`` of a C-contiguous 2-D array."""
+    a = context.make_array(aryty)(context, builder, ary)
+    width = cgutils.unpack_tuple(builder, a.shape, 2)[1]
+    return builder.gep(a.data, [builder.add(builder.mul(row, width), offset)])
+
+
+def _load(builder, pointer, index, vty, align):
+    return builder.load(builder.bitcast(builder.gep(pointer, [index]), vty.as_pointer()), align=align)
+
+
+def _store(builder, value, pointer, index, align):
+    builder.store(value, builder.bitcast(builder.gep(pointer, [index]), value.type.as_pointer()), align=align)
+
+
+def _splat(builder, scalar, vty):
+    one = builder.insert_element(ir.Constant(vty, ir.Undefined), scalar, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(one, ir.Constant(vty, ir.Undefined), ir.Constant(ir.VectorType(_I32, W), [0] * W))
+
+
+def _steps(builder, count):
+    """``for k in range(count)`` with ``W * k`` as the element offset of step ``k``."""
+    return cgutils.for_range(builder, count)
+
+
+def _sign_bytes(builder, mask):
+    """The two sign bytes (as an i16 to store little-endian) of a 16-lane comparison."""
+    return builder.bitcast(builder.shuffle_vector(mask, mask, _MSB_FIRST), ir.IntType(W))
+
+
+def _mask_of(builder, pointer, index):
+    """The 16 signs stored at two bytes from ``pointer[index]``, as a vector of i1 (element k: value k)."""
+    bits = builder.load(builder.bitcast(builder.gep(pointer, [index]), ir.IntType(W).as_pointer()), align=1)
+    mask = builder.bitcast(bits, ir.VectorType(ir.IntType(1), W))
+    return builder.shuffle_vector(mask, mask, _MSB_FIRST)
+
+
+def _lanes_in_order(builder, vector):
+    total = builder.extract_element(vector, ir.Constant(_I32, 0))
+    for lane in range(1, W):
+        total = builder.fadd(total, builder.extract_element(vector, ir.Constant(_I32, lane)))
+    return total
+
+
+def _accumulate(builder, x, accumulators):
+    """Add the float64 of ``x``'s entries ``>= 0``, of the others, and the count of the first to three vectors."""
+    wide = builder.fpext(x, _VD)
+    positive = builder.fcmp_ordered(">=", x, _ZERO_F)
+    parts = (
+        builder.select(positive, wide, _ZERO_D),
+        builder.select(positive, _ZERO_D, wide),
+        builder.select(positive, _ONE_D, _ZERO_D),
+    )
+    return [builder.fadd(acc, part) for acc, part in zip(accumulators, parts, strict=True)]
+
+
+def _make_sums(add: bool):
+    """``sums(src, s0, count)`` or, with ``add``, ``add_sums(vals, v0, grad, g0, count)`` (``vals += grad``
+    first, stored): the float64 sums ``(positive, negative, count positive)`` of ``16 * count`` values."""
+
+    def codegen(context, builder, sig, args):
+        src = _base(context, builder, sig.args[0], args[0], _int(context, builder, args[1], sig.args[1]))
+        if add:
+            grad = _base(context, builder, sig.args[2], args[2], _int(context, builder, args[3], sig.args[3]))
+        count = _int(context, builder, args[-1], sig.args[-1])
+        slots = [cgutils.alloca_once_value(builder, _ZERO_D) for _ in range(3)]
+        with _steps(builder, count) as loop:
+            at = builder.mul(loop.index, ir.Constant(_I64, W))
+            x = _load(builder, src, at, _VF, 4)
+            if add:
+                x = builder.fadd(x, _load(builder, grad, at, _VF, 4))
+                _store(builder, x, src, at, 4)
+            totals = _accumulate(builder, x, [builder.load(s) for s in slots])
+            for slot, total in zip(slots, totals, strict=True):
+                builder.store(total, slot)
+        sums = [_lanes_in_order(builder, builder.load(s)) for s in slots]
+        return context.make_tuple(builder, sig.return_type, sums)
+
+    if add:
+
+        @intrinsic
+        def add_sums(typingctx, vals, v0, grad, g0, count):
+            return types.UniTuple(types.float64, 3)(vals, v0, grad, g0, count), codegen
+
+        return add_sums
+
+    @intrinsic
+    def sums(typingctx, src, s0, count):
+        return types.UniTuple(types.float64, 3)(src, s0, count), codegen
+
+    return sums
+
+
+sums = _make_sums(False)
+add_sums = _make_sums(True)
+
+
+def _make_band_sums(add: bool):
+    """``band_sums(src, s0, stride, rows, count, psp, psn, pcp, p0)``: the float64 sums of the columns of a band
+    (``rows`` rows ``stride`` apart from ``src[s0]``, ``16 * count`` columns), each summed down its rows in order
+    from 0.0 in registers, added to ``psp/psn/pcp[p0...]``. ``add_band_sums(vals, v0, grad, stride, rows, count,
+    psp, psn, pcp, p0)`` adds ``grad`` (same offsets) to ``vals`` first (stored)."""
+
+    def codegen(context, builder, sig, args):
+        s0 = _int(context, builder, args[1], sig.args[1])
+        src = _base(context, builder, sig.args[0], args[0], s0)
+        first = 3 if add else 2
+        if add:
+            grad = _base(context, builder, sig.args[2], args[2], s0)
+        stride, rows, count, p0 = (_int(context, builder, args[first + k], sig.args[first + k]) for k in (0, 1, 2, 6))
+        partials = [_base(context, builder, sig.args[first + 3 + k], args[first + 3 + k], p0) for k in range(3)]
+        slots = [cgutils.alloca_once(builder, _VD) for _ in range(3)]
+        with _steps(builder, count) as columns:
+            column = builder.mul(columns.index, ir.Constant(_I64, W))
+            for slot in slots:
+                builder.store(_ZERO_D, slot)
+            with cgutils.for_range(builder, rows) as row:
+                at = builder.add(builder.mul(row.index, stride), column)
+                x = _load(builder, src, at, _VF, 4)
+                if add:
+                    x = builder.fadd(x, _load(builder, grad, at, _VF, 4))
+                    _store(builder, x, src, at, 4)
+                totals = _accumulate(builder, x, [builder.load(slot) for slot in slots])
+                for slot, total in zip(slots, totals, strict=True):
+                    builder.store(total, slot)
+            for p, slot in zip(partials, slots, strict=True):
+                _store(builder, builder.fadd(_load(builder, p, column, _VD, 8), builder.load(slot)), p, column, 8)
+        return context.get_dummy_value()
+
+    if add:
+
+        @intrinsic
+        def add_band_sums(typingctx, vals, v0, grad, stride, rows, count, psp, psn, pcp, p0):
+            return types.none(vals, v0, grad, stride, rows, count, psp, psn, pcp, p0), codegen
+
+        return add_band_sums
+
+    @intrinsic
+    def band_sums(typingctx, src, s0, stride, rows, count, psp, psn, pcp, p0):
+        return types.none(src, s0, stride, rows, count, psp, psn, pcp, p0), codegen
+
+    return band_sums
+
+
+band_sums = _make_band_sums(False)
+add_band_sums = _make_band_sums(True)
+
+
+def _make_signs(error: bool, per_column: bool):
+    """``signs(src, s0, count, mp, mn, c0, msg, byte0)``: pack the signs of ``16 * count`` values into the
+    uint8 array ``msg`` from byte ``byte0``; with ``error`` replace each value by ``value - its mean``. The means
+    are the scalars ``mp``/``mn`` (``c0`` unused) or, ``per_column``, the arrays ``mp[c0...]``/``mn[c0...]``."""
+
+    def codegen(context, builder, sig, args):
+        src = _base(context, builder, sig.args[0], args[0], _int(context, builder, args[1], sig.args[1]))
+        count = _int(context, builder, args[2], sig.args[2])
+        msg = _base(context, builder, sig.args[6], args[6], _int(context, builder, args[7], sig.args[7]))
+        if per_column:
+            c0 = _int(context, builder, args[5], sig.args[5])
+            mps, mns = (_base(context, builder, sig.args[k], args[k], c0) for k in (3, 4))
+        else:
+            mp, mn = (_splat(builder, context.cast(builder, args[k], sig.args[k], types.float32), _VF) for k in (3, 4))
+        with _steps(builder, count) as loop:
+            at = builder.mul(loop.index, ir.Constant(_I64, W))
+            x = _load(builder, src, at, _VF, 4)
+            positive = builder.fcmp_ordered(">=", x, _ZERO_F)
+            if error:
+                if per_column:
+                    mp, mn = _load(builder, mps, at, _VF, 4), _load(builder, mns, at, _VF, 4)
+                _store(builder, builder.fsub(x, builder.select(positive, mp, mn)), src, at, 4)
+            _store(builder, _sign_bytes(builder, positive), msg, builder.mul(loop.index, ir.Constant(_I64, 2)), 1)
+        return context.get_dummy_value()
+
+    @intrinsic
+    def signs(typingctx, src, s0, count, mp, mn, c0, msg, byte0):
+        return types.none(src, s0, count, mp, mn, c0, msg, byte0), codegen
+
+    return signs
+
+
+signs = _make_signs(False, False)
+signs_error = _make_signs(True, False)
+column_signs = _make_signs(False, True)
+column_signs_error = _make_signs(True, True)
+
+
+def _make_decode(per_column: bool, add: bool):
+    """``decode(msgs, r0, r1, byte0, count, mp, mn, col, inv_n, out, o0)``: ``out[o0 + e]`` (``e < 16 * count``)
+    = float32(``inv_n`` * the float64 sum over rows ``r0:r1`` of ``msgs`` of the mean their sign bit ``8 * byte0
+    + e`` picks), plus ``out[o0 + e]`` with ``add``. The means: ``mp[r, col]``/``mn[r, col]``, or ``[r, col +
+    e]`` ``per_column`` (2-D float32 arrays, C order)."""
+
+    def codegen(context, builder, sig, args):
+        msgs_ty, mp_ty = sig.args[0], sig.args[5]
+        r0, r1, byte0, count, col = (_int(context, builder, args[k], sig.args[k]) for k in (1, 2, 3, 4, 7))
+        inv_n = _splat(builder, context.cast(builder, args[8], sig.args[8], types.float64), _VD)
+        out = _base(context, builder, sig.args[9], args[9], _int(context, builder, args[10], sig.args[10]))
+        slot = cgutils.alloca_once_value(builder, _ZERO_D)
+
+        def picked(r, at):
+            signs = _row(context, builder, msgs_ty, args[0], r, byte0)
+            mask = _mask_of(builder, signs, builder.udiv(at, ir.Constant(_I64, 8)))
+            if per_column:
+                mp = builder.fpext(_load(builder, _row(context, builder, mp_ty, args[5], r, col), at, _VF, 4), _VD)
+                mn = builder.fpext(_load(builder, _row(context, builder, mp_ty, args[6], r, col), at, _VF, 4), _VD)
+            else:
+                pointers = [_row(context, builder, mp_ty, args[k], r, col) for k in (5, 6)]
+                mp, mn = (_splat(builder, builder.fpext(builder.load(p), _F64), _VD) for p in pointers)
+            return builder.select(mask, mp, mn)
+
+        with _steps(builder, count) as loop:
+            at = builder.mul(loop.index, ir.Constant(_I64, W))
+            builder.store(picked(r0, at), slot)  # the first row as it is (0.0 + -0.0 would be +0.0)
+            with cgutils.for_range(builder, builder.sub(r1, builder.add(r0, ir.Constant(_I64, 1)))) as rows:
+                r = builder.add(builder.add(r0, ir.Constant(_I64, 1)), rows.index)
+                builder.store(builder.fadd(builder.load(slot), picked(r, at)), slot)
+            mean = builder.fptrunc(builder.fmul(builder.load(slot), inv_n), _VF)
+            if add:
+                mean = builder.fadd(mean, _load(builder, out, at, _VF, 4))
+            _store(builder, mean, out, at, 4)
+        return context.get_dummy_value()
+
+    @intrinsic
+    def decode(typingctx, msgs, r0, r1, byte0, count, mp, mn, col, inv_n, out, o0):
+        return types.none(msgs, r0, r1, byte0, count, mp, mn, col, inv_n, out, o0), codegen
+
+    return decode
+
+
+decode = _make_decode(False, False)
+decode_add = _make_decode(False, True)
+column_decode = _make_decode(True, False)
+column_decode_add = _make_decode(True, True)
