@@ -28,7 +28,8 @@ def _plan(state: OneBitState, names: list[str], shapes: list[tuple[int, ...]], n
 
 
 def _kept(state: OneBitState, key: tuple, shape: tuple[int, ...]) -> torch.Tensor:
-    """A uint8 tensor kept between steps (a fresh one costs page faults on first touch)."""
+    """A uint8 tensor kept between steps (a fresh one costs page faults on first touch). Safe to reuse: DDP
+    waits for every bucket's future before the next step starts."""
     kept = state.workspace.get(key)
     if kept is None or tuple(kept.shape) != shape:
         kept = state.workspace[key] = torch.empty(shape, dtype=torch.uint8)
@@ -46,7 +47,7 @@ def onebit_fused(state: OneBitState, names: list[str], shapes: list, buffer: tor
     if not two_stage:
         message = _kept(state, ("message", *key), (1, size))
         kernels.quantize(plan.tasks, message.numpy(), plan.columns, grad=grad, vals=worker, ef=ef)
-        gathered = message.new_empty(n * size)
+        gathered = message.view(-1) if n == 1 else _kept(state, ("gathered", *key), (n * size,))
 
         def average(_: Any = None) -> torch.Tensor:
             kernels.decode(plan.tasks, gathered.view(n, size).numpy(), plan.columns.repeat(n), grad, average=True)
@@ -56,19 +57,18 @@ def onebit_fused(state: OneBitState, names: list[str], shapes: list, buffer: tor
     # Stage 1: every rank sends stripe k's signs and scales to rank k.
     send = _kept(state, ("send", *key), (n, size))
     kernels.quantize(plan.tasks, send.numpy(), plan.columns, grad=grad, vals=worker, ef=ef)
-    received = torch.empty_like(send)
+    received = send  # one rank: its stripe message is what it receives
     if n > 1:
+        received = _kept(state, ("received", *key), (n, size))
         state.count(send, (n - 1) / n)
         dist.all_to_all_single(received.view(-1), send.view(-1), group=state.process_group)
-    else:
-        received.copy_(send)
     # Stage 2: average the stripe this rank owns, add the server residual, re-quantize, all-gather the stripes.
     rank = state.rank
     server = residuals(state, "server_residuals", names, shapes, buffer).numpy() if ef else grad
     message = _kept(state, ("stripe", *key), (1, size))
     columns = plan.columns[rank : rank + 1]
     kernels.quantize(plan.own_tasks(rank), message.numpy(), columns, received=received.numpy(), vals=server, ef=ef)
-    gathered = message.new_empty(n * size)
+    gathered = message.view(-1) if n == 1 else _kept(state, ("gathered", *key), (n * size,))
 
     def assemble(_: Any = None) -> torch.Tensor:
         kernels.decode(plan.tasks, gathered.view(n, size).numpy(), plan.columns, grad, average=False)

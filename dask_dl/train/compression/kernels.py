@@ -45,6 +45,8 @@ N_FIELDS = 14
 R_P, R_BANDS, R_PITCH, R_M, R_DCOL, R_OUT = range(6)
 N_REDUCE = 6
 
+STREAM_MIN = 256  # values in a decoded run from which its stores bypass the caches (see _decode_run)
+
 _LOCK = threading.Lock()
 
 
@@ -209,9 +211,10 @@ def _group_sums(vals, grad, base, length, add):
 
 @njit(cache=True, inline="always")
 def _band_sums(vals, grad, base, stride, rows, pitch, add, psp, psn, pcp, p):
-    """Add the columns of the band of ``rows`` rows of ``pitch`` values from ``vals[base]``, ``stride`` apart
+    """Add the columns of the block of ``rows`` rows of ``pitch`` values from ``vals[base]``, ``stride`` apart
     (plus ``grad``'s, stored, with ``add``), to their float64 partial sums ``psp/psn/pcp[p:p + pitch]``: each
-    column summed down the band in row order."""
+    column summed down the block in row order from 0.0, then added (a band's sums are those of its blocks of 16
+    rows, in order)."""
     k = pitch // W
     if add:
         simd.add_band_sums(vals, base, grad, stride, rows, k, psp, psn, pcp, p)
@@ -279,9 +282,20 @@ def _column_sign_run(v, mps, mns, ef, bit0, msgs, m, head, tail, heads, tails, t
 
 @njit(cache=True, inline="always")
 def _decode_run(msgs, mp, mn, r0, r1, inv_n, col, per_column, bit0, out, add, bits, acc):
-    """:func:`_mean_run` with whole sign bytes decoded 16 values at a time (same sums, same order)."""
+    """:func:`_mean_run` with whole sign bytes decoded 16 values at a time (same sums, same order).
+
+    A long run written (not added to) starts its vector part on a 64-byte boundary where that is also a sign
+    byte's (always, for ``onebit``'s message of a 64-byte aligned bucket), and streams it past the caches.
+    """
     length = out.shape[0]
     e = min((8 - (bit0 & 7)) & 7, length)
+    stream = False
+    if not add and length >= STREAM_MIN:
+        address = simd.address(out, 0)
+        if address & 3 == 0:
+            skip = ((64 - (address & 63)) & 63) >> 2
+            if (bit0 + skip) & 7 == 0:
+                e, stream = skip, True
     if e > 0:
         _mean_run(msgs, mp, mn, r0, r1, inv_n, col, per_column, bit0, out[:e], add, bits, acc)
     k = (length - e) // W
@@ -289,10 +303,14 @@ def _decode_run(msgs, mp, mn, r0, r1, inv_n, col, per_column, bit0, out, add, bi
         byte = (bit0 + e) >> 3
         if per_column and add:
             simd.column_decode_add(msgs, r0, r1, byte, k, mp, mn, col + e, inv_n, out, e)
+        elif per_column and stream:
+            simd.column_decode_stream(msgs, r0, r1, byte, k, mp, mn, col + e, inv_n, out, e)
         elif per_column:
             simd.column_decode(msgs, r0, r1, byte, k, mp, mn, col + e, inv_n, out, e)
         elif add:
             simd.decode_add(msgs, r0, r1, byte, k, mp, mn, col, inv_n, out, e)
+        elif stream:
+            simd.decode_stream(msgs, r0, r1, byte, k, mp, mn, col, inv_n, out, e)
         else:
             simd.decode(msgs, r0, r1, byte, k, mp, mn, col, inv_n, out, e)
     done = e + W * k
@@ -334,12 +352,14 @@ def quantize_tasks(mode, grad, received, mp_in, mn_in, vals, ef, tasks, msgs, sc
             bits = np.empty(W, dtype=np.uint8)
             acc = np.empty(W)
             p = tasks[t, P]
-            if mode == 1:
-                for i in range(t0, t1):
-                    base, bit0 = s + i * rest + lo, dbit + i * pitch
-                    v = src[base : base + pitch]
-                    _decode_run(received, mp_in, mn_in, 0, n_in, inv_n, dcol, True, bit0, v, ef, bits, acc)
-            _band_sums(src, grad, s + t0 * rest + lo, rest, t1 - t0, pitch, ef and mode == 0, psp, psn, pcp, p)
+            for i0 in range(t0, t1, W):  # blocks of 16 rows: summed in registers, then added to the band's sums
+                i1 = min(t1, i0 + W)
+                if mode == 1:  # decode the block's rows, then sum them while they are in cache
+                    for i in range(i0, i1):
+                        base, bit0 = s + i * rest + lo, dbit + i * pitch
+                        v = src[base : base + pitch]
+                        _decode_run(received, mp_in, mn_in, 0, n_in, inv_n, dcol, True, bit0, v, ef, bits, acc)
+                _band_sums(src, grad, s + i0 * rest + lo, rest, i1 - i0, pitch, ef and mode == 0, psp, psn, pcp, p)
 
 
 def reduce_columns(reductions, psp, psn, pcp, scales):

@@ -19,6 +19,9 @@ from dask_dl.train.compression.kernels import N_FIELDS, N_REDUCE
 from dask_dl.train.compression.quantize import ColumnLayout, message_size
 
 GRAIN = 1 << 16  # entries per task: big enough to amortize a task, small enough that a task's groups stay in cache
+# A band of an untransposed piece holds BAND * GRAIN entries: its rows are summed in blocks of 16 that stay in
+# cache, and each band keeps float64 partial sums of its columns (few bands: little memory to clear and add up).
+BAND = 16
 
 Pieces = list[tuple[int, int, int]]  # (parameter index, first group, last group) in bucket order
 
@@ -39,7 +42,8 @@ def task_table(layout: ColumnLayout, messages: Sequence[Pieces], *, grain: int |
 
     A transposed parameter's groups (rows of its ``(out, rest)`` view, contiguous) are cut into runs of about
     ``grain`` entries, each quantized whole while in cache. An untransposed piece (columns ``lo:hi`` of the
-    view) is cut into bands of rows, walked in memory order: each band sums its columns (phase one), the
+    view) is cut into bands of about ``BAND * grain`` entries (whole rows), walked in memory order: each band
+    sums its columns in blocks of 16 rows (phase one), the
     bands' sums are added in band order (two), then each band writes signs and errors (three). Cuts depend on
     the piece and ``grain`` only, so sums are the same whatever the bucket and the number of threads.
     """
@@ -59,7 +63,7 @@ def task_table(layout: ColumnLayout, messages: Sequence[Pieces], *, grain: int |
                     edges = _edges(bit + (t0 - lo) * rest, bit + (t1 - lo) * rest)
                     rows.append([*fixed, t0, t1, *where, *edges, 0])
             else:
-                per = max(1, grain // pitch)
+                per = max(1, BAND * grain // pitch)
                 bands = range(0, out, per)
                 for b, i0 in enumerate(bands):
                     i1 = min(out, i0 + per)

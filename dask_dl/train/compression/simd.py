@@ -228,11 +228,13 @@ column_signs = _make_signs(False, True)
 column_signs_error = _make_signs(True, True)
 
 
-def _make_decode(per_column: bool, add: bool):
+def _make_decode(per_column: bool, add: bool, stream: bool = False):
     """``decode(msgs, r0, r1, byte0, count, mp, mn, col, inv_n, out, o0)``: ``out[o0 + e]`` (``e < 16 * count``)
     = float32(``inv_n`` * the float64 sum over rows ``r0:r1`` of ``msgs`` of the mean their sign bit ``8 * byte0
     + e`` picks), plus ``out[o0 + e]`` with ``add``. The means: ``mp[r, col]``/``mn[r, col]``, or ``[r, col +
-    e]`` ``per_column`` (2-D float32 arrays, C order)."""
+    e]`` ``per_column`` (2-D float32 arrays, C order). With ``stream``, ``&out[o0]`` must be 64-byte aligned:
+    the values are stored past the caches (non-temporal: a bucket is not read back soon, and the store does not
+    read the line first), then a fence orders them before whatever the caller does next."""
 
     def codegen(context, builder, sig, args):
         msgs_ty, mp_ty = sig.args[0], sig.args[5]
@@ -240,6 +242,7 @@ def _make_decode(per_column: bool, add: bool):
         inv_n = _splat(builder, context.cast(builder, args[8], sig.args[8], types.float64), _VD)
         out = _base(context, builder, sig.args[9], args[9], _int(context, builder, args[10], sig.args[10]))
         slot = cgutils.alloca_once_value(builder, _ZERO_D)
+        one = ir.Constant(_I64, 1)
 
         def picked(r, at):
             signs = _row(context, builder, msgs_ty, args[0], r, byte0)
@@ -255,13 +258,20 @@ def _make_decode(per_column: bool, add: bool):
         with _steps(builder, count) as loop:
             at = builder.mul(loop.index, ir.Constant(_I64, W))
             builder.store(picked(r0, at), slot)  # the first row as it is (0.0 + -0.0 would be +0.0)
-            with cgutils.for_range(builder, builder.sub(r1, builder.add(r0, ir.Constant(_I64, 1)))) as rows:
-                r = builder.add(builder.add(r0, ir.Constant(_I64, 1)), rows.index)
+            with cgutils.for_range(builder, builder.sub(r1, builder.add(r0, one))) as rows:
+                r = builder.add(builder.add(r0, one), rows.index)
                 builder.store(builder.fadd(builder.load(slot), picked(r, at)), slot)
             mean = builder.fptrunc(builder.fmul(builder.load(slot), inv_n), _VF)
             if add:
                 mean = builder.fadd(mean, _load(builder, out, at, _VF, 4))
-            _store(builder, mean, out, at, 4)
+            if stream:
+                target = builder.bitcast(builder.gep(out, [at]), _VF.as_pointer())
+                store = builder.store(mean, target, align=64)
+                store.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(_I32, 1)]))
+            else:
+                _store(builder, mean, out, at, 4)
+        if stream:
+            builder.fence("seq_cst")
         return context.get_dummy_value()
 
     @intrinsic
@@ -273,5 +283,18 @@ def _make_decode(per_column: bool, add: bool):
 
 decode = _make_decode(False, False)
 decode_add = _make_decode(False, True)
+decode_stream = _make_decode(False, False, stream=True)
 column_decode = _make_decode(True, False)
 column_decode_add = _make_decode(True, True)
+column_decode_stream = _make_decode(True, False, stream=True)
+
+
+@intrinsic
+def address(typingctx, array, index):
+    """The address of ``array[index]`` (1-D), as an integer."""
+
+    def codegen(context, builder, sig, args):
+        pointer = _base(context, builder, sig.args[0], args[0], _int(context, builder, args[1], sig.args[1]))
+        return builder.ptrtoint(pointer, _I64)
+
+    return types.int64(array, index), codegen
