@@ -19,7 +19,8 @@ torch.distributed, ``compressor.state_dict()`` holds what a checkpoint needs to 
 The modules: ``compressor`` (:class:`Compressor`, :func:`make_compressor`), ``state`` (what hooks keep),
 ``hooks`` (the hooks), ``quantize`` (groups, messages and the eager torch quantizer), ``eager`` (the 1-bit
 hooks in torch operations: the reference, and the path for GPU tensors), ``plan`` and ``kernels`` (the fused
-numba kernels the 1-bit hooks run on CPU buckets), ``fused`` (the hooks' use of them), ``powersgd``.
+numba kernels the 1-bit hooks run on CPU buckets), ``simd`` (their vector loops, in LLVM IR), ``fused`` (the
+hooks' use of them), ``powersgd``.
 """
 
 from __future__ import annotations
