@@ -281,16 +281,17 @@ def _column_sign_run(v, mps, mns, ef, bit0, msgs, m, head, tail, heads, tails, t
 
 
 @njit(cache=True, inline="always")
-def _decode_run(msgs, mp, mn, r0, r1, inv_n, col, per_column, bit0, out, add, bits, acc):
+def _decode_run(msgs, mp, mn, r0, r1, inv_n, col, per_column, bit0, out, add, bits, acc, streamable):
     """:func:`_mean_run` with whole sign bytes decoded 16 values at a time (same sums, same order).
 
-    A long run written (not added to) starts its vector part on a 64-byte boundary where that is also a sign
-    byte's (always, for ``onebit``'s message of a 64-byte aligned bucket), and streams it past the caches.
+    A long ``streamable`` run (one written, not added to, and not read again soon: a decoded bucket) starts its
+    vector part on a 64-byte boundary where that is also a sign byte's (always, for ``onebit``'s message of a
+    64-byte aligned bucket), and is stored past the caches.
     """
     length = out.shape[0]
     e = min((8 - (bit0 & 7)) & 7, length)
     stream = False
-    if not add and length >= STREAM_MIN:
+    if streamable and not add and length >= STREAM_MIN:
         address = simd.address(out, 0)
         if address & 3 == 0:
             skip = ((64 - (address & 63)) & 63) >> 2
@@ -342,7 +343,7 @@ def quantize_tasks(mode, grad, received, mp_in, mn_in, vals, ef, tasks, msgs, sc
                 base, bit0, col = s + g * rest, dbit + (g - lo) * rest, dcol + g - lo
                 v = src[base : base + rest]
                 if mode == 1:
-                    _decode_run(received, mp_in, mn_in, 0, n_in, inv_n, col, False, bit0, v, ef, bits, acc)
+                    _decode_run(received, mp_in, mn_in, 0, n_in, inv_n, col, False, bit0, v, ef, bits, acc, False)
                 sp, sn, cp = _group_sums(src, grad, base, rest, ef and mode == 0)
                 mp, mn = _means(sp, sn, cp, rest)
                 scales[m, 2 * col] = mp
@@ -358,7 +359,7 @@ def quantize_tasks(mode, grad, received, mp_in, mn_in, vals, ef, tasks, msgs, sc
                     for i in range(i0, i1):
                         base, bit0 = s + i * rest + lo, dbit + i * pitch
                         v = src[base : base + pitch]
-                        _decode_run(received, mp_in, mn_in, 0, n_in, inv_n, dcol, True, bit0, v, ef, bits, acc)
+                        _decode_run(received, mp_in, mn_in, 0, n_in, inv_n, dcol, True, bit0, v, ef, bits, acc, False)
                 _band_sums(src, grad, s + i0 * rest + lo, rest, i1 - i0, pitch, ef and mode == 0, psp, psn, pcp, p)
 
 
@@ -410,12 +411,12 @@ def decode_tasks(msgs, mp, mn, tasks, average, out):
             for g in range(t0, t1):
                 base, bit0 = s + g * rest, dbit + (g - lo) * rest
                 o = out[base : base + rest]
-                _decode_run(msgs, mp, mn, r0, r1, inv_n, dcol + g - lo, False, bit0, o, False, bits, acc)
+                _decode_run(msgs, mp, mn, r0, r1, inv_n, dcol + g - lo, False, bit0, o, False, bits, acc, True)
         else:
             for i in range(t0, t1):
                 base, bit0 = s + i * rest + lo, dbit + i * pitch
                 o = out[base : base + pitch]
-                _decode_run(msgs, mp, mn, r0, r1, inv_n, dcol, True, bit0, o, False, bits, acc)
+                _decode_run(msgs, mp, mn, r0, r1, inv_n, dcol, True, bit0, o, False, bits, acc, True)
 
 
 def _twins(function: Callable) -> tuple[Callable, Callable]:
