@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from dask_dl import config
 from dask_dl.checks import positive_int
 from dask_dl.data import store as contract
+from dask_dl.data.position import EpochPosition
 from dask_dl.data.store import open_store
 from dask_dl.errors import ConfigurationError, DatasetError, StoreError
 from dask_dl.normalize import check_normalization, normalize
@@ -89,6 +90,12 @@ class Augmentation:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def skip(self, n: int, rng: np.random.Generator) -> None:
+        """Draw from ``rng`` what :meth:`apply` draws for ``n`` images, without images (a resumed epoch's skip)."""
+        rng.uniform(-1.0, 1.0, size=(6, n))
+        if self.hflip:
+            rng.random(n)
 
     def apply(self, images: np.ndarray, rng: np.random.Generator) -> np.ndarray:
         """Return augmented copies of the uint8 ``images`` ``(B, S, S)`` or ``(B, S, S, C)``, drawing from ``rng``.
@@ -241,6 +248,8 @@ class ChunkLoader:
         self._chunks, first = np.unique(chunk_of, return_index=True)
         self._groups = np.split(self.samples, first[1:])
         self.wait_s = 0.0
+        self._position_key: tuple | None = None  # the position whose batches _position_cache holds
+        self._position_cache: list[np.ndarray] = []
         self._running: set[_Producer] = set()
         self._closed = False
 
@@ -260,7 +269,7 @@ class ChunkLoader:
             f"rank={self.rank}/{self.world_size}, steps_per_epoch={self.steps_per_epoch})"
         )
 
-    def plan(self, epoch: int) -> list[tuple[int, np.ndarray]]:
+    def plan(self, epoch: int, *, piece: tuple[int, int] | None = None) -> list[tuple[int, np.ndarray]]:
         """Return this rank's reads of ``epoch`` in order: ``(chunk index, physical rows it serves)``.
 
         Every rank computes the same chunk order from ``(seed, epoch)`` and takes its own contiguous piece, so the
@@ -273,12 +282,57 @@ class ChunkLoader:
             stream = np.concatenate([rng.permutation(self._groups[i]) for i in order])
         else:
             stream = self.samples
-        mine = stream[self._start : self._stop]
+        start, stop = (self._start, self._stop) if piece is None else piece
+        mine = stream[start:stop]
         if len(mine) == 0:
             return []
         chunk_of = mine // self.chunk
         cuts = np.flatnonzero(np.diff(chunk_of)) + 1
         return [(int(rows[0] // self.chunk), rows) for rows in np.split(mine, cuts)]
+
+    def order(self, epoch: int, *, rank: int | None = None, world_size: int | None = None,
+              batch_size: int | None = None) -> np.ndarray:  # fmt: skip
+        """Return the rows rank ``rank`` of ``world_size`` serves in a fresh ``epoch``, in the order it serves them.
+
+        The same rows :meth:`epoch` yields (``drop_last=True``), computed without reading an image; other ranks and
+        world sizes than this loader's are allowed (a resumed epoch re-shards what the old ranks had left, see
+        :mod:`dask_dl.data.position`). Defaults: this loader's rank, world size and batch size.
+        """
+        rank = self.rank if rank is None else int(rank)
+        world_size = self.world_size if world_size is None else int(world_size)
+        batch_size = self.batch_size if batch_size is None else int(batch_size)
+        steps = len(self.samples) // (batch_size * world_size)
+        start = rank * steps * batch_size
+        plan = self.plan(epoch, piece=(start, start + steps * batch_size))
+        mix = np.random.default_rng([self.seed, int(epoch), _MIX, rank])
+        out, window = [], []
+        for i, (_, rows) in enumerate(plan):
+            window.append(rows)
+            if len(window) < self.window and i + 1 < len(plan):
+                continue
+            s = np.concatenate(window)
+            out.append(s[mix.permutation(len(s))] if self.shuffle else s)
+            window = []
+        return np.concatenate(out) if out else np.zeros(0, np.int64)
+
+    def steps_from(self, position: EpochPosition) -> int:
+        """Steps this rank takes to finish the epoch from ``position`` (:meth:`epoch` with ``position=``)."""
+        batches = self._position_batches(position)
+        return len(batches) - position.step
+
+    def _position_batches(self, position: EpochPosition) -> list[np.ndarray]:
+        last = position.segments[-1]
+        if (last.world_size, last.batch_size) != (self.world_size, self.batch_size):
+            raise DatasetError(
+                f"the epoch position's last segment is of {last.world_size} ranks x batch {last.batch_size}, this "
+                f"loader is of {self.world_size} x {self.batch_size}: resume with position.resumed(world_size="
+                f"{self.world_size}, batch_size={self.batch_size})"
+            )
+        key = (position.epoch, position.seed, position.segments[:-1], last.world_size, last.batch_size)
+        if self._position_key != key:
+            orders = lambda r, w, b: self.order(position.epoch, rank=r, world_size=w, batch_size=b)  # noqa: E731
+            self._position_key, self._position_cache = key, position.batches(orders)[self.rank]
+        return self._position_cache
 
     def read_chunk(self, chunk: int) -> np.ndarray:
         """Return all images of chunk ``chunk`` (one chunk-aligned read, one decode), uint8 ``(k, S, S)`` grey or
@@ -289,7 +343,9 @@ class ChunkLoader:
             return self._shards.read(chunk)[: stop - start]
         return np.asarray(self._image[start:stop])
 
-    def epoch(self, epoch: int, *, with_samples: bool = False) -> Iterator[tuple]:
+    def epoch(
+        self, epoch: int, *, with_samples: bool = False, position: EpochPosition | None = None
+    ) -> Iterator[tuple]:
         """Iterate over this rank's batches of ``epoch``.
 
         Parameters
@@ -298,6 +354,11 @@ class ChunkLoader:
             Epoch number (0-based): with ``seed``, it fixes the chunk order, the mix and the augmentation.
         with_samples : bool
             Also yield the physical row numbers (int64 numpy array) of each batch.
+        position : EpochPosition, optional
+            Go on from this point of the epoch (a step checkpoint's, made ``resumed`` for this loader's world and
+            batch size): serve the batches of the position's last segment from its step on. At the world and batch
+            size the position was saved at, these are exactly the batches (images, order, augmentation) an
+            uninterrupted epoch serves from that step; see :mod:`dask_dl.data.position` for a changed world size.
 
         Yields
         ------
@@ -317,7 +378,12 @@ class ChunkLoader:
         if self._closed:
             raise DatasetError("this ChunkLoader is closed; make a new one")
         self.wait_s = 0.0
-        batches = self._batches(int(epoch))
+        if position is None or position.fresh:
+            batches = self._batches(int(epoch))
+        else:
+            if position.epoch != int(epoch):
+                raise DatasetError(f"the position is in epoch {position.epoch}, not {epoch}: pass {position.epoch}")
+            batches = self._resumed_batches(position)
         producer = None
         if self.prefetch:
             producer = _Producer(batches, name=f"{_THREAD_PREFIX}-rank{self.rank}-epoch{epoch}")
@@ -364,11 +430,14 @@ class ChunkLoader:
                 "it and run dask_dl.ingest(catalog, store) again, which rewrites missing shards"
             ) from exc
 
-    def _reads(self, plan: list[tuple[int, np.ndarray]]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """Yield ``(rows, images)`` per planned chunk, with ``prefetch`` reads in flight."""
+    def _reads(
+        self, plan: list[tuple[int, np.ndarray]], *, whole: bool = False
+    ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Yield ``(rows, images)`` per planned chunk, with ``prefetch`` reads in flight (``whole``: all its images)."""
         if not self.prefetch:
             for chunk, rows in plan:
-                yield rows, self._read(chunk)[rows - chunk * self.chunk]
+                images = self._read(chunk)
+                yield rows, images if whole else images[rows - chunk * self.chunk]
             return
         pool = ThreadPoolExecutor(min(self.prefetch, 4), thread_name_prefix=f"{_THREAD_PREFIX}-read")
         pending: deque[tuple[int, np.ndarray, Future]] = deque()
@@ -383,7 +452,8 @@ class ChunkLoader:
                 for nxt, nxt_rows in todo:
                     pending.append((nxt, nxt_rows, pool.submit(self._read, nxt)))
                     break
-                yield rows, future.result()[rows - chunk * self.chunk]
+                images = future.result()
+                yield rows, images if whole else images[rows - chunk * self.chunk]
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
 
@@ -412,6 +482,44 @@ class ChunkLoader:
             window_x, window_s = [], []
         if len(carry_s):  # only with drop_last=False: with drop_last the plan holds whole batches
             yield self._finish(carry_x, carry_s, augment_rng)
+
+    def _resumed_batches(self, position: EpochPosition) -> Iterator[tuple[torch.Tensor, torch.Tensor, np.ndarray]]:
+        """The batches of ``position``'s segment from its step on; each chunk read once, kept until its last use."""
+        skip, segment = position.step, len(position.segments) - 1
+        batches = self._position_batches(position)[skip:]
+        tags = [self.seed, position.epoch, _AUGMENT, self.rank] + ([segment] if segment else [])
+        augment_rng = np.random.default_rng(tags)
+        if self.augmentation is not None:
+            for rows in self._position_batches(position)[:skip]:  # the draws of the batches already served
+                self.augmentation.skip(len(rows), augment_rng)
+        last_use: dict[int, int] = {}
+        first_use: list[int] = []
+        for i, rows in enumerate(batches):
+            for chunk in np.unique(rows // self.chunk).tolist():
+                if chunk not in last_use:
+                    first_use.append(chunk)
+                last_use[chunk] = i
+        reads = self._reads([(c, np.arange(c * self.chunk, c * self.chunk + 1)) for c in first_use], whole=True)
+        try:
+            yield from self._cached_batches(batches, reads, last_use, augment_rng)
+        finally:
+            reads.close()  # shuts the read pool down, also when the epoch is left early
+
+    def _cached_batches(
+        self, batches: list[np.ndarray], reads: Iterator, last_use: dict[int, int], augment_rng: np.random.Generator
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor, np.ndarray]]:
+        cache: dict[int, np.ndarray] = {}
+        for i, rows in enumerate(batches):
+            chunks = rows // self.chunk
+            for chunk in np.unique(chunks).tolist():
+                while chunk not in cache:
+                    got, images = next(reads)
+                    cache[int(got[0]) // self.chunk] = images
+            images = np.stack([cache[int(c)][int(r) - int(c) * self.chunk] for r, c in zip(rows, chunks, strict=True)])
+            for chunk in np.unique(chunks).tolist():
+                if last_use[chunk] == i:
+                    del cache[chunk]
+            yield self._finish(images, rows, augment_rng)
 
     def _finish(
         self, images: np.ndarray, rows: np.ndarray, rng: np.random.Generator
