@@ -90,6 +90,10 @@ class TrainerSpec:
     stages: int = 1
     microbatches: int = 1
     schedule: str = "1f1b"
+    #: a step checkpoint (weights, optimizer, compressor, generators, loader position) every this many steps
+    checkpoint_every_steps: int | None = None
+    #: ... or once this many seconds passed since the last checkpoint (agreed at the ranks' next check)
+    checkpoint_every_seconds: float | None = None
 
 
 def _epoch_seed(seed: int, epoch: int, rank: int) -> int:
@@ -135,7 +139,11 @@ class TrainingActor:
         self._progress: dict[str, Any] = {}
         self._ready = False
         self._orphaned = False  # released by the scheduler while running (its client is gone)
-        self._latest: dict[str, Any] | None = None  # rank 0: the newest checkpoint when there is no directory
+        self._latest: dict[str, Any] | None = None  # the newest epoch checkpoint when there is no directory
+        self._latest_step: dict[str, Any] | None = None  # the newest step checkpoint (newer than _latest) likewise
+        self._resume: Any = None  # an EpochResume for the first epoch of run_epochs (a step checkpoint's)
+        self._context: dict[str, Any] | None = None  # run_epochs' directory and history, for step checkpoints
+        self.global_step = 0  # optimizer steps of the run so far (also those of the runs it resumed)
 
     # ---- answered on the event loop, also while an epoch runs ----------------------------------------------
 
@@ -148,8 +156,11 @@ class TrainingActor:
         """Return where the current epoch is: ``epoch, step, steps, loss, images_per_s``."""
         return dict(self._progress)
 
-    async def latest_checkpoint(self) -> dict[str, Any] | None:
-        """Rank 0: the checkpoint of the last completed epoch of :meth:`run_epochs` without a directory."""
+    async def latest_checkpoint(self, step: bool = False) -> dict[str, Any] | None:
+        """The checkpoint of the last completed epoch of :meth:`run_epochs` without a directory (every rank keeps
+        it); ``step=True``: the newest step checkpoint instead when there is a newer one."""
+        if step and self._latest_step is not None:
+            return self._latest_step
         return self._latest
 
     # ---- process group and model ----------------------------------------------------------------------
@@ -164,20 +175,30 @@ class TrainingActor:
             port = s.getsockname()[1]
         return f"tcp://{host}:{port}"
 
-    def setup(self, spec: TrainerSpec, *, init_method: str, rank: int, world_size: int) -> dict[str, Any]:
-        """Join the process group, build model, DDP, compressor, optimizer and loaders; load a checkpoint."""
+    def setup(
+        self, spec: TrainerSpec, *, init_method: str, rank: int, world_size: int, checkpoint: Any = None
+    ) -> dict[str, Any]:
+        """Join the process group, build model, DDP, compressor, optimizer and loaders; load a checkpoint.
+
+        ``checkpoint`` (a path or a checkpoint dict; a restart's) replaces ``spec.resume_from``; it may be of another
+        world size (:mod:`dask_dl.train.resume`).
+        """
         from distributed import get_worker
 
         worker = get_worker()
         _claim_process_group(worker, wait_s=min(float(spec.timeout_s), _CLAIM_WAIT_S))
         try:
-            return self._setup(worker, spec, init_method=init_method, rank=rank, world_size=world_size)
+            return self._setup(
+                worker, spec, init_method=init_method, rank=rank, world_size=world_size, checkpoint=checkpoint
+            )
         except BaseException:
             # a failed rendezvous must not leave this worker unusable: no half-made group, no advanced counter
             self.teardown()
             raise
 
-    def _setup(self, worker: Any, spec: TrainerSpec, *, init_method: str, rank: int, world_size: int) -> dict[str, Any]:
+    def _setup(
+        self, worker: Any, spec: TrainerSpec, *, init_method: str, rank: int, world_size: int, checkpoint: Any = None
+    ) -> dict[str, Any]:
         from dask_dl.data.loader import ChunkLoader
         from dask_dl.models import MODELS, build_model
         from dask_dl.train.compression import make_compressor
@@ -227,9 +248,13 @@ class TrainingActor:
             self.optimizer = torch.optim.SGD(
                 model.parameters(), lr=spec.lr, momentum=spec.momentum, weight_decay=spec.weight_decay
             )
-        self.start_epoch = 0
-        if spec.resume_from is not None:
-            self._load(load_checkpoint(spec.resume_from, map_location=self.device))
+        self.start_epoch, self.global_step, self._resume = 0, 0, None
+        if isinstance(checkpoint, dict):
+            self._load(checkpoint, elastic=True)
+        elif checkpoint is not None or spec.resume_from is not None:
+            source = checkpoint or spec.resume_from
+            self._load(load_checkpoint(source, map_location=self.device), elastic=checkpoint is not None,
+                       source=source)  # fmt: skip
         data_rank, data_world = data_shard(spec.parallel, spec.stages, rank, world_size)  # a pipeline's stages share
         common = dict(rank=data_rank, world_size=data_world, seed=spec.seed, window=spec.window,
                       prefetch=spec.prefetch, normalization=spec.normalization)  # fmt: skip
@@ -239,6 +264,8 @@ class TrainingActor:
         self.val_loader = ChunkLoader(
             spec.store, spec.val_samples, batch_size=spec.batch_size, shuffle=False, drop_last=False, **common
         )
+        if self._resume is None and self.start_epoch and not self.global_step:  # a checkpoint from before step counts
+            self.global_step = self.start_epoch * int(self.train_loader.steps_per_epoch)
         self._ready = True
         return {
             "rank": rank,
@@ -248,25 +275,34 @@ class TrainingActor:
             "threads": torch.get_num_threads(),
             "steps_per_epoch": int(self.train_loader.steps_per_epoch),
             "start_epoch": self.start_epoch,
+            "start_step": self._resume.position.step if self._resume is not None else 0,
+            "global_step": self.global_step,
         }
 
-    def _load(self, checkpoint: dict[str, Any]) -> None:
+    def _load(self, checkpoint: dict[str, Any], *, elastic: bool = False, source: str | None = None) -> None:
+        from dask_dl.train.resume import compressor_state, epoch_resume
+
         if self.parallel is not None:  # sharded (fsdp) or per stage (pipeline)
-            self.parallel.load(checkpoint, self.optimizer, source=self.spec.resume_from)
+            self.parallel.load(checkpoint, self.optimizer, source=source or self.spec.resume_from)
         else:
             self.ddp.module.load_state_dict(checkpoint["model"])
             self.optimizer.load_state_dict(checkpoint["optimizer"])
         for group in self.optimizer.param_groups:  # the lr passed to this fit wins over the checkpoint's
             group["lr"] = self.spec.lr
         states = checkpoint["compressor"]
-        if len(states) != self.world_size:
+        if len(states) != self.world_size and not elastic:
             raise TrainingError(
                 f"the checkpoint was written by {len(states)} trainers and this run has {self.world_size}; "
                 f"resume with trainers={len(states)} (error-feedback residuals are per rank)"
             )
-        self.compressor.load_state_dict(states[self.rank])
-        set_rng_state(checkpoint["rng"][self.rank])
-        self.start_epoch = int(checkpoint["epoch"]) + 1
+        fresh = _to_cpu(self.compressor.state_dict())
+        self.compressor.load_state_dict(compressor_state(checkpoint, fresh, rank=self.rank, world_size=self.world_size))
+        if len(states) == self.world_size:
+            set_rng_state(checkpoint["rng"][self.rank])
+        self.global_step = int(checkpoint.get("global_step", 0))
+        self._resume = epoch_resume(checkpoint, rank=self.rank, world_size=self.world_size,
+                                    batch_size=self.spec.batch_size)  # fmt: skip
+        self.start_epoch = self._resume.position.epoch if self._resume else int(checkpoint["epoch"]) + 1
 
     # ---- one epoch ------------------------------------------------------------------------------------
 
@@ -276,28 +312,49 @@ class TrainingActor:
         loss = F.binary_cross_entropy_with_logits(logits, y, reduction="none").mean(dim=1)
         return loss.mean() if reduction == "mean" else loss.sum()
 
-    def train_epoch(self, epoch: int) -> dict[str, Any]:
+    def train_epoch(self, epoch: int, *, resume: Any = None) -> dict[str, Any]:
         """Train one epoch; every rank stops at the same step when a stop was requested on any rank.
 
         The ranks agree on stopping (and on a non-finite loss) every ``spec.check_every`` steps and at the last
-        step, so a stop takes effect within that many steps.
+        step, so a stop takes effect within that many steps. ``resume`` (an
+        :class:`~dask_dl.train.resume.EpochResume` of a step checkpoint) goes on where that checkpoint left the
+        epoch. Step checkpoints are taken every ``spec.checkpoint_every_steps`` steps of the run, or at the first
+        check after ``spec.checkpoint_every_seconds``, when :meth:`run_epochs` drives the epoch.
 
         Raises
         ------
         TrainingError
             On every rank, when the loss of any rank is not finite (no optimizer step is taken with it).
         """
-        torch.manual_seed(_epoch_seed(self.spec.seed, epoch, self.rank))
+        from dask_dl.data.position import EpochPosition
+
+        loader = self.train_loader
+        position = EpochPosition.start(epoch, seed=self.spec.seed, world_size=loader.world_size,
+                                       batch_size=loader.batch_size)  # fmt: skip
+        before_steps, before_examples, examples, loss_acc = 0, 0, 0, torch.zeros((), device=self.device)
+        if resume is None:
+            torch.manual_seed(_epoch_seed(self.spec.seed, epoch, self.rank))
+        else:
+            position, before_steps, before_examples = resume.position, resume.steps, resume.examples
+            loss_acc = resume.loss_acc.to(self.device).clone()
+            if resume.rng is not None:
+                set_rng_state(resume.rng)  # the generators exactly where the uninterrupted epoch had them
+            else:
+                torch.manual_seed(_epoch_seed(self.spec.seed, epoch, self.rank) + 7919 * len(position.segments))
         self.ddp.train()
         timer, device = self.timer, self.device
-        steps = self.train_loader.steps_per_epoch
+        steps = loader.steps_from(position) if not position.fresh else loader.steps_per_epoch
         bytes_before = int(self.compressor.bytes_sent)
-        loss_sum, examples, step, comm_s, busy_s, stopped = 0.0, 0, 0, 0.0, 0.0, False
-        loss_acc = torch.zeros((), device=device)
+        loss_sum, step, comm_s, busy_s, stopped = float(loss_acc), 0, 0.0, 0.0, False
         check_every = int(self.spec.check_every)
-        self._progress = {"epoch": epoch, "step": 0, "steps": steps, "loss": None, "images_per_s": None}
+        every_steps, every_s = self.spec.checkpoint_every_steps, self.spec.checkpoint_every_seconds
+        last_checkpoint = time.monotonic()
+        offset = position.step  # in-epoch steps before this call, in the current segment
+        self._progress = {"epoch": epoch, "step": offset, "steps": offset + steps, "loss": None, "images_per_s": None}
+        served: list[np.ndarray] = []
         started = time.perf_counter()
-        for step, (x, y) in enumerate(self.train_loader.epoch(epoch)):
+        for step, (x, y, rows) in enumerate(loader.epoch(epoch, with_samples=True, position=position)):
+            served.append(rows)
             begin = time.perf_counter()
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             hook_s_before, timer.last_return = timer.hook_s, None
@@ -310,16 +367,18 @@ class TrainingActor:
             backward_end = time.perf_counter()
             loss_acc += loss.detach()  # stays on the device: no host sync per step
             examples += x.shape[0] if getattr(self.parallel, "counts_examples", True) else 0
-            stop = bad = False
+            stop = bad = due = False
             if (step + 1) % check_every == 0 or step + 1 == steps:
                 # every `check_every` steps (the same steps on every rank) one small all-reduce makes the ranks
                 # agree to stop, or to fail, at the same step: a rank that broke out alone would leave the others
                 # waiting in DDP's next all-reduce. A non-finite loss anywhere since the last check makes the
                 # running sum non-finite.
-                flags = torch.stack([torch.tensor(float(self._stop.is_set()), device=device), loss_acc])
+                late = every_s is not None and time.monotonic() - last_checkpoint >= every_s
+                flags = torch.stack([torch.tensor(float(self._stop.is_set()), device=device), loss_acc,
+                                     torch.tensor(float(late), device=device)])  # fmt: skip
                 flags[1] = (~torch.isfinite(flags[1])).float()
                 dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-                stop, bad = bool(flags[0] > 0), bool(flags[1] > 0)
+                stop, bad, due = bool(flags[0] > 0), bool(flags[1] > 0), bool(flags[2] > 0)
                 if bad:
                     raise TrainingError(
                         f"non-finite training loss at epoch {epoch} step {step} (checked every {check_every} "
@@ -328,7 +387,7 @@ class TrainingActor:
                         "the data"
                     )
                 loss_sum = float(loss_acc)
-                self._progress.update(loss=loss_sum / (step + 1))
+                self._progress.update(loss=loss_sum / (before_steps + step + 1))
             flags_end = time.perf_counter()
             self.optimizer.step()
             end = time.perf_counter()
@@ -337,7 +396,14 @@ class TrainingActor:
             busy_s += end - begin
             elapsed = time.perf_counter() - started
             data_world = getattr(self.parallel, "data_world", self.world_size)
-            self._progress.update(step=step + 1, images_per_s=examples * data_world / elapsed)
+            self.global_step += 1
+            self._progress.update(step=offset + step + 1, images_per_s=examples * data_world / elapsed,
+                                  global_step=self.global_step)  # fmt: skip
+            due = due or (every_steps is not None and self.global_step % every_steps == 0)
+            if due and step + 1 < steps and not stop and self._context is not None and self.parallel is None:
+                partial = dict(loss_acc=loss_acc, examples=before_examples + examples, steps=before_steps + step + 1)
+                self._step_checkpoint(position.advanced(step + 1), partial)
+                last_checkpoint = time.monotonic()
             if stop:
                 stopped = True
                 break
@@ -348,7 +414,7 @@ class TrainingActor:
         return {
             "rank": self.rank,
             "epoch": epoch,
-            "steps": done,
+            "steps": before_steps + done,
             "loss_sum": loss_sum,
             "examples": examples,
             "seconds": seconds,
@@ -357,6 +423,8 @@ class TrainingActor:
             "data_wait_s": float(self.train_loader.wait_s),
             "bytes_sent": int(self.compressor.bytes_sent) - bytes_before,
             "stopped": stopped,
+            "served": np.concatenate(served) if served else np.zeros(0, np.int64),
+            "position": position.advanced(done).to_dict(),
         }
 
     @torch.no_grad()
@@ -402,6 +470,7 @@ class TrainingActor:
         global_batch: int,
         price: float,
         resumed: bool = False,
+        restarted: bool = False,
     ) -> dict[str, Any]:
         """Train, validate and checkpoint epochs ``first_epoch .. epochs - 1`` without waiting for the driver.
 
@@ -409,7 +478,10 @@ class TrainingActor:
         predictions, makes the epoch's history row (:func:`dask_dl.train.aggregate.epoch_row`) and publishes it
         as a Dask event on ``topic`` (``log_event``), which the driver subscribes to; the checkpoint is written by
         rank 0 to ``directory``, or, without one, kept by rank 0 (:meth:`latest_checkpoint`) rather than sent
-        anywhere. A stop request ends the loop at the same step on every rank, with a ``stopped`` row.
+        anywhere. A stop request ends the loop at the same step on every rank, with a ``stopped`` row. Step
+        checkpoints (``spec.checkpoint_every_*``) go to ``directory`` too, or are kept likewise; a first epoch that
+        a step checkpoint left part way goes on from its position. ``restarted`` marks the first row ``restarted``
+        (the driver re-formed the group after losing a trainer).
 
         Returns
         -------
@@ -426,7 +498,8 @@ class TrainingActor:
         watcher.start()
         try:
             result = self._epochs(first_epoch=first_epoch, epochs=epochs, history=history, directory=directory,
-                                  topic=topic, global_batch=global_batch, price=price, resumed=resumed)  # fmt: skip
+                                  topic=topic, global_batch=global_batch, price=price,
+                                  event="restarted" if restarted else "resumed" if resumed else "")  # fmt: skip
         except BaseException:
             # leave the group now: the driver's teardown may never come (a client gone, a peer hung), and the
             # worker must be as good as new for the next fit; rank 0 keeps its last checkpoint for the driver
@@ -462,7 +535,7 @@ class TrainingActor:
         topic: str,
         global_batch: int,
         price: float,
-        resumed: bool,
+        event: str,
     ) -> dict[str, Any]:
         from distributed import get_worker
 
@@ -477,10 +550,14 @@ class TrainingActor:
             published.append(row)
             worker.log_event(topic, row)
 
+        self._context = {"directory": directory, "history": history}
         for epoch in range(first_epoch, epochs):
             started = time.perf_counter()
-            report = self.train_epoch(epoch)
+            resume, self._resume = (self._resume, None) if epoch == first_epoch else (None, None)
+            report = self.train_epoch(epoch, resume=resume)
             trained = self._gather_to_root(report)
+            if self.rank == 0 and self.spec.parallel != "pipeline":  # a pipeline's stages share their rows
+                _count_samples(trained, resume, self.train_loader)
             if report["stopped"]:  # every rank stopped at the same step (train_epoch's flags)
                 if self.rank == 0:
                     seconds = time.perf_counter() - started
@@ -489,12 +566,13 @@ class TrainingActor:
             scored = self._gather_to_root(self.validate(epoch))
             row = None
             if self.rank == 0:
-                event = "resumed" if resumed and epoch == first_epoch else ""
-                row = epoch_row(epoch, trained, scored, seconds=time.perf_counter() - started, event=event, **common)
+                row = epoch_row(epoch, trained, scored, seconds=time.perf_counter() - started,
+                                event=event if epoch == first_epoch else "", **common)  # fmt: skip
+                row.update({k: trained[0][k] for k in ("samples", "samples_repeated") if k in trained[0]})
                 history.append(_plain(row))
             checkpoint = self.checkpoint(epoch, history=history, directory=directory)
+            self._latest, self._latest_step = (checkpoint if directory is None else None), None
             if self.rank == 0:
-                self._latest = checkpoint if directory is None else None
                 publish(row)
         return {"status": "finished", "rows": published}
 
@@ -506,29 +584,52 @@ class TrainingActor:
 
     # ---- checkpoint and teardown ----------------------------------------------------------------------
 
-    def checkpoint(self, epoch: int, *, history: list[dict[str, Any]], directory: str | None) -> dict[str, Any] | None:
-        """Gather every rank's compressor and RNG state to rank 0, which builds the checkpoint dict.
+    def checkpoint(
+        self,
+        epoch: int,
+        *,
+        history: list[dict[str, Any]],
+        directory: str | None,
+        position: Any = None,
+        partial: dict[str, Any] | None = None,
+    ) -> dict[str, Any] | None:
+        """Gather every rank's compressor and RNG state and build the checkpoint dict of completed epoch ``epoch``.
 
-        Rank 0 writes it to ``directory`` (atomically) when given, and returns it; other ranks return None.
+        With ``directory``, rank 0 gathers, writes it there (atomically) and returns it; other ranks return None.
+        Without one, every rank gets every rank's state (and rank 0's model buffers, which DDP broadcasts) and
+        returns the same checkpoint, so the driver can fetch it from any trainer that survives a failure.
+        ``position`` (an :class:`~dask_dl.data.position.EpochPosition`) and ``partial`` (this rank's loss
+        accumulators) make it a step checkpoint inside epoch ``position.epoch``.
         """
         from dask_dl.checkpoint import FORMAT
         from dask_dl.normalize import DEFAULT_NORMALIZATION
-        from dask_dl.train.checkpoint import save_checkpoint
+        from dask_dl.train.checkpoint import save_checkpoint, step_checkpoint_name
+        from dask_dl.train.resume import partial_state
 
-        mine = {"compressor": _to_cpu(self.compressor.state_dict()), "rng": rng_state()}
+        mine: dict[str, Any] = {"compressor": _to_cpu(self.compressor.state_dict()), "rng": rng_state()}
+        if partial is not None:
+            mine["partial"] = partial_state(**partial)
         # fsdp / pipeline: collective (shards written, the model consolidated on rank 0)
         parts = {} if self.parallel is None else self.parallel.checkpoint_parts(self.optimizer, epoch=epoch,
                                                                                directory=directory)  # fmt: skip
-        gathered: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
-        dist.gather_object(mine, gathered, dst=0)
-        if self.rank != 0:
-            return None
+        model = parts["model"] if parts else _to_cpu(self.ddp.module.state_dict())
+        if directory is None and self.parallel is None:
+            if self.rank == 0:
+                mine["buffers"] = {k: v for k, v in model.items() if k in dict(self.ddp.module.named_buffers())}
+            gathered: list[Any] | None = [None] * self.world_size
+            dist.all_gather_object(gathered, mine)
+            model.update(gathered[0]["buffers"])  # every rank keeps rank 0's buffers: the ones training goes on with
+        else:  # to a directory, or a sharded model (only rank 0 holds it whole)
+            gathered = [None] * self.world_size if self.rank == 0 else None
+            dist.gather_object(mine, gathered, dst=0)
+            if self.rank != 0:
+                return None
         spec = self.spec
         checkpoint = {
             "format": FORMAT,
             "model_name": spec.model_name,
             "model_kwargs": dict(spec.model_kwargs),
-            "model": parts["model"] if parts else _to_cpu(self.ddp.module.state_dict()),
+            "model": model,
             "labels": list(spec.labels),
             "task": spec.task,
             "input_size": int(spec.input_size),
@@ -540,10 +641,24 @@ class TrainingActor:
             "rng": [g["rng"] for g in gathered],
             "history": [_plain(row) for row in history],
             "parallel": parts.get("parallel", {"kind": "ddp", "trainers": self.world_size}),
+            "global_step": int(self.global_step),
         }
-        if directory is not None:
-            save_checkpoint(checkpoint, directory)
+        if position is not None:
+            checkpoint["position"] = position.to_dict()
+            checkpoint["partial"] = [g["partial"] for g in gathered]
+        if directory is not None and self.rank == 0:
+            name = step_checkpoint_name(position.epoch, self.global_step) if position is not None else None
+            save_checkpoint(checkpoint, directory, name=name)
         return checkpoint
+
+    def _step_checkpoint(self, position: Any, partial: dict[str, Any]) -> None:
+        """A checkpoint inside epoch ``position.epoch``, taken by every rank at the same step (collective)."""
+        context = self._context or {}
+        directory = context.get("directory")
+        checkpoint = self.checkpoint(position.epoch - 1, history=context.get("history", []), directory=directory,
+                                     position=position, partial=partial)  # fmt: skip
+        if directory is None:
+            self._latest_step = checkpoint
 
     def teardown(self, *, keep_latest: bool = False) -> bool:
         """Leave the process group and drop model, loaders and optimizer, so the worker is free again.
@@ -557,7 +672,7 @@ class TrainingActor:
         for name in ("ddp", "parallel", "optimizer", "compressor", "train_loader", "val_loader", "timer"):
             self.__dict__.pop(name, None)
         if not keep_latest:
-            self._latest = None
+            self._latest = self._latest_step = None
         # DDP's reducer holds the process group: free it before the group goes, not at interpreter exit
         gc.collect()
         if _GROUP_OWNER is not None and _GROUP_OWNER() is self:
@@ -683,3 +798,18 @@ def _plain(row: dict[str, Any]) -> dict[str, Any]:
             value = value.item()
         out[str(key)] = value
     return out
+
+
+def _count_samples(trained: list[dict[str, Any]], resume: Any, loader: Any) -> None:
+    """Rank 0: count the distinct rows the epoch trained on, and those served twice, into ``trained[0]``.
+
+    The rows served before a step checkpoint this epoch resumed from are recomputed from its position; each
+    rank's report then drops its row list (it is not a history column).
+    """
+    parts = [t.pop("served") for t in trained]
+    if resume is not None and not resume.position.fresh:
+        orders = lambda r, w, b: loader.order(resume.position.epoch, rank=r, world_size=w, batch_size=b)  # noqa: E731
+        parts.append(resume.position.served(orders))
+    rows = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    distinct = len(np.unique(rows))
+    trained[0]["samples"], trained[0]["samples_repeated"] = distinct, len(rows) - distinct

@@ -3,6 +3,11 @@
 Writing goes to a temporary name beside the target, then renames it (``os.replace`` locally; ``fs.mv``
 elsewhere), so a reader never sees half a file and a run killed while writing keeps the previous checkpoint. The
 manifest (size and SHA-256, :func:`dask_dl.checkpoint.verify_manifest`) is written last, the same way.
+
+Step checkpoints (taken inside an epoch, with the loader's position) are ``step-EEEE-GGGGGGGGG.pt`` (the epoch in
+progress and the run's optimizer steps so far) beside the epoch files; only the newest is kept, and an epoch's
+checkpoint removes the step files of that epoch and before. :func:`resume_candidates` orders both kinds, newest
+first, for resuming. Export and ``latest_checkpoint`` read epoch files only.
 """
 
 from __future__ import annotations
@@ -10,22 +15,67 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
 import os
 import random
+import re
 import uuid
 from typing import Any
 
 import numpy as np
 import torch
 
-from dask_dl.checkpoint import REQUIRED_KEYS, checkpoint_name, fs_of, is_local, manifest_name
+from dask_dl.checkpoint import REQUIRED_KEYS, checkpoint_name, fs_of, is_local, list_checkpoints, manifest_name
 from dask_dl.errors import TrainingError
 
-__all__ = ["rng_state", "save_checkpoint", "set_rng_state", "write_atomic"]
+__all__ = [
+    "resume_candidates",
+    "rng_state",
+    "save_checkpoint",
+    "set_rng_state",
+    "step_checkpoint_name",
+    "write_atomic",
+]
+
+logger = logging.getLogger("dask_dl.train")
+
+_STEP_NAME = re.compile(r"^step-(\d+)-(\d+)\.pt$")
 
 
-def save_checkpoint(checkpoint: dict[str, Any], directory: str | os.PathLike) -> str:
-    """Write ``checkpoint`` to ``directory`` as ``epoch-NNNN.pt``, atomically, then its manifest.
+def step_checkpoint_name(epoch: int, global_step: int) -> str:
+    """The file name of a step checkpoint inside epoch ``epoch`` after ``global_step`` steps of the run."""
+    return f"step-{epoch:04d}-{global_step:09d}.pt"
+
+
+def list_step_checkpoints(directory: str | os.PathLike) -> list[tuple[int, int, str]]:
+    """``(epoch, global_step, path)`` of every step checkpoint in ``directory``, oldest first."""
+    fs, root = fs_of(directory)
+    if not fs.exists(root):
+        return []
+    found = []
+    for path in fs.ls(root, detail=False):
+        match = _STEP_NAME.match(path.rstrip("/").rsplit("/", 1)[-1])
+        if match:
+            found.append((int(match.group(1)), int(match.group(2)), path))
+    return sorted(found)
+
+
+def resume_candidates(directory: str | os.PathLike) -> list[str]:
+    """Every checkpoint of ``directory`` (epoch and step files), newest first: where a resume may start.
+
+    A step checkpoint inside epoch ``e`` is newer than the checkpoint of epoch ``e - 1`` and older than epoch
+    ``e``'s.
+    """
+    fs, _ = fs_of(directory)
+    keyed = [((epoch + 1, 0), path) for epoch, path in list_checkpoints(directory)]
+    keyed += [((epoch, 1 + step), path) for epoch, step, path in list_step_checkpoints(directory)]
+    return [path if is_local(fs) else fs.unstrip_protocol(path) for _, path in sorted(keyed, reverse=True)]
+
+
+def save_checkpoint(checkpoint: dict[str, Any], directory: str | os.PathLike, *, name: str | None = None) -> str:
+    """Write ``checkpoint`` to ``directory`` as ``epoch-NNNN.pt`` (or ``name``), atomically, then its manifest.
+
+    Older step checkpoints (all of them after an epoch's checkpoint) are removed afterwards.
 
     Parameters
     ----------
@@ -33,6 +83,8 @@ def save_checkpoint(checkpoint: dict[str, Any], directory: str | os.PathLike) ->
         A dict with the keys in :data:`REQUIRED_KEYS`.
     directory
         Local directory or fsspec URL; created when missing.
+    name
+        The file name (a step checkpoint's, :func:`step_checkpoint_name`); default ``epoch-NNNN.pt``.
 
     Returns
     -------
@@ -45,7 +97,7 @@ def save_checkpoint(checkpoint: dict[str, Any], directory: str | os.PathLike) ->
     buffer = io.BytesIO()
     torch.save(checkpoint, buffer)
     data = buffer.getbuffer()
-    name = checkpoint_name(int(checkpoint["epoch"]))
+    name = name or checkpoint_name(int(checkpoint["epoch"]))
     manifest = {"file": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     fs, root = fs_of(directory)
     if fs.exists(f"{root}/{manifest_name(name)}"):  # a stale manifest must not judge the new file
@@ -53,7 +105,22 @@ def save_checkpoint(checkpoint: dict[str, Any], directory: str | os.PathLike) ->
     target = write_atomic(directory, name, data)
     # written last: a run killed between the two leaves a complete checkpoint without manifest (read with a warning)
     write_atomic(directory, manifest_name(name), json.dumps(manifest).encode())
+    _remove_older_steps(directory, keep=name)
     return target
+
+
+def _remove_older_steps(directory: str | os.PathLike, *, keep: str) -> None:
+    """Delete the step checkpoints that ``keep`` (just written) makes obsolete, with their manifests."""
+    fs, _ = fs_of(directory)
+    for _, _, path in list_step_checkpoints(directory):
+        if path.rstrip("/").rsplit("/", 1)[-1] == keep:
+            continue
+        for victim in (path, manifest_name(path)):
+            try:
+                if fs.exists(victim):
+                    fs.rm(victim)
+            except OSError as exc:  # a leftover step file costs disk, not correctness: resume orders by name
+                logger.warning("could not remove the old step checkpoint %s: %s", victim, exc)
 
 
 def write_atomic(directory: str | os.PathLike, name: str, data: bytes | memoryview) -> str:

@@ -6,9 +6,17 @@ worker, forms the process group, and makes one call per rank that runs every epo
 the driver, which only observes. Rank 0 publishes each epoch's history row as a Dask event on the run's topic;
 the driver subscribes to it, asks rank 0 for live progress once a second, sees a failed rank at its next look
 (every 0.25 s), and always releases the actors at the end, also after errors. Checkpoints stay with the
-trainers: rank 0 writes them to ``checkpoint_dir``, or keeps the latest, which the driver fetches when asked and
-once at the end. What it learns it hands to the run it drives (a :class:`RunSink`:
+trainers: rank 0 writes them to ``checkpoint_dir``, or every rank keeps the latest, which the driver fetches when
+asked and once at the end. What it learns it hands to the run it drives (a :class:`RunSink`:
 :class:`~dask_dl.train.run.TrainingRun`), which keeps the state the user sees.
+
+Recovery (``max_restarts > 0``): when a trainer's worker is lost or a collective fails, the driver takes the newest
+checkpoint (the newest good file of ``checkpoint_dir``, epoch or step; without a directory, the in-memory copy of
+the first trainer that survived, which every rank keeps), releases every actor (the survivors have left their
+group already), waits for workers (:func:`~dask_dl.train.recovery.wait_for_trainers`), forms a new group of fresh
+actors that load that checkpoint, and goes on; each restart is a row of the run's ``restarts``. When every trainer
+is lost and there is no directory, the checkpoints were lost with them: the run fails and says so, unless no epoch
+had completed yet (then it starts again from the beginning).
 """
 
 from __future__ import annotations
@@ -19,8 +27,9 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
-from dask_dl.errors import TrainingError
+from dask_dl.errors import CheckpointError, TrainingError
 from dask_dl.train.aggregate import worker_hour_price
+from dask_dl.train.recovery import RestartPolicy, recoverable, restart_row, wait_for_trainers
 
 if TYPE_CHECKING:  # pragma: no cover
     from distributed import Client
@@ -49,6 +58,8 @@ class RunSink(Protocol):
 
     def keep_checkpoint(self, checkpoint: dict[str, Any]) -> None: ...
 
+    def restarted(self, row: dict[str, Any], *, history: list[dict[str, Any]], workers: list[str]) -> None: ...
+
     def ended(self, status: str, error: BaseException | None) -> None: ...
 
 
@@ -67,8 +78,13 @@ class Driver:
         checkpoint_dir: str | None,
         global_batch: int,
         sink: RunSink,
+        policy: RestartPolicy | None = None,
     ) -> None:
         self.client, self.spec, self.workers = client, spec, list(workers)
+        self.policy = policy or RestartPolicy()
+        self.restarts = 0
+        self._restart: dict[str, Any] | None = None  # the restart under way, recorded once training goes on
+        self._last_progress: dict[str, Any] = {}
         self.epochs, self.epoch, self.checkpoint_dir = epochs, first_epoch, checkpoint_dir
         self.global_batch, self.sink = global_batch, sink
         self.gpu = False
@@ -76,7 +92,9 @@ class Driver:
         self.history = [dict(r) for r in history]  # the rows of the run resumed from, given to rank 0
         self.topic = f"dask-dl-{sink.run_id}"
         self._rows: queue.SimpleQueue = queue.SimpleQueue()  # rows published by rank 0, from the client's loop
-        self._delivered = 0
+        self._delivered = 0  # rows delivered from the current group's run_epochs call
+        self._completed = 0  # epochs completed and delivered in this run (all groups)
+        self._group_start = first_epoch  # rows of earlier epochs are late events of a failed group: dropped
         self._actor_futures: list[Any] = []
         self._actors: list[Any] = []
         self._worker_ids: dict[str, str | None] = {}  # trainer address -> the scheduler's id of its worker
@@ -100,8 +118,7 @@ class Driver:
         status, error = "failed", None
         self.client.subscribe_topic(self.topic, lambda event: self._rows.put(event[1]))
         try:
-            self._form_group()
-            status = self._run()
+            status = self._drive_with_restarts()
         except BaseException as exc:  # handed to wait(); the thread must not die silently
             status, error = "failed", exc
         finally:
@@ -115,10 +132,111 @@ class Driver:
                     logger.debug("%s: unsubscribe failed: %s", self.sink.run_id, exc)
                 self.sink.ended(status, error)
 
-    def _form_group(self) -> None:
+    def _drive_with_restarts(self) -> str:
+        checkpoint: Any = None  # what the next group resumes from (a path or dict); None: the spec's resume_from
+        while True:
+            try:
+                self._form_group(checkpoint)
+                return self._run()
+            except Exception as exc:
+                if self.stop_requested.is_set() or not recoverable(exc) or not self.policy.max_restarts:
+                    raise
+                if self.restarts >= self.policy.max_restarts:
+                    raise TrainingError(
+                        f"{self.sink.run_id} gave up after {self.restarts} restart(s) (max_restarts="
+                        f"{self.policy.max_restarts}): {exc}",
+                        lost_workers=getattr(exc, "lost_workers", None) or [],
+                    ) from exc
+                checkpoint = self._recover(exc, checkpoint)
+
+    def _recover(self, error: BaseException, previous: Any) -> Any:
+        """Release the failed group, find the checkpoint and the workers to go on with; return the checkpoint."""
+        began, lost = time.monotonic(), list(getattr(error, "lost_workers", None) or [])
+        logger.info("%s: %s; recovering (restart %d of at most %d)", self.sink.run_id, error, self.restarts + 1,
+                    self.policy.max_restarts)  # fmt: skip
+        failed_at = self._where_failed()
+        checkpoint, resumed = self._restart_checkpoint(previous)
+        self._release()
+        self.workers = wait_for_trainers(
+            self.client, trainers=len(self.workers), policy=self.policy, run_id=self.sink.run_id, lost=lost
+        )
+        self.restarts += 1
+        self.history = [dict(r) for r in (checkpoint or {}).get("history", [])] if isinstance(checkpoint, dict) \
+            else self._checkpoint_history(checkpoint)  # fmt: skip
+        self.global_batch = self.spec.batch_size * len(self.workers)
+        self._restart = {"error": error, "lost": lost, "failed_at": failed_at, "resumed": resumed, "began": began}
+        self._group_start = resumed["epoch"]
+        return checkpoint
+
+    def _where_failed(self) -> dict[str, Any]:
+        """Where the furthest surviving trainer was (epoch, step, global_step), else the last live progress."""
+        best = dict(self._last_progress)
+        for actor in list(self._actors):
+            try:
+                live = actor.progress().result(timeout=2)
+            except Exception as exc:  # its worker is gone: the others say where training was
+                logger.debug("%s: no progress from a failed trainer: %s", self.sink.run_id, exc)
+                continue
+            if live.get("global_step", -1) > best.get("global_step", -1):
+                best = live
+        return best
+
+    def _restart_checkpoint(self, previous: Any) -> tuple[Any, dict[str, int]]:
+        """The newest checkpoint to go on from, and where it stands (epoch, step, global_step)."""
+        checkpoint: Any = None
+        if self.checkpoint_dir is not None:
+            checkpoint = self._newest_in_directory()
+        else:
+            for rank, actor in enumerate(list(self._actors)):
+                try:
+                    checkpoint = actor.latest_checkpoint(step=True).result(timeout=60)
+                except Exception as exc:  # that trainer's worker is gone: ask the next one
+                    self._log_failure("kept no checkpoint to restart from", rank, exc)
+                    continue
+                if checkpoint is not None:
+                    break
+            if checkpoint is None and isinstance(previous, dict):
+                checkpoint = previous
+            if checkpoint is None and self._completed:
+                raise TrainingError(
+                    f"{self.sink.run_id}: every trainer holding a checkpoint was lost, and there is no "
+                    f"checkpoint_dir: the {self._completed} completed epoch(s) cannot be restored. Train with "
+                    "fit(..., checkpoint_dir=...) to recover from the loss of any trainer"
+                )
+        if checkpoint is None and self.spec.resume_from is not None:
+            checkpoint = self.spec.resume_from
+        return checkpoint, _where(self._load(checkpoint))
+
+    def _newest_in_directory(self) -> str | None:
+        from dask_dl.checkpoint import load_checkpoint
+        from dask_dl.train.checkpoint import resume_candidates
+
+        for path in resume_candidates(self.checkpoint_dir):
+            try:
+                load_checkpoint(path)
+            except (CheckpointError, TrainingError) as exc:
+                logger.warning("%s: restart skips the checkpoint %s: %s", self.sink.run_id, path, exc)
+                continue
+            return path
+        return None
+
+    @staticmethod
+    def _load(checkpoint: Any) -> dict[str, Any] | None:
+        if checkpoint is None or isinstance(checkpoint, dict):
+            return checkpoint
+        from dask_dl.checkpoint import load_checkpoint
+
+        return load_checkpoint(checkpoint)
+
+    def _checkpoint_history(self, checkpoint: Any) -> list[dict[str, Any]]:
+        loaded = self._load(checkpoint)
+        return [dict(r) for r in loaded["history"]] if loaded is not None else []
+
+    def _form_group(self, checkpoint: Any = None) -> None:
         from dask_dl.train.actor import TrainingActor
 
         client, n = self.client, len(self.workers)
+        suffix = f"-restart{self.restarts}" if self.restarts else ""
         self._actor_futures = [
             client.submit(
                 TrainingActor,
@@ -126,7 +244,7 @@ class Driver:
                 workers=[address],
                 allow_other_workers=False,
                 pure=False,
-                key=f"dask-dl-trainer-{self.sink.run_id}-{rank}",
+                key=f"dask-dl-trainer-{self.sink.run_id}-{rank}{suffix}",
             )
             for rank, address in enumerate(self.workers)
         ]
@@ -137,10 +255,21 @@ class Driver:
         init_method = self._actors[0].free_address().result()
         # all ranks must call init_process_group at once: start every setup before awaiting any
         infos = self._gather(
-            [a.setup(self.spec, init_method=init_method, rank=r, world_size=n) for r, a in enumerate(self._actors)]
+            [
+                a.setup(self.spec, init_method=init_method, rank=r, world_size=n, checkpoint=checkpoint)
+                for r, a in enumerate(self._actors)
+            ]  # fmt: skip
         )
         self.gpu = any(i["gpu"] for i in infos)
         self.epoch = infos[0]["start_epoch"]
+        if self._restart is not None:
+            done, self._restart = self._restart, None
+            row = restart_row(self.restarts, error=done["error"], lost=done["lost"], failed_at=done["failed_at"],
+                              resumed=done["resumed"], workers=self.workers,
+                              seconds=time.monotonic() - done["began"])  # fmt: skip
+            logger.info("%s: training again on %d trainer(s) from epoch %d step %d (%d step(s) lost)",
+                        self.sink.run_id, n, row["resumed_epoch"], row["resumed_step"], row["steps_lost"])  # fmt: skip
+            self.sink.restarted(row, history=self.history, workers=list(self.workers))
         self.sink.started(infos)
 
     def _run(self) -> str:
@@ -148,6 +277,7 @@ class Driver:
         if self.stop_requested.is_set():
             return "stopped"
         price = worker_hour_price(gpu=self.gpu)
+        self._delivered = 0
         calls = [
             actor.run_epochs(
                 first_epoch=self.epoch,
@@ -158,6 +288,7 @@ class Driver:
                 global_batch=self.global_batch,
                 price=price,
                 resumed=bool(self.history),
+                restarted=bool(self.restarts),
             )  # fmt: skip
             for actor in self._actors
         ]
@@ -177,7 +308,11 @@ class Driver:
             self._deliver_row(row)
 
     def _deliver_row(self, row: dict[str, Any]) -> None:
+        if int(row["epoch"]) < self._group_start:  # published by a group that failed; in the checkpoint's history
+            logger.debug("%s: dropped a late row of epoch %s", self.sink.run_id, row["epoch"])
+            return
         self._delivered += 1
+        self._completed += row.get("event") != "stopped"
         self.epoch = min(int(row["epoch"]) + 1, self.epochs - 1)
         self.sink.epoch_done(row)
 
@@ -213,7 +348,8 @@ class Driver:
             if live and time.monotonic() - last_poll > _PROGRESS_S:
                 last_poll = time.monotonic()
                 try:
-                    self.sink.progress(self._actors[0].progress().result(timeout=5))
+                    self._last_progress = self._actors[0].progress().result(timeout=5)
+                    self.sink.progress(self._last_progress)
                 except Exception as exc:  # live progress is a view: the epoch's own result carries the numbers
                     self._log_failure("reported no progress", 0, exc)
             time.sleep(_POLL_S)
@@ -301,3 +437,15 @@ class Driver:
     def _log_failure(self, what: str, rank: int, exc: BaseException) -> None:
         where = self.workers[rank] if rank < len(self.workers) else "?"
         logger.warning("%s: trainer %d on %s %s: %s: %s", self.sink.run_id, rank, where, what, type(exc).__name__, exc)
+
+
+def _where(checkpoint: dict[str, Any] | None) -> dict[str, int]:
+    """Epoch, in-epoch step and run step a checkpoint goes on from (the start of the run without one)."""
+    if checkpoint is None:
+        return {"epoch": 0, "step": 0, "global_step": 0}
+    global_step = int(checkpoint.get("global_step", 0))
+    if checkpoint.get("position") is not None:
+        position = checkpoint["position"]
+        return {"epoch": int(position["epoch"]), "step": int(position["segments"][-1]["steps"]),
+                "global_step": global_step}  # fmt: skip
+    return {"epoch": int(checkpoint["epoch"]) + 1, "step": 0, "global_step": global_step}

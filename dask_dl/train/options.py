@@ -69,6 +69,11 @@ class RunOptions:
     microbatches: int = 1
     schedule: str = "1f1b"
     memory_budget: int | None = None
+    max_restarts: int = 0
+    min_trainers: int = 1
+    restart_wait_s: float = 60.0
+    checkpoint_every_steps: int | None = None
+    checkpoint_every_seconds: float | None = None
 
     @property
     def global_batch(self) -> int:
@@ -112,6 +117,10 @@ def check_run(
     stages: int | None = None,
     microbatches: int | None = None,
     memory_budget: int | str | None = None,
+    max_restarts: int | None = None,
+    min_trainers: int | None = None,
+    checkpoint_every_steps: int | None = None,
+    checkpoint_every_seconds: float | None = None,
 ) -> RunOptions:
     """Check every argument of :func:`dask_dl.fit` and return the run's options (config fills what is None).
 
@@ -121,7 +130,7 @@ def check_run(
         An unknown model, model option, compressor, compressor option, optimizer or view; a number out of range;
         ``resume=True`` without ``checkpoint_dir``; a ``normalization`` that is not one, or has per-channel values
         for another number of channels than the dataset's; a ``parallel`` mode the compressor, trainers or batch
-        do not fit; a model over ``memory_budget`` per trainer.
+        do not fit; a model over ``memory_budget`` per trainer; ``min_trainers`` above ``trainers``.
     DatasetError
         Not a dataset of :func:`dask_dl.open_dataset`, no ``train``/``val`` samples or labels, or a batch larger
         than one trainer's share of the training split.
@@ -163,6 +172,7 @@ def check_run(
     momentum = _non_negative_real("dask-dl.train.momentum", config.get("train.momentum"))
     memory_budget = _check_memory(config.get("train.memory-budget", memory_budget), model, model_kwargs, data,
                                   plan=plan, trainers=trainers, optimizer=optimizer, momentum=momentum)  # fmt: skip
+    recovery = _check_recovery(trainers, max_restarts, min_trainers, checkpoint_every_steps, checkpoint_every_seconds)
     return RunOptions(
         **data,
         model=model,
@@ -190,7 +200,39 @@ def check_run(
         normalization=check_normalization(normalization, channels=data["channels"]),
         memory_budget=memory_budget,
         **plan,
+        **recovery,
     )
+
+
+def _check_recovery(
+    trainers: int,
+    max_restarts: int | None,
+    min_trainers: int | None,
+    every_steps: int | None,
+    every_seconds: float | None,
+) -> dict[str, Any]:
+    """The recovery options (:mod:`dask_dl.train.recovery`), config filling what is None."""
+    max_restarts = _non_negative_int("max_restarts", config.get("train.max-restarts", max_restarts))
+    min_trainers = config.get("train.min-trainers", min_trainers)
+    min_trainers = trainers if min_trainers is None else positive_int("min_trainers", min_trainers, example=1)
+    if min_trainers > trainers:
+        raise ConfigurationError(
+            f"min_trainers={min_trainers} is more than trainers={trainers}: a restarted run never has more trainers "
+            f"than it started with; pass min_trainers <= {trainers}"
+        )
+    every_steps = config.get("train.checkpoint-every-steps", every_steps) or None  # 0: off
+    every_seconds = config.get("train.checkpoint-every-seconds", every_seconds) or None
+    return {
+        "max_restarts": max_restarts,
+        "min_trainers": min_trainers,
+        "restart_wait_s": _positive_real("dask-dl.train.restart-wait", config.get("train.restart-wait"), example=60),
+        "checkpoint_every_steps": None
+        if every_steps is None
+        else positive_int("checkpoint_every_steps", every_steps, example=100),  # fmt: skip
+        "checkpoint_every_seconds": None
+        if every_seconds is None
+        else _positive_real("checkpoint_every_seconds", every_seconds, example=300),  # fmt: skip
+    }
 
 
 def check_dataset(dataset: Any) -> dict[str, Any]:

@@ -3,12 +3,13 @@
 A trainer is a :class:`~dask_dl.train.actor.TrainingActor` pinned to one Dask worker. Workers that advertise a
 ``GPU`` resource (``dask worker --resources GPU=1``, or dask-cuda's workers) take trainers when there are any, so
 CPU workers stay free for ingest and loading; otherwise any distinct workers do. Two trainers never share a
-worker: a worker process holds one torch.distributed default process group.
+worker: a worker process holds one torch.distributed default process group, and workers that hold another live
+run's trainer are left alone (two runs on one cluster train side by side, never on the same worker).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dask_dl.checks import positive_int
 from dask_dl.errors import ClusterError
@@ -17,6 +18,24 @@ if TYPE_CHECKING:  # pragma: no cover
     from distributed import Client
 
 GPU_RESOURCE = "GPU"
+TRAINER_KEY = "dask-dl-trainer-"  # the prefix of every training actor's key (then the run id and the rank)
+
+
+def busy_workers(client: Client, *, run_id: str | None = None) -> set[str]:
+    """Addresses of the workers that hold a training actor of a run other than ``run_id``."""
+
+    def held(dask_scheduler: Any, prefix: str = TRAINER_KEY, own: str | None = None) -> list[str]:
+        out = []
+        for key, ts in dask_scheduler.tasks.items():
+            name = str(key)
+            if not name.startswith(prefix) or (own is not None and name.startswith(f"{prefix}{own}-")):
+                continue
+            out += [ws.address for ws in ts.who_has or ()]
+            if ts.processing_on is not None:
+                out.append(ts.processing_on.address)
+        return out
+
+    return set(client.run_on_scheduler(held, own=run_id))
 
 
 def place_trainers(client: Client, trainers: int, *, resource: str = GPU_RESOURCE) -> list[str]:
@@ -52,6 +71,8 @@ def place_trainers(client: Client, trainers: int, *, resource: str = GPU_RESOURC
     """
     trainers = positive_int("trainers", trainers, example=2)
     workers = client.scheduler_info(n_workers=-1)["workers"]
+    busy = busy_workers(client)
+    workers = {a: w for a, w in workers.items() if a not in busy} if len(workers) - len(busy) >= trainers else workers
     accelerated = sorted(a for a, w in workers.items() if w.get("resources", {}).get(resource, 0) > 0)
     if accelerated:
         if len(accelerated) < trainers:

@@ -59,6 +59,10 @@ def fit(
     stages: int | None = None,
     microbatches: int | None = None,
     memory_budget: int | str | None = None,
+    max_restarts: int | None = None,
+    min_trainers: int | None = None,
+    checkpoint_every_steps: int | None = None,
+    checkpoint_every_seconds: float | None = None,
 ) -> TrainingRun:
     """Train a model on ``dataset`` with synchronous data-parallel SGD over Dask workers.
 
@@ -127,6 +131,18 @@ def fit(
         Bytes (or e.g. ``"2 GiB"``) of model state (parameters, gradients, optimizer state) one trainer may hold;
         estimated before anything is placed, and a run over it fails with both numbers and the modes that fit.
         Default ``dask-dl.train.memory-budget`` (none).
+    max_restarts : int, optional
+        When a trainer's worker is lost or a collective fails, re-form the group on the workers there are and go
+        on from the newest checkpoint, at most this many times (0: fail at once). Each restart is a row of
+        ``run.restarts``. Default ``dask-dl.train.max-restarts``. See the recovery how-to.
+    min_trainers : int, optional
+        Fewest trainers a restarted run goes on with, once ``dask-dl.train.restart-wait`` seconds passed without
+        as many free workers as it started with (the remaining samples of the epoch are re-sharded; error-feedback
+        residuals start from zero). Default ``dask-dl.train.min-trainers`` (null: ``trainers``).
+    checkpoint_every_steps, checkpoint_every_seconds : optional
+        Also checkpoint inside epochs, every this many optimizer steps or seconds (0: off), with the loader's
+        position, so a restart or ``resume=True`` loses at most that much and neither repeats nor skips a sample.
+        Defaults ``dask-dl.train.checkpoint-every-steps`` / ``-seconds``.
 
     Returns
     -------
@@ -163,7 +179,8 @@ def fit(
         lr=lr, optimizer=optimizer, warmup_steps=warmup_steps, checkpoint_dir=checkpoint_dir, resume=resume,
         seed=seed, augment=augment, model_kwargs=model_kwargs, compression_options=compression_options, view=view,
         tensorboard=tensorboard, normalization=normalization, parallel=parallel, stages=stages,
-        microbatches=microbatches, memory_budget=memory_budget,
+        microbatches=microbatches, memory_budget=memory_budget, max_restarts=max_restarts, min_trainers=min_trainers,
+        checkpoint_every_steps=checkpoint_every_steps, checkpoint_every_seconds=checkpoint_every_seconds,
     )  # fmt: skip
     total_steps = options.steps_per_epoch * options.epochs
     if options.compression != "none" and options.parallel == "ddp" and options.warmup_steps >= total_steps:
@@ -216,6 +233,8 @@ class TrainingRun:
         Why the run failed.
     options : RunOptions
         The checked options of the run.
+    workers : list of str
+        The workers the trainers run on now (after a restart, the new group's).
     """
 
     def __init__(
@@ -230,6 +249,7 @@ class TrainingRun:
     ) -> None:
         from dask_dl.train.driver import Driver
         from dask_dl.train.history import HistoryWriter
+        from dask_dl.train.recovery import RestartPolicy
         from dask_dl.train.view import RunView
 
         self.run_id = f"fit-{uuid.uuid4().hex[:8]}"
@@ -240,6 +260,7 @@ class TrainingRun:
         self._lease: Any = None  # the checkpoint_dir's lease, released when the run ends
         self.steps_per_epoch: int | None = None
         self._rows = [dict(r) for r in history]
+        self._restarts: list[dict[str, Any]] = []
         self._epoch = len(history)
         self._live: dict[str, Any] = {}
         self._checkpoint: dict[str, Any] | None = None
@@ -260,6 +281,7 @@ class TrainingRun:
             checkpoint_dir=options.checkpoint_dir,
             global_batch=options.global_batch,
             sink=self,
+            policy=RestartPolicy(options.max_restarts, options.min_trainers, options.restart_wait_s),
         )
 
     # ---- public ---------------------------------------------------------------------------------------
@@ -269,6 +291,14 @@ class TrainingRun:
         """One row per epoch finished so far (also the epochs of the run this one resumed)."""
         with self._lock:
             return pd.DataFrame(list(self._rows))
+
+    @property
+    def restarts(self) -> pd.DataFrame:
+        """One row per restart after a lost trainer: ``time``, ``lost_workers``, ``error``, where the trainers were
+        (``failed_epoch``, ``failed_step``) and went on from (``resumed_epoch``, ``resumed_step``), ``steps_lost``,
+        the new ``world_size`` and ``workers``, and the ``seconds`` from the failure to training again."""
+        with self._lock:
+            return pd.DataFrame(list(self._restarts))
 
     @property
     def done(self) -> bool:
@@ -428,6 +458,15 @@ class TrainingRun:
     def keep_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self._checkpoint = checkpoint
 
+    def restarted(self, row: dict[str, Any], *, history: list[dict[str, Any]], workers: list[str]) -> None:
+        with self._lock:
+            self._restarts.append(dict(row))
+            self._rows = [dict(r) for r in history]  # the epochs the checkpoint holds: later ones are trained again
+        self.workers = list(workers)
+        self._epoch = row["resumed_epoch"]
+        self._live = {}
+        self._publish()
+
     def ended(self, status: str, error: BaseException | None) -> None:
         from dask_dl.cluster import close_client
 
@@ -504,6 +543,8 @@ def _trainer_spec(options: RunOptions, resume_from: str | None) -> Any:
         stages=options.stages,
         microbatches=options.microbatches,
         schedule=options.schedule,
+        checkpoint_every_steps=options.checkpoint_every_steps,
+        checkpoint_every_seconds=options.checkpoint_every_seconds,
     )
 
 
@@ -547,13 +588,11 @@ def newest_good_checkpoint(directory: str) -> tuple[str | None, dict[str, Any] |
     CheckpointError
         When there are checkpoint files but none of them is good (the message lists each file's problem).
     """
-    from dask_dl.checkpoint import fs_of, is_local, list_checkpoints, load_checkpoint
+    from dask_dl.checkpoint import load_checkpoint
+    from dask_dl.train.checkpoint import resume_candidates
 
-    found = list_checkpoints(directory)
-    fs, _ = fs_of(directory)
     problems: list[str] = []
-    for _, fpath in reversed(found):
-        path = fpath if is_local(fs) else fs.unstrip_protocol(fpath)
+    for path in resume_candidates(directory):  # epoch and step checkpoints, newest first
         try:
             checkpoint = load_checkpoint(path)
         except CheckpointError as exc:

@@ -312,7 +312,7 @@ def test_dead_trainer_fails_fast_and_cluster_recovers(store, cluster_client):
     import os
     import signal
 
-    run = fit(store, cluster_client, epochs=500, batch_size=1, wait=False)
+    run = fit(store, cluster_client, epochs=500, batch_size=1, wait=False, max_restarts=0)  # recovery: test_recovery
     deadline = time.monotonic() + 60
     while not len(run.history) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -336,7 +336,7 @@ def test_a_hung_trainer_does_not_poison_its_workers(store, cluster_client):
     import dask
 
     with dask.config.set({"dask-dl.train.timeout": 3}):
-        run = fit(store, cluster_client, epochs=500, batch_size=1, wait=False)
+        run = fit(store, cluster_client, epochs=500, batch_size=1, wait=False, max_restarts=0)
     deadline = time.monotonic() + 60
     while not len(run.history) and time.monotonic() < deadline:
         time.sleep(0.05)
