@@ -1,0 +1,236 @@
+"""Recovery after a lost trainer, step checkpoints and the loader's position, on a real LocalCluster.
+
+Four worker processes with nannies (one thread each), real gloo groups, real SIGKILLs by pid. The collection is
+``test_fit``'s tiny learnable squares (32 px, 64 training images); every run here is the same 4-epoch onebit run
+(batch 1 per trainer: 32 steps per epoch on 2 trainers), so one uninterrupted run is the reference of them all.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import dask
+import numpy as np
+import pytest
+import torch
+from distributed import Client, LocalCluster
+from distributed.core import Status
+
+import dask_dl
+from dask_dl import TrainingError
+from dask_dl.data.loader import ChunkLoader
+from dask_dl.data.position import EpochPosition
+from dask_dl.errors import CheckpointError
+from dask_dl.testing import data as kit
+from dask_dl.testing.train import squares_collection
+
+OPTIONS = dict(
+    model="small_cnn", model_kwargs={"width": 8}, epochs=4, batch_size=1, trainers=2, lr=0.05,
+    compression="onebit", warmup_steps=2, seed=5,
+)  # fmt: skip
+STEPS = 32  # per epoch: 64 images / (2 trainers x 1)
+
+
+# ---- the loader's position: pure, no cluster -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_store(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("position") / "rows.zarr"
+    return kit.write_store(path, n=96, size=8, chunk=4, shard=2, labels=["a", "b"])
+
+
+def loaders(store, world_size: int, **kwargs) -> list[ChunkLoader]:
+    options = dict(batch_size=3, seed=7, window=2, augment=True, prefetch=2, **kwargs)
+    return [ChunkLoader(store, np.arange(96), rank=r, world_size=world_size, **options) for r in range(world_size)]
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_resumed_epoch_serves_exactly_the_batches_left(small_store, prefetch):
+    ranks = loaders(small_store, 2)
+    for loader in ranks:
+        loader.prefetch = prefetch
+    full = [list(loader.epoch(3, with_samples=True)) for loader in ranks]
+    steps = len(full[0])
+    assert steps == 96 // 6
+    for r, loader in enumerate(ranks):  # order() is what the epoch serves, computed without reading an image
+        assert np.array_equal(loader.order(3), np.concatenate([s for _, _, s in full[r]]))
+    for step in range(steps):  # resumed at any step: the same images, augmentation, labels and rows
+        position = EpochPosition.start(3, seed=7, world_size=2, batch_size=3).advanced(step)
+        for r, loader in enumerate(ranks):
+            assert loader.steps_from(position) == steps - step
+            got = list(loader.epoch(3, with_samples=True, position=position))
+            assert len(got) == steps - step
+            for (x, y, s), (x0, y0, s0) in zip(got, full[r][step:], strict=True):
+                assert torch.equal(x, x0) and torch.equal(y, y0) and np.array_equal(s, s0)
+
+
+@pytest.mark.parametrize("old, new", [(2, 1), (3, 2), (2, 3)])
+def test_a_changed_world_size_serves_every_remaining_sample_once(small_store, old, new):
+    before = loaders(small_store, old)
+    planned = np.concatenate([loader.order(1) for loader in before])
+    orders = lambda r, w, b: before[0].order(1, rank=r, world_size=w, batch_size=b)  # noqa: E731
+    for step in range(1, len(planned) // (3 * old)):  # at step 0 nothing was served: a fresh epoch of `new` ranks
+        saved = EpochPosition.start(1, seed=7, world_size=old, batch_size=3).advanced(step)
+        position = EpochPosition.from_dict(saved.to_dict()).resumed(world_size=new, batch_size=3)
+        after = loaders(small_store, new)
+        steps = {loader.steps_from(position) for loader in after}
+        assert len(steps) == 1  # every rank takes the same number of steps (DDP needs it)
+        served = [s for loader in after for _, _, s in loader.epoch(1, with_samples=True, position=position)]
+        rows = np.concatenate([saved.served(orders), *served])
+        assert sorted(rows.tolist()) == sorted(planned.tolist())  # none repeated, none skipped
+        assert all(2 <= len(s) <= 4 for s in served)  # batches of 3, or one more or fewer
+
+
+def test_a_malformed_position_is_refused():
+    with pytest.raises(CheckpointError, match="loader position .* malformed"):
+        EpochPosition.from_dict({"epoch": 1, "segments": []})
+    with pytest.raises(CheckpointError, match="no or impossible segments"):
+        EpochPosition.from_dict({"epoch": 1, "seed": 0, "segments": [{"world_size": 0, "batch_size": 1, "steps": 0}]})
+
+
+# ---- recovery on a real cluster ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with LocalCluster(n_workers=4, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    with Client(cluster) as client:
+        client.run(lambda: __import__("torch"))  # every worker imports torch once, side by side
+        yield client
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory, client) -> str:
+    root = tmp_path_factory.mktemp("squares")
+    path = str(root / "squares.zarr")
+    dask_dl.ingest(squares_collection(root), path, size=32, chunk=8, shard=2, client=client, progress=False)
+    return path
+
+
+@pytest.fixture(scope="module")
+def straight(store, client) -> dict[str, torch.Tensor]:
+    """The weights of the uninterrupted run."""
+    run = dask_dl.fit(dask_dl.open_dataset(store), client=client, **OPTIONS)
+    assert list(run.history["samples"]) == [STEPS * 2] * 4 and not run.history["samples_repeated"].any()
+    return run.checkpoint()["model"]
+
+
+def fit(store, client, **kwargs):
+    return dask_dl.fit(dask_dl.open_dataset(store), client=client, **{**OPTIONS, **kwargs})
+
+
+def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert set(a) == set(b)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def pid_of(client: Client, worker: str) -> int:
+    return client.run(os.getpid, workers=[worker])[worker]
+
+
+def wait_until(condition, *, within: float = 120.0, what: str = "") -> None:
+    deadline = time.monotonic() + within
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def test_two_runs_on_one_cluster_do_not_interfere(store, client, straight, tmp_path):
+    first = fit(store, client, checkpoint_dir=str(tmp_path / "a"), wait=False)
+    wait_until(lambda: first.status != "starting", what="the first run's group")
+    second = fit(store, client, checkpoint_dir=str(tmp_path / "b"), wait=False)
+    first.wait(timeout=300), second.wait(timeout=300)
+    assert not set(first.workers) & set(second.workers)  # separate workers, groups and rendezvous ports
+    assert first.status == second.status == "finished"
+    assert_same_weights(first.checkpoint()["model"], straight)
+    assert_same_weights(second.checkpoint()["model"], straight)
+
+
+def test_a_killed_trainer_recovers_with_identical_weights(store, client, straight, tmp_path):
+    ck = tmp_path / "ck"
+    run = fit(store, client, checkpoint_dir=str(ck), checkpoint_every_steps=3, wait=False)
+    # kill as soon as epoch 2 has a step checkpoint: in the middle of epoch 2, at a step the test does not choose
+    wait_until(lambda: list(ck.glob("step-0002-*.pt")) or run.done, what="a step checkpoint of epoch 2")
+    victim = run.workers[1]
+    os.kill(pid_of(client, victim), signal.SIGKILL)
+    run.wait(timeout=300)
+    assert run.status == "finished"
+    restarts = run.restarts
+    assert len(restarts) == 1 and restarts.loc[0, "lost_workers"] == victim
+    assert restarts.loc[0, "failed_epoch"] == 2 and restarts.loc[0, "resumed_epoch"] == 2
+    assert restarts.loc[0, "resumed_step"] > 0 and restarts.loc[0, "world_size"] == 2
+    assert 0 <= restarts.loc[0, "steps_lost"] <= 3 + 8  # the checkpoint interval, and the steps of one live poll
+    assert list(run.history["epoch"]) == [0, 1, 2, 3]
+    assert list(run.history["event"]) == ["", "", "restarted", ""]
+    assert list(run.history["samples"]) == [STEPS * 2] * 4 and not run.history["samples_repeated"].any()
+    assert_same_weights(run.checkpoint()["model"], straight)
+    assert not list(ck.glob("step-*.pt"))  # the epochs' checkpoints replaced the step checkpoints
+    client.wait_for_workers(4, timeout=120)  # the nanny restarts the killed worker
+
+
+def test_resume_from_a_step_checkpoint_is_identical(store, client, straight, tmp_path):
+    ck = tmp_path / "ck"
+    run = fit(store, client, checkpoint_dir=str(ck), checkpoint_every_steps=5, wait=False)
+    wait_until(lambda: list(ck.glob("step-0001-*.pt")) or run.done, what="a step checkpoint of epoch 1")
+    run.stop().wait(timeout=120)
+    assert run.status == "stopped" and list(run.history["event"]) == ["", "stopped"]
+    (saved,) = ck.glob("step-0001-*.pt")
+    resumed = fit(store, client, checkpoint_dir=str(ck), resume=True)
+    assert list(resumed.history["event"]) == ["", "resumed", "", ""]
+    assert list(resumed.history["samples"]) == [STEPS * 2] * 4 and not resumed.history["samples_repeated"].any()
+    assert int(saved.name.split("-")[2].split(".")[0]) % 5 == 0
+    assert_same_weights(resumed.checkpoint()["model"], straight)
+
+
+def test_more_failures_than_max_restarts_is_a_clear_error(store, client):
+    client.wait_for_workers(4, timeout=120)
+    run = fit(store, client, epochs=500, max_restarts=1, wait=False)  # no checkpoint_dir: in-memory checkpoints
+    wait_until(lambda: len(run.history) >= 1 or run.done, what="the first epoch")
+    first = run.workers[0]  # rank 0: the driver takes the checkpoint from rank 1, which every rank keeps
+    os.kill(pid_of(client, first), signal.SIGKILL)
+    wait_until(lambda: len(run.restarts) == 1 and run.status == "running" or run.done, what="the restart")
+    assert run.restarts.loc[0, "lost_workers"] == first and first not in run.workers
+    second = run.workers[1]
+    os.kill(pid_of(client, second), signal.SIGKILL)
+    with pytest.raises(TrainingError, match=r"gave up after 1 restart\(s\) \(max_restarts=1\).*trainer 1 on .* lost"):
+        run.wait(timeout=120)
+    assert run.error.lost_workers == [second]
+    client.wait_for_workers(4, timeout=120)
+
+
+def test_a_worker_lost_for_good_finishes_on_fewer_trainers(store, client, cluster, tmp_path):
+    """Last in this module: the cluster keeps one worker fewer."""
+    client.wait_for_workers(4, timeout=120)
+    ck = tmp_path / "ck"
+    # with 4 ranks, a survivor that waits on another survivor (not on the lost rank) sees the failure only at the
+    # collective's timeout: a short one keeps this test short
+    with dask.config.set({"dask-dl.train.restart-wait": 2, "dask-dl.train.timeout": 10}):
+        run = fit(store, client, trainers=4, checkpoint_dir=str(ck), checkpoint_every_steps=2, min_trainers=1,
+                  wait=False)  # fmt: skip
+    wait_until(lambda: list(ck.glob("step-0001-*.pt")) or run.done, what="a step checkpoint of epoch 1")
+    victim = run.workers[2]
+    (nanny,) = [n for n in cluster.workers.values() if n.worker_address == victim]
+    nanny.status = Status.closing_gracefully  # its worker's exit then closes the nanny: no worker comes back
+    os.kill(pid_of(client, victim), signal.SIGKILL)
+    run.wait(timeout=300)
+    assert run.status == "finished" and len(run.workers) == 3 and victim not in run.workers
+    restarts = run.restarts
+    assert restarts.loc[0, "lost_workers"] == victim and restarts.loc[0, "world_size"] == 3
+    assert restarts.loc[0, "resumed_epoch"] == 1 and restarts.loc[0, "resumed_step"] >= 2
+    history = run.history.set_index("epoch")
+    assert history.loc[1, "event"] == "restarted"
+    # the interrupted epoch: every sample its 4 trainers had planned (16 steps x 4) trained on exactly once,
+    # those before the step checkpoint by 4 trainers, the rest re-sharded over 3
+    assert history.loc[1, "samples"] == 64 and history.loc[1, "samples_repeated"] == 0
+    for later in (2, 3):  # then whole epochs on 3 trainers: 21 steps x 3
+        assert history.loc[later, "samples"] == 63 and history.loc[later, "samples_repeated"] == 0
