@@ -382,11 +382,15 @@ def check_command(store) -> None:
 @click.option("--stages", type=int, default=None, help="Pipeline stages (--parallel pipeline; default 2).")
 @click.option("--microbatches", type=int, default=None, help="Micro-batches per pipeline batch (default: stages).")
 @click.option("--memory-budget", default=None, help="Model state one trainer may hold, e.g. '2 GiB'; checked first.")
+@click.option("--max-restarts", type=int, default=None, help="Restarts after a lost trainer before failing (0: none).")
+@click.option("--min-trainers", type=int, default=None, help="Fewest trainers a restarted run goes on with.")
+@click.option("--checkpoint-every", type=int, default=None, help="Also checkpoint every N steps inside epochs.")
 @scheduler_option
 @quiet_option
 def train_command(
     store, model, epochs, batch_size, trainers, compression, lr, optimizer, checkpoint_dir, resume, seed, augment,
-    parallel, stages, microbatches, memory_budget, scheduler, workers, quiet,
+    parallel, stages, microbatches, memory_budget, max_restarts, min_trainers, checkpoint_every, scheduler,
+    workers, quiet,
 ) -> None:  # fmt: skip
     """Train a model on the train split of STORE, validating on its val split after every epoch.
 
@@ -410,6 +414,7 @@ def train_command(
             lr=lr, optimizer=optimizer, checkpoint_dir=checkpoint_dir, resume=resume, seed=seed, augment=augment,
             view="terminal" if interactive else "none", client=client, wait=False, parallel=parallel, stages=stages,
             microbatches=microbatches, memory_budget=memory_budget,
+            max_restarts=max_restarts, min_trainers=min_trainers, checkpoint_every_steps=checkpoint_every,
         )  # fmt: skip
         shown = 0
         try:

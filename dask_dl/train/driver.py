@@ -154,9 +154,9 @@ class Driver:
         began, lost = time.monotonic(), list(getattr(error, "lost_workers", None) or [])
         logger.info("%s: %s; recovering (restart %d of at most %d)", self.sink.run_id, error, self.restarts + 1,
                     self.policy.max_restarts)  # fmt: skip
-        failed_at = self._where_failed()
-        checkpoint, resumed = self._restart_checkpoint(previous)
-        self._release()
+        failed_at = self._where_failed(lost)
+        checkpoint, resumed = self._restart_checkpoint(previous, lost)
+        self._release(lost=lost)
         self.workers = wait_for_trainers(
             self.client, trainers=len(self.workers), policy=self.policy, run_id=self.sink.run_id, lost=lost
         )
@@ -168,10 +168,12 @@ class Driver:
         self._group_start = resumed["epoch"]
         return checkpoint
 
-    def _where_failed(self) -> dict[str, Any]:
+    def _where_failed(self, lost: list[str]) -> dict[str, Any]:
         """Where the furthest surviving trainer was (epoch, step, global_step), else the last live progress."""
         best = dict(self._last_progress)
-        for actor in list(self._actors):
+        for rank, actor in enumerate(list(self._actors)):
+            if self.workers[rank] in lost:
+                continue
             try:
                 live = actor.progress().result(timeout=2)
             except Exception as exc:  # its worker is gone: the others say where training was
@@ -181,13 +183,15 @@ class Driver:
                 best = live
         return best
 
-    def _restart_checkpoint(self, previous: Any) -> tuple[Any, dict[str, int]]:
+    def _restart_checkpoint(self, previous: Any, lost: list[str]) -> tuple[Any, dict[str, int]]:
         """The newest checkpoint to go on from, and where it stands (epoch, step, global_step)."""
         checkpoint: Any = None
         if self.checkpoint_dir is not None:
             checkpoint = self._newest_in_directory()
         else:
             for rank, actor in enumerate(list(self._actors)):
+                if self.workers[rank] in lost:
+                    continue
                 try:
                     checkpoint = actor.latest_checkpoint(step=True).result(timeout=60)
                 except Exception as exc:  # that trainer's worker is gone: ask the next one
@@ -404,11 +408,18 @@ class Driver:
                 return lost
             time.sleep(0.2)
 
-    def _release(self) -> None:
-        """Leave the process group on every trainer and delete the actors, also after errors."""
+    def _release(self, *, lost: list[str] | None = None) -> None:
+        """Leave the process group on every trainer and delete the actors, also after errors.
+
+        The trainers on ``lost`` workers (a restart's) are gone: their teardown fails as expected, logged at debug.
+        """
         actors, self._actors = self._actors, []
         calls = []
         for rank, actor in enumerate(actors):
+            if self.workers[rank] in (lost or ()):
+                logger.debug("%s: trainer %d on %s is lost: nothing to tear down", self.sink.run_id, rank,
+                             self.workers[rank])  # fmt: skip
+                continue
             try:
                 calls.append((rank, actor.teardown()))
             except Exception as exc:  # its worker is gone: nothing to tear down there

@@ -101,7 +101,8 @@ def restart_row(
     workers: list[str],
     seconds: float,
 ) -> dict[str, Any]:
-    """One row of ``run.restarts``: when, which worker was lost, where training went on, how much was lost.
+    """One row of ``run.restarts``: when training went on (``time``, and ``at`` in unix seconds), which worker was
+    lost, where training went on, how much was lost.
 
     ``failed_at`` and ``resumed`` hold ``epoch``, ``step`` (in the epoch) and ``global_step`` (of the run): where
     the trainers were when the group failed, and the checkpoint the new group went on from.
@@ -110,6 +111,7 @@ def restart_row(
     return {
         "restart": int(number),
         "time": datetime.now(UTC).isoformat(timespec="seconds"),
+        "at": time.time(),  # when training went on (unix seconds)
         "lost_workers": ", ".join(lost),
         "error": f"{type(error).__name__}: {first}"[:300],
         "failed_epoch": int(failed_at.get("epoch", -1)),
