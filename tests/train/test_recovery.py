@@ -20,7 +20,7 @@ from distributed import Client, LocalCluster
 from distributed.core import Status
 
 import dask_dl
-from dask_dl import TrainingError
+from dask_dl import ConfigurationError, TrainingError
 from dask_dl.data.loader import ChunkLoader
 from dask_dl.data.position import EpochPosition
 from dask_dl.errors import CheckpointError
@@ -90,6 +90,26 @@ def test_a_malformed_position_is_refused():
         EpochPosition.from_dict({"epoch": 1, "segments": []})
     with pytest.raises(CheckpointError, match="no or impossible segments"):
         EpochPosition.from_dict({"epoch": 1, "seed": 0, "segments": [{"world_size": 0, "batch_size": 1, "steps": 0}]})
+
+
+def test_recovery_options_are_checked_before_anything_runs(tmp_path):
+    from dask_dl.train.options import check_run
+
+    path = kit.write_store(tmp_path / "s.zarr", n=32, size=8, chunk=4, labels=["a"],
+                           split_of=lambda i: "train" if i < 24 else "val")  # fmt: skip
+    ds = dask_dl.open_dataset(path)
+    options = check_run(ds, trainers=2, batch_size=2)
+    assert (options.max_restarts, options.min_trainers, options.restart_wait_s) == (3, 2, 60.0)
+    assert (options.checkpoint_every_steps, options.checkpoint_every_seconds) == (None, 300.0)
+    options = check_run(ds, trainers=2, batch_size=2, min_trainers=1, checkpoint_every_steps=10,
+                        checkpoint_every_seconds=0)  # fmt: skip
+    assert (options.min_trainers, options.checkpoint_every_steps, options.checkpoint_every_seconds) == (1, 10, None)
+    with pytest.raises(ConfigurationError, match=r"min_trainers=3 is more than trainers=2.*min_trainers <= 2"):
+        check_run(ds, trainers=2, batch_size=2, min_trainers=3)
+    with pytest.raises(ConfigurationError, match=r"max_restarts must be an integer >= 0, got -1"):
+        check_run(ds, trainers=2, batch_size=2, max_restarts=-1)
+    with pytest.raises(ConfigurationError, match=r"checkpoint_every_steps must be a positive integer"):
+        check_run(ds, trainers=2, batch_size=2, checkpoint_every_steps=2.5)
 
 
 # ---- recovery on a real cluster ------------------------------------------------------------------------------
