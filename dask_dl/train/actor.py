@@ -477,7 +477,7 @@ class TrainingActor:
         All ranks call it at once. After each epoch rank 0 gathers every rank's training report and
         predictions, makes the epoch's history row (:func:`dask_dl.train.aggregate.epoch_row`) and publishes it
         as a Dask event on ``topic`` (``log_event``), which the driver subscribes to; the checkpoint is written by
-        rank 0 to ``directory``, or, without one, kept by rank 0 (:meth:`latest_checkpoint`) rather than sent
+        rank 0 to ``directory``, or, without one, kept by every rank (:meth:`latest_checkpoint`) rather than sent
         anywhere. A stop request ends the loop at the same step on every rank, with a ``stopped`` row. Step
         checkpoints (``spec.checkpoint_every_*``) go to ``directory`` too, or are kept likewise; a first epoch that
         a step checkpoint left part way goes on from its position. ``restarted`` marks the first row ``restarted``
@@ -502,7 +502,7 @@ class TrainingActor:
                                   event="restarted" if restarted else "resumed" if resumed else "")  # fmt: skip
         except BaseException:
             # leave the group now: the driver's teardown may never come (a client gone, a peer hung), and the
-            # worker must be as good as new for the next fit; rank 0 keeps its last checkpoint for the driver
+            # worker must be as good as new for the next fit; every rank keeps its last checkpoint for the driver
             self.teardown(keep_latest=True)
             raise
         finally:

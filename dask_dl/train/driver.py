@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from dask_dl.errors import CheckpointError, TrainingError
 from dask_dl.train.aggregate import worker_hour_price
+from dask_dl.train.placement import busy_workers
 from dask_dl.train.recovery import RestartPolicy, recoverable, restart_row, wait_for_trainers
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -42,6 +43,7 @@ logger = logging.getLogger("dask_dl.train")
 
 _POLL_S = 0.25  # how often the driver looks at running epochs (errors, live progress, stop requests)
 _PROGRESS_S = 1.0  # how often it asks rank 0 where the epoch is
+_CLAIM_S = 2.0  # how long start() waits for the scheduler to place the first actors (a second run then avoids them)
 _LOSS_WAIT_S = 3.0  # after a rank fails, how long to wait for the scheduler to notice a lost trainer worker
 
 
@@ -101,7 +103,20 @@ class Driver:
         self._thread = threading.Thread(target=self._drive, name=f"dask-dl-{sink.run_id}", daemon=True)
 
     def start(self) -> None:
-        self._thread.start()
+        """Place the first group's actors now, in the caller's thread, then drive them from the daemon thread.
+
+        A run started right after this one then sees these workers busy (:func:`~dask_dl.train.placement.
+        busy_workers`) and trains on others.
+        """
+        self._submit_actors()
+        deadline = time.monotonic() + _CLAIM_S
+        try:
+            while time.monotonic() < deadline and not set(self.workers) <= busy_workers(self.client):
+                time.sleep(0.02)
+        except Exception as exc:  # only a second run's placement depends on it; this run goes on
+            logger.warning("%s: could not see the trainers placed: %s: %s", self.sink.run_id, type(exc).__name__, exc)
+        finally:
+            self._thread.start()
 
     def stop(self) -> None:
         """Ask every trainer to stop within ``check_every`` steps (all ranks at the same step); returns at once."""
@@ -236,10 +251,10 @@ class Driver:
         loaded = self._load(checkpoint)
         return [dict(r) for r in loaded["history"]] if loaded is not None else []
 
-    def _form_group(self, checkpoint: Any = None) -> None:
+    def _submit_actors(self) -> None:
         from dask_dl.train.actor import TrainingActor
 
-        client, n = self.client, len(self.workers)
+        client = self.client
         suffix = f"-restart{self.restarts}" if self.restarts else ""
         self._actor_futures = [
             client.submit(
@@ -252,6 +267,11 @@ class Driver:
             )
             for rank, address in enumerate(self.workers)
         ]
+
+    def _form_group(self, checkpoint: Any = None) -> None:
+        n = len(self.workers)
+        if not self._actor_futures:  # a restart's group (the first one's actors were placed by start())
+            self._submit_actors()
         self._actors = [f.result() for f in self._actor_futures]
         self._worker_ids = self._trainer_worker_ids()
         if self.stop_requested.is_set():  # stop() came before the actors existed
