@@ -7,7 +7,8 @@ its rank 1 worker is SIGKILLed ``--kill-after`` seconds into epoch 1, and the ru
 worker, or the nanny's restarted one, takes the lost trainer's place). Prints per interval: seconds from the kill to
 training again (the new group formed and loaded the checkpoint), the driver's share of it (failure noticed to
 training again), the steps lost (done after the checkpoint the run went on from), and whether the run finished.
-Worker imports are warmed by one short fit first (not counted).
+Worker imports are warmed by one short fit first, and again before each run (a nanny's restarted worker is a new
+process): a replacement worker that must first import torch adds some 5-15 s on a loaded machine.
 
     python bench/recovery.py                              # intervals 0 (epoch only), 64, 16, 4
     python bench/recovery.py --intervals 0 32 8 --images 1024
@@ -79,7 +80,8 @@ def main() -> None:
                     client=client)  # fmt: skip  # warms every worker
         rows = []
         for interval in args.intervals:
-            client.wait_for_workers(3, timeout=120)
+            client.wait_for_workers(3, timeout=300)
+            client.run(lambda: __import__("dask_dl.train.actor"))  # the nanny's restarted worker too: warm
             rows.append(one_run(client, dataset, interval=interval, kill_after=args.kill_after,
                                 directory=str(root / f"ck-{interval}")))  # fmt: skip
             print(rows[-1], flush=True)
