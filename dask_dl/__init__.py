@@ -54,6 +54,7 @@ _LAZY = {
     "build_model": "dask_dl.models",
     "list_models": "dask_dl.models",
     "register_model": "dask_dl.models",
+    "load_weights": "dask_dl.models.weights",
     "export_onnx": "dask_dl.export",
     "read_model_info": "dask_dl.export",
     "predict": "dask_dl.inference",
@@ -131,5 +132,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from dask_dl.inference import evaluate, predict, scores_table
     from dask_dl.metrics import auroc
     from dask_dl.models import build_model, list_models, register_model
+    from dask_dl.models.weights import load_weights
     from dask_dl.train.compression import make_compressor
     from dask_dl.train.run import TrainingRun, fit

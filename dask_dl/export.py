@@ -34,8 +34,8 @@ import torch
 from torch import nn
 
 from dask_dl._version import __version__
-from dask_dl.errors import ConfigurationError, ExportError, StoreNotFoundError
-from dask_dl.models import build_model
+from dask_dl.errors import ConfigurationError, ExportError, StoreNotFoundError, TrainingError
+from dask_dl.models.source import build_from_checkpoint
 from dask_dl.normalize import DEFAULT_NORMALIZATION, check_normalization, scale
 
 __all__ = ["INPUT_NAME", "OUTPUT_NAME", "ModelInfo", "export_onnx", "read_model_info"]
@@ -141,7 +141,7 @@ def _load_checkpoint_file(source: str | os.PathLike) -> dict[str, Any]:
         ) from exc
 
 
-def _from_checkpoint(ck: dict[str, Any]) -> tuple[nn.Module, dict[str, Any]]:
+def _from_checkpoint(ck: dict[str, Any], model: Any = None) -> tuple[nn.Module, dict[str, Any]]:
     missing = [k for k in _NEEDED_KEYS if k not in ck]
     if missing:
         raise ExportError(
@@ -150,7 +150,10 @@ def _from_checkpoint(ck: dict[str, Any]) -> tuple[nn.Module, dict[str, Any]]:
         )
     labels = list(ck["labels"])
     in_channels = int(ck.get("in_channels", 1))
-    net = build_model(ck["model_name"], num_outputs=len(labels), in_channels=in_channels, **ck["model_kwargs"])
+    try:
+        net = build_from_checkpoint(ck, model=model)
+    except TrainingError as exc:  # a user's model that only the user's code can rebuild
+        raise ExportError(str(exc)) from None
     # DDP wraps the module as `module`; the contract says it is stripped, but tolerate checkpoints that did not
     state = {k.removeprefix("module."): v for k, v in ck["model"].items()}
     try:
@@ -178,7 +181,7 @@ def _first_in_channels(net: nn.Module) -> int:
     return 1
 
 
-def _resolve(source: Any) -> tuple[nn.Module, dict[str, Any]]:
+def _resolve(source: Any, model: Any = None) -> tuple[nn.Module, dict[str, Any]]:
     if isinstance(source, nn.Module):
         if any(p.device.type != "cpu" for p in source.parameters()):
             source = copy.deepcopy(source).cpu()  # export and check on the CPU; leave the caller's model where it is
@@ -188,11 +191,14 @@ def _resolve(source: Any) -> tuple[nn.Module, dict[str, Any]]:
             "model_kwargs": {},
         }
     if isinstance(source, dict):
-        return _from_checkpoint(source)
+        return _from_checkpoint(source, model)
     if isinstance(source, str | os.PathLike):
-        return _from_checkpoint(_load_checkpoint_file(source))
+        return _from_checkpoint(_load_checkpoint_file(source), model)
     if callable(getattr(source, "checkpoint", None)):
-        return _from_checkpoint(source.checkpoint())
+        spec_model = getattr(getattr(source, "spec", None), "model_source", None)
+        if model is None and spec_model is not None and spec_model.kind in ("module", "factory"):
+            model = spec_model.target  # a run of this process knows its user's model
+        return _from_checkpoint(source.checkpoint(), model)
     raise ExportError(
         f"cannot export a {type(source).__name__}; pass a TrainingRun, a checkpoint dict, a checkpoint file or "
         "directory, or a torch.nn.Module (with labels= and input_size=)"
@@ -273,6 +279,7 @@ def export_onnx(
     overwrite: bool = False,
     check: bool = True,
     example: Any = None,
+    model: Any = None,
 ) -> Path | str:
     """Write a trained model as ONNX, with its labels and preprocessing, and check it against torch.
 
@@ -297,6 +304,10 @@ def export_onnx(
     example
         Images (pixels 0-255, ``(B, S, S)``, ``(B, C, S, S)`` or a colour store's ``(B, S, S, C)``) for the parity
         check, e.g. a batch of the dataset; default three seeded images (noise and a ramp).
+    model
+        The architecture for a checkpoint of a user's model that cannot be rebuilt from what it records (a
+        ``torch.nn.Module`` passed to ``fit`` by value, or a factory without an import path): the module, or the
+        function that builds it. Its weights are replaced by the checkpoint's.
 
     Returns
     -------
@@ -324,12 +335,12 @@ def export_onnx(
         with tempfile.TemporaryDirectory(prefix="dask-dl-export-") as tmp:
             local = export_onnx(
                 source, Path(tmp) / os.path.basename(os.fspath(path)), labels=labels, input_size=input_size,
-                normalization=normalization, task=task, opset=opset, check=check, example=example,
+                normalization=normalization, task=task, opset=opset, check=check, example=example, model=model,
             )  # fmt: skip
             publish(local, os.fspath(path))
         return os.fspath(path)
     path = Path(path)
-    net, meta = _resolve(source)
+    net, meta = _resolve(source, model)
     for key, value in (("labels", labels), ("input_size", input_size), ("normalization", normalization)):
         if value is not None:
             meta[key] = value

@@ -36,6 +36,10 @@ class SmallCNN(nn.Module):
         x = self.pool(self.features(x)).flatten(1)
         return self.fc(self.dropout(x))
 
+    def checkpoint_blocks(self) -> list[nn.Module]:
+        """The modules activation checkpointing recomputes (:mod:`dask_dl.train.precision`)."""
+        return [self.features]
+
 
 # ---- AlexNet -----------------------------------------------------------------------------------------------
 
@@ -89,6 +93,10 @@ class AlexNet(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.avgpool(self.features(x))
         return self.classifier(torch.flatten(x, 1))
+
+    def checkpoint_blocks(self) -> list[nn.Module]:
+        """The modules activation checkpointing recomputes (:mod:`dask_dl.train.precision`)."""
+        return [self.features]
 
 
 # ---- ResNet ------------------------------------------------------------------------------------------------
@@ -199,6 +207,10 @@ class ResNet(nn.Module):
         x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
         return self.fc(torch.flatten(self.avgpool(x), 1))
 
+    def checkpoint_blocks(self) -> list[nn.Module]:
+        """The residual blocks, which activation checkpointing recomputes (:mod:`dask_dl.train.precision`)."""
+        return [block for layer in (self.layer1, self.layer2, self.layer3, self.layer4) for block in layer]
+
 
 # ---- DenseNet ----------------------------------------------------------------------------------------------
 
@@ -290,6 +302,10 @@ class DenseNet(nn.Module):
         x = F.relu(self.features(x))
         x = F.adaptive_avg_pool2d(x, (1, 1))
         return self.classifier(torch.flatten(x, 1))
+
+    def checkpoint_blocks(self) -> list[nn.Module]:
+        """Dense blocks and transitions, which activation checkpointing recomputes."""
+        return [m for n, m in self.features.named_children() if n.startswith(("denseblock", "transition"))]
 
 
 # ---- builders (what dask_dl.models registers) --------------------------------------------------------------

@@ -24,7 +24,9 @@ Time accounting of an epoch (the ``*_s`` fields of :meth:`TrainingActor.train_ep
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
+import itertools
 import logging
 import multiprocessing
 import os
@@ -41,7 +43,6 @@ from urllib.parse import urlparse
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from dask_dl.checkpoint import load_checkpoint
@@ -94,6 +95,19 @@ class TrainerSpec:
     checkpoint_every_steps: int | None = None
     #: ... or once this many seconds passed since the last checkpoint (agreed at the ranks' next check)
     checkpoint_every_seconds: float | None = None
+    #: the model (:class:`dask_dl.models.source.ModelSource`); None: the registry model ``model_name``
+    model_source: Any = None
+    #: loss name or callable (:mod:`dask_dl.train.losses`); the fine-tuning and memory options of ``fit``
+    loss: Any = "bce"
+    weights: str | None = None
+    freeze_epochs: int = 0
+    head_lr: float | None = None
+    #: the learning-rate schedule (:func:`dask_dl.train.tuning.check_schedule`); ``schedule`` is the pipeline's
+    lr_schedule: dict[str, Any] = field(default_factory=lambda: {"name": "constant"})
+    precision: str = "fp32"
+    channels_last: bool = False
+    accumulate: int = 1
+    activation_checkpointing: bool = False
 
 
 def _epoch_seed(seed: int, epoch: int, rank: int) -> int:
@@ -200,8 +214,13 @@ class TrainingActor:
         self, worker: Any, spec: TrainerSpec, *, init_method: str, rank: int, world_size: int, checkpoint: Any = None
     ) -> dict[str, Any]:
         from dask_dl.data.loader import ChunkLoader
-        from dask_dl.models import MODELS, build_model
+        from dask_dl.models import MODELS
+        from dask_dl.models.source import head_name
+        from dask_dl.train.building import build_trainer_model, make_optimizer
         from dask_dl.train.compression import make_compressor
+        from dask_dl.train.losses import loss_function
+        from dask_dl.train.precision import Precision
+        from dask_dl.train.tuning import Tuner
 
         if worker.nanny is not None and multiprocessing.parent_process() is not None:
             _exit_without_finalization()  # only in a worker process of a nanny: never in the user's own process
@@ -221,11 +240,11 @@ class TrainingActor:
             world_size=world_size,
             timeout=timedelta(seconds=spec.timeout_s),
         )
+        self.precision = Precision(spec.precision, self.device, channels_last=spec.channels_last)
         torch.manual_seed(spec.seed)  # every rank builds the same initial weights (DDP broadcasts rank 0's anyway)
-        model = build_model(
-            spec.model_name, num_outputs=len(spec.labels), in_channels=spec.channels, **spec.model_kwargs
-        )
-        model = model.to(self.device)
+        model, self.weights_report = build_trainer_model(spec, in_channels=spec.channels)
+        model = self.precision.prepare_model(model.to(self.device))
+        self.loss_fn = loss_function(spec.loss)
         self.parallel = None  # fsdp or pipeline (dask_dl.train.parallel): no DDP, no comm hook
         if spec.parallel != "ddp":
             from dask_dl.train.parallel.wrap import wrap_model
@@ -242,12 +261,11 @@ class TrainingActor:
             )
             self.compressor.register(self.ddp)
             del self.ddp.register_comm_hook  # drop the timing shim: it would keep ddp in a reference cycle
-        if spec.optimizer == "adamw":
-            self.optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay)
-        else:
-            self.optimizer = torch.optim.SGD(
-                model.parameters(), lr=spec.lr, momentum=spec.momentum, weight_decay=spec.weight_decay
-            )
+        self.tuner = Tuner(model, head=head_name(model) if spec.head_lr is not None or spec.freeze_epochs else None,
+                           lr=spec.lr, head_lr=spec.head_lr, freeze_epochs=spec.freeze_epochs,
+                           schedule=spec.lr_schedule, total_steps=0)  # fmt: skip
+        grouped = spec.head_lr is not None or spec.freeze_epochs > 0  # else one group, as checkpoints before
+        self.optimizer = make_optimizer(spec, self.tuner.param_groups() if grouped else model.parameters())
         self.start_epoch, self.global_step, self._resume = 0, 0, None
         if isinstance(checkpoint, dict):
             self._load(checkpoint, elastic=True)
@@ -277,6 +295,7 @@ class TrainingActor:
             "start_epoch": self.start_epoch,
             "start_step": self._resume.position.step if self._resume is not None else 0,
             "global_step": self.global_step,
+            "weights": self.weights_report,
         }
 
     def _load(self, checkpoint: dict[str, Any], *, elastic: bool = False, source: str | None = None) -> None:
@@ -287,8 +306,9 @@ class TrainingActor:
         else:
             self.ddp.module.load_state_dict(checkpoint["model"])
             self.optimizer.load_state_dict(checkpoint["optimizer"])
-        for group in self.optimizer.param_groups:  # the lr passed to this fit wins over the checkpoint's
-            group["lr"] = self.spec.lr
+        # the learning rates passed to this fit win over the checkpoint's; the schedule continues where it was
+        self.tuner.load_state_dict(checkpoint.get("tuning") or {})
+        self.precision.load_state_dict(checkpoint.get("scaler") or {})
         states = checkpoint["compressor"]
         if len(states) != self.world_size and not elastic:
             raise TrainingError(
@@ -307,10 +327,7 @@ class TrainingActor:
     # ---- one epoch ------------------------------------------------------------------------------------
 
     def _loss(self, logits: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-        if self.spec.task == "multiclass":
-            return F.cross_entropy(logits, y.argmax(dim=1), reduction=reduction)
-        loss = F.binary_cross_entropy_with_logits(logits, y, reduction="none").mean(dim=1)
-        return loss.mean() if reduction == "mean" else loss.sum()
+        return self.loss_fn(logits, y, reduction=reduction)
 
     def train_epoch(self, epoch: int, *, resume: Any = None) -> dict[str, Any]:
         """Train one epoch; every rank stops at the same step when a stop was requested on any rank.
@@ -342,8 +359,13 @@ class TrainingActor:
             else:
                 torch.manual_seed(_epoch_seed(self.spec.seed, epoch, self.rank) + 7919 * len(position.segments))
         self.ddp.train()
-        timer, device = self.timer, self.device
+        self.tuner.start_epoch(epoch, self.optimizer)
+        self.tuner.train_mode()
+        timer, device, precision, accumulate = self.timer, self.device, self.precision, int(self.spec.accumulate)
+        # micro-batches that fill whole optimizer steps (the rest of the epoch's batches is not read)
         steps = loader.steps_from(position) if not position.fresh else loader.steps_per_epoch
+        steps = steps // accumulate * accumulate
+        lrs = self.tuner.lrs(self.optimizer)
         bytes_before = int(self.compressor.bytes_sent)
         loss_sum, step, comm_s, busy_s, stopped = float(loss_acc), 0, 0.0, 0.0, False
         check_every = int(self.spec.check_every)
@@ -353,17 +375,23 @@ class TrainingActor:
         self._progress = {"epoch": epoch, "step": offset, "steps": offset + steps, "loss": None, "images_per_s": None}
         served: list[np.ndarray] = []
         started = time.perf_counter()
-        for step, (x, y, rows) in enumerate(loader.epoch(epoch, with_samples=True, position=position)):
+        batches = loader.epoch(epoch, with_samples=True, position=position)
+        for step, (x, y, rows) in enumerate(itertools.islice(batches, steps)):
             served.append(rows)
             begin = time.perf_counter()
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            x, y = precision.prepare_input(x.to(device, non_blocking=True)), y.to(device, non_blocking=True)
             hook_s_before, timer.last_return = timer.hook_s, None
-            self.optimizer.zero_grad(set_to_none=True)
+            last_micro = (step + 1) % accumulate == 0  # this micro-batch's backward all-reduces and steps
+            if step % accumulate == 0:
+                self.optimizer.zero_grad(set_to_none=True)
             if self.parallel is not None:
                 loss = self.parallel.forward_backward(x, y, self._loss)
             else:
-                loss = self._loss(self.ddp(x), y)
-                loss.backward()
+                # the first accumulate-1 micro-batches only add up gradients locally: no communication
+                with contextlib.nullcontext() if last_micro else self.ddp.no_sync():
+                    with precision.autocast():
+                        loss = self._loss(self.ddp(x), y)
+                    precision.backward(loss / accumulate if accumulate > 1 else loss)
             backward_end = time.perf_counter()
             loss_acc += loss.detach()  # stays on the device: no host sync per step
             examples += x.shape[0] if getattr(self.parallel, "counts_examples", True) else 0
@@ -389,7 +417,10 @@ class TrainingActor:
                 loss_sum = float(loss_acc)
                 self._progress.update(loss=loss_sum / (before_steps + step + 1))
             flags_end = time.perf_counter()
-            self.optimizer.step()
+            if last_micro:
+                lrs = self.tuner.lrs(self.optimizer)
+                precision.step(self.optimizer)
+                self.tuner.stepped(self.optimizer)
             end = time.perf_counter()
             tail = backward_end - timer.last_return if timer.last_return is not None else 0.0
             comm_s += (timer.hook_s - hook_s_before) + tail + (flags_end - backward_end)
@@ -400,7 +431,9 @@ class TrainingActor:
             self._progress.update(step=offset + step + 1, images_per_s=examples * data_world / elapsed,
                                   global_step=self.global_step)  # fmt: skip
             due = due or (every_steps is not None and self.global_step % every_steps == 0)
-            if due and step + 1 < steps and not stop and self._context is not None and self.parallel is None:
+            # step checkpoints at optimizer steps only: an accumulation's partial gradients are not saved
+            boundary = last_micro and step + 1 < steps and not stop
+            if due and boundary and self._context is not None and self.parallel is None:
                 partial = dict(loss_acc=loss_acc, examples=before_examples + examples, steps=before_steps + step + 1)
                 self._step_checkpoint(position.advanced(step + 1), partial)
                 last_checkpoint = time.monotonic()
@@ -425,6 +458,7 @@ class TrainingActor:
             "stopped": stopped,
             "served": np.concatenate(served) if served else np.zeros(0, np.int64),
             "position": position.advanced(done).to_dict(),
+            "lrs": lrs,
         }
 
     @torch.no_grad()
@@ -441,7 +475,7 @@ class TrainingActor:
         if self.parallel is not None:  # fsdp: all ranks gather each block; pipeline: through the stages
             scored = self.parallel.evaluate(batches)
         else:
-            scored = _evaluate(model, batches, self.device)
+            scored = _evaluate(model, batches, self.device, self.precision)
         for logits, y, s in scored:
             loss_sum += float(self._loss(logits, y, reduction="sum"))
             prob = logits.softmax(dim=1) if self.spec.task == "multiclass" else logits.sigmoid()
@@ -543,6 +577,7 @@ class TrainingActor:
 
         worker = get_worker() if self.rank == 0 else None
         history, published = [_plain(r) for r in history], []
+        self.tuner.total_steps = epochs * (self.train_loader.steps_per_epoch // int(self.spec.accumulate))
         common = dict(labels=self.spec.labels, task=self.spec.task, global_batch=global_batch, price=price)
 
         def publish(row: dict[str, Any]) -> None:
@@ -569,7 +604,12 @@ class TrainingActor:
                 row = epoch_row(epoch, trained, scored, seconds=time.perf_counter() - started,
                                 event=event if epoch == first_epoch else "", **common)  # fmt: skip
                 row.update({k: trained[0][k] for k in ("samples", "samples_repeated") if k in trained[0]})
+                row.update(report["lrs"])
                 history.append(_plain(row))
+            if self.tuner.schedule["name"] == "plateau":  # every rank needs rank 0's validation loss
+                box = [row["val_loss"] if row is not None else None]
+                dist.broadcast_object_list(box, src=0)
+                self.tuner.end_epoch(float(box[0]), self.optimizer)
             checkpoint = self.checkpoint(epoch, history=history, directory=directory)
             self._latest, self._latest_step = (checkpoint if directory is None else None), None
             if self.rank == 0:
@@ -603,6 +643,7 @@ class TrainingActor:
         """
         from dask_dl.checkpoint import FORMAT
         from dask_dl.normalize import DEFAULT_NORMALIZATION
+        from dask_dl.train.building import source_of_spec
         from dask_dl.train.checkpoint import save_checkpoint, step_checkpoint_name
         from dask_dl.train.resume import partial_state
 
@@ -629,6 +670,10 @@ class TrainingActor:
             "format": FORMAT,
             "model_name": spec.model_name,
             "model_kwargs": dict(spec.model_kwargs),
+            "model_source": source_of_spec(spec).to_dict(),
+            "loss": spec.loss if isinstance(spec.loss, str) else None,
+            "tuning": self.tuner.state_dict(),
+            "scaler": _to_cpu(self.precision.state_dict()),
             "model": model,
             "labels": list(spec.labels),
             "task": spec.task,
@@ -669,7 +714,8 @@ class TrainingActor:
             close = getattr(getattr(self, name, None), "close", None)
             if close is not None:
                 close()
-        for name in ("ddp", "parallel", "optimizer", "compressor", "train_loader", "val_loader", "timer"):
+        for name in ("ddp", "parallel", "optimizer", "compressor", "train_loader", "val_loader", "timer", "tuner",
+                     "precision", "loss_fn"):  # fmt: skip
             self.__dict__.pop(name, None)
         if not keep_latest:
             self._latest = self._latest_step = None
@@ -774,10 +820,16 @@ def _exit_without_finalization() -> None:
     atexit.register(exit_now)
 
 
-def _evaluate(model: Any, batches: Any, device: torch.device) -> Any:
+def _evaluate(model: Any, batches: Any, device: torch.device, precision: Any = None) -> Any:
     """``(logits, y, samples)`` of each validation batch, by the whole (unwrapped) model on this rank."""
     for x, y, s in batches:
-        yield model(x.to(device)), y.to(device), s
+        x = x.to(device)
+        if precision is None:
+            yield model(x), y.to(device), s
+            continue
+        with precision.autocast():
+            logits = model(precision.prepare_input(x))
+        yield logits, y.to(device), s
 
 
 def _to_cpu(obj: Any) -> Any:

@@ -27,7 +27,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
-from dask_dl.errors import CheckpointError, TrainingError
+from dask_dl.errors import CheckpointError, ConfigurationError, TrainingError
 from dask_dl.train.aggregate import worker_hour_price
 from dask_dl.train.placement import busy_workers
 from dask_dl.train.recovery import RestartPolicy, recoverable, restart_row, wait_for_trainers
@@ -381,7 +381,7 @@ class Driver:
     def _result(self, rank: int, future: Any) -> Any:
         try:
             return future.result()
-        except TrainingError:
+        except (TrainingError, ConfigurationError):  # a ConfigurationError: a model or weights that do not fit
             raise
         except Exception as exc:
             advice = (

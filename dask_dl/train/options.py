@@ -75,21 +75,38 @@ class RunOptions:
     checkpoint_every_steps: int | None = None
     checkpoint_every_seconds: float | None = None
 
+    #: what the model is and how to rebuild it (:class:`dask_dl.models.source.ModelSource`)
+    model_source: Any = field(default=None, repr=False)
+    loss: Any = "bce"
+    weights: str | None = None
+    freeze_epochs: int = 0
+    head_lr: float | None = None
+    #: the learning-rate schedule (:func:`dask_dl.train.tuning.check_schedule`); ``schedule`` is the pipeline's
+    lr_schedule: dict[str, Any] = field(default_factory=lambda: {"name": "constant"})
+    precision: str = "fp32"
+    channels_last: bool = False
+    accumulate: int = 1
+    activation_checkpointing: bool = False
+
     @property
     def global_batch(self) -> int:
-        """Images per optimizer step over all trainers: ``batch_size`` is per trainer (per pipeline with stages)."""
-        return self.batch_size * (self.trainers // self.stages)
+        """Images per optimizer step over all trainers: ``batch_size`` is per trainer (per pipeline with stages),
+        ``accumulate`` micro-batches per step."""
+        return self.batch_size * (self.trainers // self.stages) * self.accumulate
 
     @property
     def steps_per_epoch(self) -> int:
         """Steps every trainer takes per epoch (the loader drops what does not fill a step on every rank)."""
-        return len(self.train_samples) // self.global_batch
+        return len(self.train_samples) // (self.batch_size * self.trainers)
 
     def to_dict(self) -> dict[str, Any]:
         """The options as plain values (the sample lists as counts)."""
         out = {k: getattr(self, k) for k in self.__dataclass_fields__}
         out["train_samples"], out["val_samples"] = len(self.train_samples), len(self.val_samples)
         out["labels"] = list(self.labels)
+        out.pop("model_source")
+        if callable(out["loss"]):
+            out["loss"] = getattr(out["loss"], "__name__", "callable")
         return out
 
 
@@ -121,6 +138,15 @@ def check_run(
     min_trainers: int | None = None,
     checkpoint_every_steps: int | None = None,
     checkpoint_every_seconds: float | None = None,
+    loss: Any = None,
+    weights: str | None = None,
+    freeze_epochs: int = 0,
+    head_lr: float | None = None,
+    schedule: Any = None,
+    precision: str | None = None,
+    channels_last: bool = False,
+    accumulate: int | None = None,
+    activation_checkpointing: bool = False,
 ) -> RunOptions:
     """Check every argument of :func:`dask_dl.fit` and return the run's options (config fills what is None).
 
@@ -149,12 +175,18 @@ def check_run(
     if resume and checkpoint_dir is None:
         raise ConfigurationError("resume=True needs checkpoint_dir=... (the directory the earlier run wrote to)")
     model_kwargs, compression_options = dict(model_kwargs or {}), dict(compression_options or {})
-    _check_model(model, model_kwargs)
+    tuned = _check_tuning(
+        data, model, model_kwargs, loss=loss, weights=weights, freeze_epochs=freeze_epochs, head_lr=head_lr,
+        schedule=schedule, precision=precision, channels_last=channels_last, accumulate=accumulate,
+        activation_checkpointing=activation_checkpointing,
+    )  # fmt: skip
+    data["task"] = tuned.pop("task")
     compression = config.get("train.compression", compression)
     _check_compression(compression, warmup_steps, compression_options)
     plan = check_parallel(config.get("train.parallel", parallel), trainers=trainers, batch_size=batch_size,
                           compression=compression, stages=stages, microbatches=microbatches,
                           schedule=config.get("train.pipeline-schedule"))  # fmt: skip
+    _check_combination(plan["parallel"], tuned, config.get("train.memory-budget", memory_budget))
     readers = trainers // plan["stages"]  # a pipeline's stages read the same batches
     n_train = len(data["train_samples"])
     if n_train // readers < batch_size:
@@ -173,9 +205,16 @@ def check_run(
     memory_budget = _check_memory(config.get("train.memory-budget", memory_budget), model, model_kwargs, data,
                                   plan=plan, trainers=trainers, optimizer=optimizer, momentum=momentum)  # fmt: skip
     recovery = _check_recovery(trainers, max_restarts, min_trainers, checkpoint_every_steps, checkpoint_every_seconds)
+    if n_train // (trainers * batch_size) < tuned["accumulate"]:
+        raise DatasetError(
+            f"accumulate={tuned['accumulate']} micro-batches per step need {tuned['accumulate']} batches of "
+            f"{batch_size} on each of {trainers} trainers, but the training split fills only "
+            f"{n_train // (trainers * batch_size)}; use a smaller accumulate or batch_size"
+        )
     return RunOptions(
         **data,
-        model=model,
+        **tuned,
+        model=tuned["model_source"].name,
         model_kwargs=model_kwargs,
         epochs=epochs,
         batch_size=batch_size,
@@ -285,15 +324,41 @@ def check_dataset(dataset: Any) -> dict[str, Any]:
     }
 
 
-def _check_model(name: Any, options: dict[str, Any]) -> None:
-    from dask_dl.models import MODELS, model_options
+def _check_tuning(data: dict[str, Any], model: Any, model_kwargs: dict[str, Any], **options: Any) -> dict[str, Any]:
+    """The model, loss, weights, fine-tuning and precision options (:mod:`dask_dl.train.tuning`, ``precision``)."""
+    import os
 
-    MODELS.entry(name)  # unknown names: the registry's error, listing them
-    unknown = sorted(set(options) - set(model_options(name)))
-    if unknown:
+    from dask_dl.models.source import check_fits, model_source
+    from dask_dl.train.losses import check_loss
+    from dask_dl.train.tuning import check_schedule
+
+    source = model_source(model, model_kwargs)
+    loss, task = check_loss(options["loss"], data["task"])
+    if source.kind == "module":  # built already: a model that does not fit the data fails here, at no cost
+        channels = int(data.get("channels", 1))
+        check_fits(source.target, name=source.name, in_channels=channels, input_size=data["input_size"],
+                   labels=data["labels"])  # fmt: skip
+    weights = options["weights"]
+    if weights is not None and not isinstance(weights, str | os.PathLike):
         raise ConfigurationError(
-            f"model {name!r} has no option(s) {unknown}; its options are {list(model_options(name)) or 'none'}"
+            f"weights must be a path or URL of a weights file, got {type(weights).__name__}; pass e.g. "
+            "weights='pretrained.pt' (torch.save(model.state_dict(), 'pretrained.pt'))"
         )
+    head_lr = options["head_lr"]
+    precision = one_of("precision", config.get("train.precision", options["precision"]), ("fp32", "bf16", "fp16"))
+    return {
+        "model_source": source,
+        "loss": loss,
+        "task": task,
+        "weights": None if weights is None else os.fspath(weights),
+        "freeze_epochs": _non_negative_int("freeze_epochs", options["freeze_epochs"]),
+        "head_lr": None if head_lr is None else _positive_real("head_lr", head_lr, example=0.01),
+        "lr_schedule": check_schedule(config.get("train.schedule", options["schedule"])),
+        "precision": precision,
+        "channels_last": bool(options["channels_last"]),
+        "accumulate": positive_int("accumulate", config.get("train.accumulate", options["accumulate"]), example=4),
+        "activation_checkpointing": bool(options["activation_checkpointing"]),
+    }
 
 
 def _check_compression(name: Any, warmup_steps: int, options: dict[str, Any]) -> None:
@@ -303,6 +368,33 @@ def _check_compression(name: Any, warmup_steps: int, options: dict[str, Any]) ->
     from dask_dl.train.compression import make_compressor  # the options' checks (imports torch)
 
     make_compressor(name, warmup_steps=warmup_steps, **options)
+
+
+def _check_combination(parallel: str, tuned: dict[str, Any], budget: Any) -> None:
+    """Own models, fine-tuning and memory options are built for DDP: refuse what fsdp/pipeline would not honour."""
+    source = tuned["model_source"]
+    if source.kind != "registry" and (parallel != "ddp" or budget is not None):
+        what = f"parallel={parallel!r}" if parallel != "ddp" else "memory_budget="
+        raise ConfigurationError(
+            f"{what} needs a model of dask_dl's registry (it is split or sized by name); model {source.name!r} is "
+            f"a {source.kind} model: train it with parallel='ddp' and no memory_budget"
+        )
+    if parallel == "ddp":
+        return
+    defaults = {
+        "accumulate": 1,
+        "precision": "fp32",
+        "freeze_epochs": 0,
+        "head_lr": None,
+        "channels_last": False,
+        "activation_checkpointing": False,
+    }
+    used = [f"{k}={tuned[k]!r}" for k, off in defaults.items() if tuned[k] != off]
+    if used:
+        raise ConfigurationError(
+            f"{', '.join(used)} apply to parallel='ddp' only (DDP's no_sync, autocast around its forward, the head's "
+            f"parameter group); with parallel={parallel!r} leave them at their defaults, or train with parallel='ddp'"
+        )
 
 
 def _check_memory(budget: Any, model: str, options: dict[str, Any], data: dict[str, Any], *, plan: dict[str, Any],

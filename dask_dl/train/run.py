@@ -10,6 +10,7 @@ wait, get the model, views).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import uuid
@@ -18,12 +19,14 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
-from dask_dl.errors import CheckpointError, TrainingError
+from dask_dl.errors import CheckpointError, ConfigurationError, TrainingError
 from dask_dl.train.options import RunOptions, check_run
 from dask_dl.train.parallel import check_resume
 from dask_dl.train.placement import place_trainers
 
 if TYPE_CHECKING:  # pragma: no cover
+    from collections.abc import Callable
+
     import torch
     import xarray as xr
     from distributed import Client
@@ -36,7 +39,7 @@ logger = logging.getLogger("dask_dl.train")
 def fit(
     dataset: xr.Dataset,
     *,
-    model: str | None = None,
+    model: str | torch.nn.Module | Callable[..., torch.nn.Module] | None = None,
     epochs: int | None = None,
     batch_size: int | None = None,
     trainers: int | None = None,
@@ -63,6 +66,15 @@ def fit(
     min_trainers: int | None = None,
     checkpoint_every_steps: int | None = None,
     checkpoint_every_seconds: float | None = None,
+    loss: str | Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    weights: str | os.PathLike | None = None,
+    freeze_epochs: int = 0,
+    head_lr: float | None = None,
+    schedule: str | dict[str, Any] | None = None,
+    precision: str | None = None,
+    channels_last: bool = False,
+    accumulate: int | None = None,
+    activation_checkpointing: bool = False,
 ) -> TrainingRun:
     """Train a model on ``dataset`` with synchronous data-parallel SGD over Dask workers.
 
@@ -72,8 +84,13 @@ def fit(
         From :func:`dask_dl.open_dataset`; needs ``train`` and ``val`` samples. Only its coordinates are read
         here: every trainer reads the images straight from the store named by ``dataset.encoding["source"]``.
         The model's input channels are the store's (its layout's ``channels``: 1 grey, 3 for a colour store).
-    model : str, optional
-        A name from :func:`dask_dl.list_models`. Default ``dask-dl.train.model``.
+    model : str, torch.nn.Module or callable, optional
+        A name from :func:`dask_dl.list_models`, ``"torchvision:NAME"`` or ``"timm:NAME"`` (when installed; adapted
+        to the data's channels and labels, never downloading weights), a ``torch.nn.Module`` (shipped to the
+        trainers by value), or a function returning one (called on each trainer, with ``num_outputs`` and
+        ``in_channels`` when it takes them). A model that does not take the data's images or does not return one
+        logit per label fails before training, with both shapes. See :mod:`dask_dl.models.source`. Default
+        ``dask-dl.train.model``.
     epochs, batch_size, lr, warmup_steps : optional
         Epochs in all (a resumed run continues up to this number), images per step *per trainer* (the global
         batch, ``batch_size * trainers``, is in every history row), learning rate, and the uncompressed steps
@@ -143,6 +160,35 @@ def fit(
         Also checkpoint inside epochs, every this many optimizer steps or seconds (0: off), with the loader's
         position, so a restart or ``resume=True`` loses at most that much and neither repeats nor skips a sample.
         Defaults ``dask-dl.train.checkpoint-every-steps`` / ``-seconds``.
+    loss : {"bce", "ce"} or callable, optional
+        ``bce`` trains multi-label (sigmoid per label), ``ce`` single-label (softmax); a function
+        ``(logits, targets) -> mean loss`` keeps the dataset's task. Default: the dataset's task decides.
+    weights : str, optional
+        Start weights: a ``torch.save`` state dict or a dask_dl checkpoint, a local path or fsspec URL read by the
+        trainers with ``weights_only=True``. The first layer is adapted to the data's channels and a head of
+        another size re-initialised; the report of missing, unexpected, adapted and re-initialised tensors is in
+        ``run.info["weights"]`` and the log. Other shape differences fail before training.
+    freeze_epochs : int
+        Epochs at the start with the backbone frozen (learning rate 0, BatchNorm statistics kept): only the head
+        (the last linear layer) trains.
+    head_lr : float, optional
+        Learning rate of the head (its own parameter group); the backbone trains with ``lr``.
+    schedule : str or dict, optional
+        Learning-rate schedule over the run's optimizer steps: ``constant``, ``cosine``, ``warmup-cosine``,
+        ``onecycle`` or ``plateau``, or a dict with ``name`` and options, e.g.
+        ``{"name": "warmup-cosine", "warmup_steps": 100}`` (see :mod:`dask_dl.train.tuning`). Its state is
+        checkpointed; every history row has ``lr`` (and ``head_lr``). Default ``dask-dl.train.schedule``.
+    precision : {"fp32", "bf16", "fp16"}, optional
+        ``bf16`` autocasts the forward pass on CPU and GPU; ``fp16`` (GPU trainers only) adds a gradient scaler.
+        Default ``dask-dl.train.precision``.
+    channels_last : bool
+        Channels-last memory format on GPU trainers (a no-op on CPUs).
+    accumulate : int, optional
+        Micro-batches per optimizer step (DDP's ``no_sync`` on all but the last): the global batch is
+        ``batch_size * trainers * accumulate``. Default ``dask-dl.train.accumulate``.
+    activation_checkpointing : bool
+        Recompute the model's blocks' activations in backward to save memory (registry models, timm models, and
+        models with a ``checkpoint_blocks()`` method).
 
     Returns
     -------
@@ -181,8 +227,11 @@ def fit(
         tensorboard=tensorboard, normalization=normalization, parallel=parallel, stages=stages,
         microbatches=microbatches, memory_budget=memory_budget, max_restarts=max_restarts, min_trainers=min_trainers,
         checkpoint_every_steps=checkpoint_every_steps, checkpoint_every_seconds=checkpoint_every_seconds,
+        loss=loss, weights=weights, freeze_epochs=freeze_epochs, head_lr=head_lr, schedule=schedule,
+        precision=precision, channels_last=channels_last, accumulate=accumulate,
+        activation_checkpointing=activation_checkpointing,
     )  # fmt: skip
-    total_steps = options.steps_per_epoch * options.epochs
+    total_steps = options.steps_per_epoch // options.accumulate * options.epochs
     if options.compression != "none" and options.parallel == "ddp" and options.warmup_steps >= total_steps:
         warnings.warn(
             f"compression={options.compression!r} starts after warmup_steps={options.warmup_steps} uncompressed "
@@ -267,6 +316,8 @@ class TrainingRun:
         self._finished = threading.Event()
         self._lock = threading.Lock()
         self._view = RunView(options.view)
+        #: what the trainers reported when they started: ``weights``, the start weights' report (fit's weights=)
+        self.info: dict[str, Any] = {}
         self._history_writer = HistoryWriter(
             options.checkpoint_dir, tensorboard=options.tensorboard, run_id=self.run_id
         )
@@ -339,7 +390,7 @@ class TrainingRun:
         if not self._finished.is_set():
             raise TimeoutError(f"{self.run_id} still runs after {timeout} s (epoch {self._epoch + 1}/{self.epochs})")
         if self.error is not None:
-            if isinstance(self.error, TrainingError):
+            if isinstance(self.error, TrainingError | ConfigurationError):  # a model or weights that do not fit
                 raise self.error
             raise TrainingError(f"{self.run_id} failed: {type(self.error).__name__}: {self.error}") from self.error
         return self
@@ -373,18 +424,15 @@ class TrainingRun:
         raise TrainingError(f"{self.run_id} has no checkpoint yet: no epoch has completed ({self.status})")
 
     def model(self) -> torch.nn.Module:
-        """Return the model with the weights of the latest checkpoint, on the CPU, in eval mode."""
-        from dask_dl.models import MODELS, build_model
+        """Return the model with the weights of the latest checkpoint, on the CPU, in eval mode.
 
+        A user's module is copied (the module passed to ``fit`` is left as it was).
+        """
         ck = self.checkpoint()
-        if ck["model_name"] not in MODELS:  # a model registered in another process
-            MODELS.register(ck["model_name"], self.spec.model_target)
-        in_channels = int(ck.get("in_channels", 1))
-        net = build_model(
-            ck["model_name"], num_outputs=len(ck["labels"]), in_channels=in_channels, **ck["model_kwargs"]
-        )
+        source = self.spec.model_source
+        net = source.build(num_outputs=len(ck["labels"]), in_channels=int(ck.get("in_channels", 1)))
         net.load_state_dict(ck["model"])
-        return net.eval()
+        return net.cpu().eval()
 
     def snapshot(self) -> dict[str, Any]:
         """Where the run is, as the plain dict :mod:`dask_dl.train.view` and the dashboard draw."""
@@ -433,6 +481,12 @@ class TrainingRun:
         self._driver.start()
 
     def started(self, infos: list[dict[str, Any]]) -> None:
+        weights = infos[0].get("weights")
+        if weights is not None:
+            from dask_dl.models.weights import describe
+
+            self.info["weights"] = weights
+            logger.info("%s: %s", self.run_id, describe(weights, str(self.options.weights)))
         self.steps_per_epoch = infos[0]["steps_per_epoch"]
         self._epoch = infos[0]["start_epoch"]
         self.status = "running"
@@ -520,7 +574,7 @@ def _trainer_spec(options: RunOptions, resume_from: str | None) -> Any:
         task=options.task,
         input_size=options.input_size,
         model_name=options.model,
-        model_target=MODELS.entry(options.model).target,
+        model_target=MODELS.entry(options.model).target if options.model_source.kind == "registry" else None,
         model_kwargs=dict(options.model_kwargs),
         batch_size=options.batch_size,
         lr=options.lr,
@@ -545,6 +599,16 @@ def _trainer_spec(options: RunOptions, resume_from: str | None) -> Any:
         schedule=options.schedule,
         checkpoint_every_steps=options.checkpoint_every_steps,
         checkpoint_every_seconds=options.checkpoint_every_seconds,
+        model_source=options.model_source,
+        loss=options.loss,
+        weights=options.weights,
+        freeze_epochs=options.freeze_epochs,
+        head_lr=options.head_lr,
+        lr_schedule=dict(options.lr_schedule),
+        precision=options.precision,
+        channels_last=options.channels_last,
+        accumulate=options.accumulate,
+        activation_checkpointing=options.activation_checkpointing,
     )
 
 
