@@ -153,3 +153,23 @@ def test_normalize_values_and_shapes():
 def test_normalize_rejects_bad_shape():
     with pytest.raises(ValueError, match=r"\(B, S, S\) or \(B, C, S, S\); got \(2, 4\)"):
         normalize(np.zeros((2, 4), np.uint8))
+
+
+# the layers fine-tuning adapts (weights=) and the blocks activation checkpointing recomputes, per registry model
+ADAPTED = {
+    "small_cnn": ("features.0", "fc", 1),
+    "alexnet": ("features.0", "classifier.6", 1),
+    "resnet18": ("conv1", "fc", 8),
+    "resnet50": ("conv1", "fc", 16),
+    "densenet121": ("features.conv0", "classifier", 7),
+}
+
+
+@pytest.mark.parametrize("name", list(ADAPTED))
+def test_first_layer_head_and_blocks_of_registry_models(name):
+    from dask_dl.models.source import first_conv_name, head_name
+
+    model = build_model(name, num_outputs=3)
+    first, head, blocks = ADAPTED[name]
+    assert (first_conv_name(model), head_name(model), len(model.checkpoint_blocks())) == (first, head, blocks)
+    assert model.get_submodule(first).in_channels == 1 and model.get_submodule(head).out_features == 3

@@ -225,7 +225,7 @@ def check_fits(model: nn.Module, *, name: str, in_channels: int, input_size: int
     try:
         with torch.no_grad():
             out = model(torch.zeros(shape, device=device))
-    except RuntimeError as exc:
+    except (RuntimeError, ValueError) as exc:  # torch's shape errors are RuntimeErrors, a few ValueErrors
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ConfigurationError(
             f"model {name!r} does not take the dataset's images: a batch of shape {shape} (batch, channels, y, x) "

@@ -97,7 +97,7 @@ def test_adapt_first_conv_and_head_name():
     net = nets.resnet18(5, in_channels=3)
     adapt_first_conv(net, 1)
     assert net.conv1.in_channels == 1 and net.conv1.out_channels == 64 and net.conv1.kernel_size == (7, 7)
-    assert net(torch.zeros(1, 1, 32, 32)).shape == (1, 5)
+    assert net(torch.zeros(2, 1, 32, 32)).shape == (2, 5)
     assert head_name(net) == "fc" and head_name(nets.DenseNet(2)) == "classifier"
     assert head_name(nets.AlexNet(2)) == "classifier.6"
 
@@ -190,11 +190,13 @@ def test_accumulate_equals_the_larger_batch(store, cluster_client):
 
 @pytest.mark.parametrize("compression", ["onebit", "powersgd"])
 def test_accumulate_with_compression_exchanges_once_per_step(store, cluster_client, compression):
-    common = dict(model=tiny_net, batch_size=4, compression=compression, warmup_steps=0)
-    every = fit(store, cluster_client, **common)
-    halved = fit(store, cluster_client, accumulate=2, **common)
-    assert np.isfinite(halved.history["train_loss"]).all()
-    assert halved.history["bytes_sent"].iloc[0] * 2 == every.history["bytes_sent"].iloc[0] > 0
+    common = dict(model=tiny_net, compression=compression, warmup_steps=2, seed=4)
+    big = fit(store, cluster_client, batch_size=8, **common)
+    micro = fit(store, cluster_client, batch_size=4, accumulate=2, **common)
+    assert np.isfinite(micro.history["train_loss"]).all()
+    # the same 4 optimizer steps of the same gradients: the same bytes, and the same training within float noise
+    assert micro.history["bytes_sent"].iloc[0] == big.history["bytes_sent"].iloc[0] > 0
+    np.testing.assert_allclose(micro.history["train_loss"], big.history["train_loss"], rtol=1e-3)
 
 
 def test_monai_network_through_a_factory():
