@@ -7,7 +7,10 @@ A checkpoint is ``<checkpoint_dir>/epoch-0003.pt`` (epoch numbers are 0-based an
 ``format`` (1), ``model_name``, ``model_kwargs``, ``model`` (state_dict of the unwrapped module), ``labels``,
 ``task``, ``input_size``, ``in_channels``, ``normalization``, ``epoch``, ``optimizer``, ``compressor`` (list, one
 state per rank: error-feedback residuals differ per rank), ``rng`` (list, one per rank: torch, numpy and python
-generator states as tensors and lists), ``history`` (list of dicts, one per epoch).
+generator states as tensors and lists), ``history`` (list of dicts, one per epoch). Optional keys (checkpoints
+written before them lack them): ``model_source`` (how to rebuild the model: ``kind``, ``name``, ``kwargs``,
+``path``; see :mod:`dask_dl.models.source`), ``loss`` (its name, None for a function), ``tuning`` (the
+learning-rate schedule's position) and ``scaler`` (the fp16 gradient scaler's state).
 
 Beside each file lies its manifest ``epoch-0003.pt.sha256`` (JSON: ``file``, ``bytes``, ``sha256``), written after
 the checkpoint itself: loading checks size and SHA-256 against it, so a damaged or truncated file is refused with

@@ -284,6 +284,9 @@ class TrainingRun:
         The checked options of the run.
     workers : list of str
         The workers the trainers run on now (after a restart, the new group's).
+    info : dict
+        What the trainers reported when they started: ``weights``, the report of ``fit(weights=...)`` (tensors
+        ``missing``, ``unexpected``, ``adapted`` and ``reinitialized``).
     """
 
     def __init__(
