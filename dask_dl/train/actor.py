@@ -305,6 +305,13 @@ class TrainingActor:
             self.parallel.load(checkpoint, self.optimizer, source=source or self.spec.resume_from)
         else:
             self.ddp.module.load_state_dict(checkpoint["model"])
+            groups = len(checkpoint["optimizer"].get("param_groups", []))
+            if groups != len(self.optimizer.param_groups):  # head_lr / freeze_epochs make a second group
+                raise TrainingError(
+                    f"the checkpoint's optimizer has {groups} parameter group(s) and this run's has "
+                    f"{len(self.optimizer.param_groups)}: resume with head_lr= and freeze_epochs= as the run that "
+                    "wrote it had them (both set or both unset)"
+                )
             self.optimizer.load_state_dict(checkpoint["optimizer"])
         # the learning rates passed to this fit win over the checkpoint's; the schedule continues where it was
         self.tuner.load_state_dict(checkpoint.get("tuning") or {})

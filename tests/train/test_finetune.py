@@ -79,6 +79,8 @@ def test_load_weights_reads_checkpoints_and_wrapped_state_dicts(tmp_path):
     wrapped = {"state_dict": {f"module.{k}": v for k, v in net.state_dict().items()}, "epoch": 3}
     torch.save(wrapped, tmp_path / "wrapped.pt")
     assert read_state_dict(tmp_path / "wrapped.pt").keys() == net.state_dict().keys()
+    torch.save({"format": 1, "model": net.state_dict(), "epoch": 0}, tmp_path / "checkpoint.pt")  # dask_dl's
+    assert read_state_dict(f"file://{tmp_path}/checkpoint.pt").keys() == net.state_dict().keys()  # fsspec URLs
     extra = {**net.state_dict(), "aux.weight": torch.zeros(3)}
     del extra["fc.bias"]
     torch.save(extra, tmp_path / "extra.pt")
