@@ -18,8 +18,9 @@ from dask_dl.errors import DaskDLError
 from dask_dl.models import MODELS
 from dask_dl.registry import Registry
 from dask_dl.train.compressors import COMPRESSORS
-from dask_dl.train.options import OPTIMIZERS
+from dask_dl.train.options import OPTIMIZERS, PRECISIONS
 from dask_dl.train.parallel import PARALLEL
+from dask_dl.train.tuning import SCHEDULES
 
 
 class _Group(click.Group):
@@ -385,12 +386,18 @@ def check_command(store) -> None:
 @click.option("--max-restarts", type=int, default=None, help="Restarts after a lost trainer before failing (0: none).")
 @click.option("--min-trainers", type=int, default=None, help="Fewest trainers a restarted run goes on with.")
 @click.option("--checkpoint-every", type=int, default=None, help="Also checkpoint every N steps inside epochs.")
+@click.option("--weights", default=None, help="Start weights: a state dict file or checkpoint (path or fsspec URL).")
+@click.option("--freeze-epochs", type=int, default=0, help="Epochs training only the head (backbone frozen).")
+@click.option("--head-lr", type=float, default=None, help="Learning rate of the head (default: --lr).")
+@click.option("--schedule", type=click.Choice(list(SCHEDULES)), default=None, help="Learning-rate schedule.")
+@click.option("--precision", type=click.Choice(PRECISIONS), default=None, help="fp32, bf16, or fp16 (GPU only).")
+@click.option("--accumulate", type=int, default=None, help="Micro-batches per optimizer step.")
 @scheduler_option
 @quiet_option
 def train_command(
     store, model, epochs, batch_size, trainers, compression, lr, optimizer, checkpoint_dir, resume, seed, augment,
-    parallel, stages, microbatches, memory_budget, max_restarts, min_trainers, checkpoint_every, scheduler,
-    workers, quiet,
+    parallel, stages, microbatches, memory_budget, max_restarts, min_trainers, checkpoint_every, weights,
+    freeze_epochs, head_lr, schedule, precision, accumulate, scheduler, workers, quiet,
 ) -> None:  # fmt: skip
     """Train a model on the train split of STORE, validating on its val split after every epoch.
 
@@ -415,6 +422,8 @@ def train_command(
             view="terminal" if interactive else "none", client=client, wait=False, parallel=parallel, stages=stages,
             microbatches=microbatches, memory_budget=memory_budget,
             max_restarts=max_restarts, min_trainers=min_trainers, checkpoint_every_steps=checkpoint_every,
+            weights=weights, freeze_epochs=freeze_epochs, head_lr=head_lr, schedule=schedule, precision=precision,
+            accumulate=accumulate,
         )  # fmt: skip
         shown = 0
         try:
@@ -436,7 +445,8 @@ def train_command(
 
 
 _TRAIN_COLUMNS = (
-    "epoch", "global_batch", "train_loss", "val_loss", "val_auroc_mean", "images_per_s", "data_wait_s", "bytes_sent",
+    "epoch", "global_batch", "lr", "train_loss", "val_loss", "val_auroc_mean", "images_per_s", "data_wait_s",
+    "bytes_sent",
 )  # fmt: skip
 
 

@@ -21,10 +21,11 @@ from dask_dl.errors import ConfigurationError, DatasetError
 from dask_dl.normalize import DEFAULT_NORMALIZATION, check_normalization
 from dask_dl.train.parallel import check_parallel
 
-__all__ = ["OPTIMIZERS", "VIEWS", "RunOptions", "check_dataset", "check_run"]
+__all__ = ["OPTIMIZERS", "PRECISIONS", "VIEWS", "RunOptions", "check_dataset", "check_run"]
 
 OPTIMIZERS: tuple[str, ...] = ("sgd", "adamw")
 VIEWS: tuple[str, ...] = ("none", "auto", "notebook", "terminal", "log")
+PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
 
 
 @dataclass(frozen=True)
@@ -345,7 +346,7 @@ def _check_tuning(data: dict[str, Any], model: Any, model_kwargs: dict[str, Any]
             "weights='pretrained.pt' (torch.save(model.state_dict(), 'pretrained.pt'))"
         )
     head_lr = options["head_lr"]
-    precision = one_of("precision", config.get("train.precision", options["precision"]), ("fp32", "bf16", "fp16"))
+    precision = one_of("precision", config.get("train.precision", options["precision"]), PRECISIONS)
     return {
         "model_source": source,
         "loss": loss,

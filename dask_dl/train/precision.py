@@ -30,10 +30,9 @@ import torch
 from torch import nn
 
 from dask_dl.errors import ConfigurationError
+from dask_dl.train.options import PRECISIONS
 
 __all__ = ["PRECISIONS", "Precision", "enable_activation_checkpointing"]
-
-PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
 
 logger = logging.getLogger("dask_dl.train")
 

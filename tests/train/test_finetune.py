@@ -203,3 +203,22 @@ def test_schedule_survives_resume(store, cluster_client, tmp_path):
     assert resumed.history["event"].iloc[1] == "resumed"
     assert list(resumed.history["lr"]) == lrs  # a schedule restarted at step 0 would be warming up again
     np.testing.assert_allclose(resumed.history["train_loss"], whole.history["train_loss"], rtol=1e-5)
+
+
+def test_cli_fine_tunes_from_a_weights_file(store, cluster_client, pretrained, tmp_path):
+    from click.testing import CliRunner
+
+    from dask_dl.cli import cli
+
+    torch.save(build_model("small_cnn", num_outputs=5, in_channels=3).state_dict(), tmp_path / "w16.pt")
+    args = ["train", store, "-m", "small_cnn", "-e", "1", "-b", "8", "-t", "2", "--freeze-epochs", "1", "--head-lr",
+            "0.1", "--schedule", "cosine", "--precision", "bf16", "--quiet", "--scheduler",
+            cluster_client.scheduler.address]  # fmt: skip
+    result = CliRunner().invoke(cli, [*args, "--weights", str(tmp_path / "w16.pt")])
+    assert result.exit_code == 0, result.output
+    header = result.output.splitlines()[-3].split()
+    assert header[:4] == ["epoch", "global_batch", "lr", "train_loss"], result.output
+    # the fixture's weights are of a narrower small_cnn (width 8) than the CLI's (16): one line, both shapes
+    result = CliRunner().invoke(cli, [*args, "--weights", pretrained[0]])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert "features.3.weight: file (16, 8, 3, 3), model (32, 16, 3, 3)" in result.output

@@ -179,10 +179,10 @@ def test_loss_names_and_callables(store, cluster_client):
 
 
 def test_accumulate_equals_the_larger_batch(store, cluster_client):
-    common = dict(model=tiny_net, seed=5, epochs=2, lr=0.2)
+    common = dict(model=tiny_net, seed=5, lr=0.2)
     big = fit(store, cluster_client, batch_size=8, **common)
     micro = fit(store, cluster_client, batch_size=4, accumulate=2, **common)
-    assert list(micro.history["global_batch"]) == [16, 16] == list(big.history["global_batch"])
+    assert list(micro.history["global_batch"]) == [16] == list(big.history["global_batch"])
     want, got = big.checkpoint()["model"], micro.checkpoint()["model"]
     for key in want:
         torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6)
