@@ -144,7 +144,8 @@ def model_source(model: Any, model_kwargs: dict[str, Any] | None = None) -> Mode
             )
         path = entry.target if isinstance(entry.target, str) else _import_path(entry.target)
         return ModelSource("registry", model, kwargs, target=entry.target, path=path)
-    if hasattr(model, "state_dict") and hasattr(model, "parameters") and callable(model):  # an nn.Module
+    is_module = not isinstance(model, type) and hasattr(model, "state_dict") and hasattr(model, "parameters")
+    if is_module and callable(model):  # an nn.Module (a class of one is a factory)
         if kwargs:
             raise ConfigurationError(
                 f"model_kwargs={kwargs} cannot apply to a model passed as a module ({type(model).__name__}); "

@@ -63,6 +63,9 @@ def test_model_source_kinds():
     assert (module.kind, module.path) == ("module", None)
     factory = model_source(tiny_net, {"width": 2})
     assert (factory.kind, factory.path, factory.kwargs) == ("factory", "dask_dl.testing.models:tiny_net", {"width": 2})
+    cls = model_source(TinyNet)  # a class is a factory
+    assert (cls.kind, cls.path) == ("factory", "dask_dl.testing.models:TinyNet")
+    assert cls.build(num_outputs=3, in_channels=2).conv1.in_channels == 2
     local = model_source(lambda: NotebookNet())
     assert local.kind == "factory" and local.path is None
     built = factory.build(num_outputs=3, in_channels=2)
