@@ -192,7 +192,10 @@ def build_from_checkpoint(checkpoint: dict[str, Any], *, model: Any = None) -> n
     """
     labels, in_channels = list(checkpoint["labels"]), int(checkpoint.get("in_channels", 1))
     if model is not None:
-        source = model_source(model, None if not isinstance(model, str) else checkpoint.get("model_kwargs"))
+        saved = checkpoint.get("model_source") or {}
+        kwargs = saved.get("kwargs") if "kwargs" in saved else checkpoint.get("model_kwargs")
+        by_value = not isinstance(model, type) and hasattr(model, "state_dict")  # a module takes no options
+        source = model_source(model, None if by_value else kwargs)
     else:
         source = source_of_checkpoint(checkpoint)
         if source.kind in ("module", "factory") and source.path is None:

@@ -140,6 +140,7 @@ def test_factory_with_import_path_is_rebuilt_and_resumed(store, cluster_client, 
     assert ck["model_source"]["path"] == ck["model_name"] == "dask_dl.testing.models:tiny_net"
     rebuilt = build_from_checkpoint(ck)  # no user code needed: the factory is importable
     assert isinstance(rebuilt, TinyNet) and rebuilt.conv1.out_channels == 2
+    assert build_from_checkpoint(ck, model=tiny_net).conv1.out_channels == 2  # passed again: the options stay
     dask_dl.export_onnx(directory, tmp_path / "m.onnx")
     second = fit(store, cluster_client, model=tiny_net, model_kwargs={"width": 2}, checkpoint_dir=directory,
                  resume=True, epochs=2)  # fmt: skip
