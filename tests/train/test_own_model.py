@@ -216,3 +216,10 @@ def test_monai_network_through_a_factory():
     check_fits(net, name=source.name, in_channels=1, input_size=32, labels=("a", "b"))
     with pytest.raises(ConfigurationError, match=r"returns \(2, 2\).*must return \(2, 3\)"):
         check_fits(net, name=source.name, in_channels=1, input_size=32, labels=("a", "b", "c"))
+
+
+def test_own_models_and_memory_options_are_for_ddp(store, cluster_client):
+    with pytest.raises(ConfigurationError, match=r"parallel='fsdp' needs a model of dask_dl's registry"):
+        fit(store, cluster_client, model=tiny_net, parallel="fsdp")
+    with pytest.raises(ConfigurationError, match=r"accumulate=2, precision='bf16' apply to parallel='ddp' only"):
+        fit(store, cluster_client, model="small_cnn", parallel="fsdp", accumulate=2, precision="bf16")
