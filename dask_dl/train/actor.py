@@ -108,6 +108,14 @@ class TrainerSpec:
     channels_last: bool = False
     accumulate: int = 1
     activation_checkpointing: bool = False
+    #: weights loaded into the model on every rank right after it is built, before DDP and the optimizer (for
+    #: :func:`dask_dl.fit_sites`: the weights a site starts its visit from)
+    start_state: dict[str, torch.Tensor] | None = None
+    #: FedProx: ``proximal_mu / 2 * ||w - w_start||^2`` is added to the training loss, against ``start_state``
+    proximal_mu: float = 0.0
+    #: rank 0 keeps only the model's weights (and the epoch) for the driver, not the optimizer's moments, RNG
+    #: states or history: what may leave a site in :func:`dask_dl.fit_sites`
+    weights_only: bool = False
 
 
 def _epoch_seed(seed: int, epoch: int, rank: int) -> int:
@@ -175,7 +183,9 @@ class TrainingActor:
         it); ``step=True``: the newest step checkpoint instead when there is a newer one."""
         if step and self._latest_step is not None:
             return self._latest_step
-        return self._latest
+        if step or self._latest is None:
+            return self._latest
+        return _kept(self._latest, self.spec)  # what the driver may take away for run.checkpoint()
 
     # ---- process group and model ----------------------------------------------------------------------
 
@@ -243,6 +253,7 @@ class TrainingActor:
         self.precision = Precision(spec.precision, self.device, channels_last=spec.channels_last)
         torch.manual_seed(spec.seed)  # every rank builds the same initial weights (DDP broadcasts rank 0's anyway)
         model, self.weights_report = build_trainer_model(spec, in_channels=spec.channels)
+        _load_start_state(model, spec)
         model = self.precision.prepare_model(model.to(self.device))
         self.loss_fn = loss_function(spec.loss)
         self.parallel = None  # fsdp or pipeline (dask_dl.train.parallel): no DDP, no comm hook
@@ -261,6 +272,7 @@ class TrainingActor:
             )
             self.compressor.register(self.ddp)
             del self.ddp.register_comm_hook  # drop the timing shim: it would keep ddp in a reference cycle
+        self._anchor = _proximal_anchor(model, spec)  # the parameters this rank trains, as they start
         self.tuner = Tuner(model, head=head_name(model) if spec.head_lr is not None or spec.freeze_epochs else None,
                            lr=spec.lr, head_lr=spec.head_lr, freeze_epochs=spec.freeze_epochs,
                            schedule=spec.lr_schedule, total_steps=0)  # fmt: skip
@@ -426,6 +438,7 @@ class TrainingActor:
             flags_end = time.perf_counter()
             if last_micro:
                 lrs = self.tuner.lrs(self.optimizer)
+                self._add_proximal_gradient(precision)
                 precision.step(self.optimizer)
                 self.tuner.stepped(self.optimizer)
             end = time.perf_counter()
@@ -467,6 +480,22 @@ class TrainingActor:
             "position": position.advanced(done).to_dict(),
             "lrs": lrs,
         }
+
+    @torch.no_grad()
+    def _add_proximal_gradient(self, precision: Any) -> None:
+        """FedProx: add ``mu (w - w_start)``, the gradient of ``mu/2 ||w - w_start||^2``, to every gradient.
+
+        Added after the gradients are averaged: the term is the same on every rank (or, sharded, is each rank's
+        own shard of it), so adding it before or after averaging is the same, and it costs no communication.
+        Under fp16 the gradients are still scaled by the gradient scaler here: the term is scaled alike.
+        """
+        if self._anchor is None:
+            return
+        scaler = getattr(precision, "scaler", None)
+        mu = float(self.spec.proximal_mu) * (float(scaler.get_scale()) if scaler is not None else 1.0)
+        for p, start in self._anchor:
+            if p.grad is not None:
+                p.grad.add_(p.detach() - start, alpha=mu)
 
     @torch.no_grad()
     def validate(self, epoch: int) -> dict[str, Any]:
@@ -722,7 +751,7 @@ class TrainingActor:
             if close is not None:
                 close()
         for name in ("ddp", "parallel", "optimizer", "compressor", "train_loader", "val_loader", "timer", "tuner",
-                     "precision", "loss_fn"):  # fmt: skip
+                     "precision", "loss_fn", "_anchor"):  # fmt: skip
             self.__dict__.pop(name, None)
         if not keep_latest:
             self._latest = self._latest_step = None
@@ -837,6 +866,33 @@ def _evaluate(model: Any, batches: Any, device: torch.device, precision: Any = N
         with precision.autocast():
             logits = model(precision.prepare_input(x))
         yield logits, y.to(device), s
+
+
+def _kept(checkpoint: dict[str, Any], spec: TrainerSpec) -> dict[str, Any]:
+    """What rank 0 keeps for the driver: the whole checkpoint, or only the weights (``spec.weights_only``)."""
+    if not spec.weights_only:
+        return checkpoint
+    return {"model": checkpoint["model"], "epoch": checkpoint["epoch"], "model_name": checkpoint["model_name"]}
+
+
+def _load_start_state(model: torch.nn.Module, spec: TrainerSpec) -> None:
+    """Load ``spec.start_state`` into the freshly built ``model`` (the weights a site's visit starts from)."""
+    if spec.start_state is None:
+        return
+    try:
+        model.load_state_dict(spec.start_state)
+    except RuntimeError as exc:
+        raise TrainingError(
+            f"start_state does not fit model {spec.model_name!r} ({len(spec.labels)} outputs, {spec.model_kwargs}): "
+            f"{exc}"
+        ) from exc
+
+
+def _proximal_anchor(model: torch.nn.Module, spec: TrainerSpec) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """Each parameter this rank trains with a copy of its starting value, for FedProx; None without the term."""
+    if spec.proximal_mu <= 0:
+        return None
+    return [(p, p.detach().clone()) for p in model.parameters()]
 
 
 def _to_cpu(obj: Any) -> Any:

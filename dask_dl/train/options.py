@@ -75,6 +75,8 @@ class RunOptions:
     restart_wait_s: float = 60.0
     checkpoint_every_steps: int | None = None
     checkpoint_every_seconds: float | None = None
+    #: FedProx's proximal term weight (for :func:`dask_dl.fit_sites`)
+    proximal_mu: float = 0.0
 
     #: what the model is and how to rebuild it (:class:`dask_dl.models.source.ModelSource`)
     model_source: Any = field(default=None, repr=False)
@@ -148,6 +150,7 @@ def check_run(
     channels_last: bool = False,
     accumulate: int | None = None,
     activation_checkpointing: bool = False,
+    proximal_mu: float = 0.0,
 ) -> RunOptions:
     """Check every argument of :func:`dask_dl.fit` and return the run's options (config fills what is None).
 
@@ -239,6 +242,7 @@ def check_run(
         check_every=positive_int("dask-dl.train.check-every", config.get("train.check-every"), example=8),
         normalization=check_normalization(normalization, channels=data["channels"]),
         memory_budget=memory_budget,
+        proximal_mu=_non_negative_real("proximal_mu", proximal_mu),
         **plan,
         **recovery,
     )

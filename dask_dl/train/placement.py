@@ -9,6 +9,7 @@ run's trainer are left alone (two runs on one cluster train side by side, never 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from dask_dl.checks import positive_int
@@ -38,7 +39,9 @@ def busy_workers(client: Client, *, run_id: str | None = None) -> set[str]:
     return set(client.run_on_scheduler(held, own=run_id))
 
 
-def place_trainers(client: Client, trainers: int, *, resource: str = GPU_RESOURCE) -> list[str]:
+def place_trainers(
+    client: Client, trainers: int, *, resource: str = GPU_RESOURCE, among: Sequence[str] | None = None
+) -> list[str]:
     """Choose the worker addresses that ``trainers`` trainers run on, one trainer per worker.
 
     Parameters
@@ -49,6 +52,8 @@ def place_trainers(client: Client, trainers: int, *, resource: str = GPU_RESOURC
         Number of trainers (data-parallel ranks).
     resource
         Worker resource that marks accelerator workers; workers advertising it are used when there are any.
+    among
+        Choose only among these worker addresses (a site's workers in :func:`dask_dl.fit_sites`).
 
     Returns
     -------
@@ -71,8 +76,17 @@ def place_trainers(client: Client, trainers: int, *, resource: str = GPU_RESOURC
     """
     trainers = positive_int("trainers", trainers, example=2)
     workers = client.scheduler_info(n_workers=-1)["workers"]
+    if among is not None:
+        missing = sorted(set(among) - set(workers))
+        if missing:
+            raise ClusterError(
+                f"workers={missing} are not workers of the cluster (it has {', '.join(sorted(workers)) or 'none'}); "
+                "pass addresses from client.scheduler_info()['workers']"
+            )
+        workers = {a: w for a, w in workers.items() if a in set(among)}
     busy = busy_workers(client)
-    workers = {a: w for a, w in workers.items() if a not in busy} if len(workers) - len(busy) >= trainers else workers
+    free = {a: w for a, w in workers.items() if a not in busy}
+    workers = free if len(free) >= trainers else workers
     accelerated = sorted(a for a, w in workers.items() if w.get("resources", {}).get(resource, 0) > 0)
     if accelerated:
         if len(accelerated) < trainers:

@@ -33,6 +33,8 @@ class RestartPolicy:
     max_restarts: int = 0
     min_trainers: int = 1
     wait_s: float = 60.0
+    #: the only workers a restart may use (a site's workers in :func:`dask_dl.fit_sites`); None: any
+    among: tuple[str, ...] | None = None
 
 
 def recoverable(exc: BaseException) -> bool:
@@ -74,7 +76,8 @@ def wait_for_trainers(
     while True:
         workers = client.scheduler_info(n_workers=-1)["workers"]
         busy = busy_workers(client, run_id=run_id)
-        free = sorted(a for a in workers if a not in busy and a not in gone)
+        allowed = set(workers) if policy.among is None else set(policy.among)
+        free = sorted(a for a in workers if a in allowed and a not in busy and a not in gone)
         accelerated = [a for a in free if workers[a].get("resources", {}).get(GPU_RESOURCE, 0) > 0]
         free = accelerated or free
         if len(free) >= trainers:

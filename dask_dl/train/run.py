@@ -75,6 +75,10 @@ def fit(
     channels_last: bool = False,
     accumulate: int | None = None,
     activation_checkpointing: bool = False,
+    start_state: dict[str, torch.Tensor] | None = None,
+    proximal_mu: float = 0.0,
+    workers: list[str] | None = None,
+    weights_only: bool = False,
 ) -> TrainingRun:
     """Train a model on ``dataset`` with synchronous data-parallel SGD over Dask workers.
 
@@ -189,6 +193,18 @@ def fit(
     activation_checkpointing : bool
         Recompute the model's blocks' activations in backward to save memory (registry models, timm models, and
         models with a ``checkpoint_blocks()`` method).
+    start_state : dict of str to torch.Tensor, optional
+        For :func:`dask_dl.fit_sites`: weights (a ``state_dict``) loaded into the model on every trainer right
+        after it is built, instead of the seeded initial weights.
+    proximal_mu : float
+        For :func:`dask_dl.fit_sites` (FedProx): adds ``proximal_mu / 2 * ||w - w_start||^2`` to the training
+        loss, ``w_start`` being ``start_state`` (the seeded initial weights without it). Default 0: off.
+    workers : list of str, optional
+        For :func:`dask_dl.fit_sites`: train only on these worker addresses (a site's workers).
+    weights_only : bool
+        For :func:`dask_dl.fit_sites`: without ``checkpoint_dir``, rank 0 keeps only the model's weights for
+        ``run.checkpoint()`` (a dict of ``model``, ``epoch`` and ``model_name``), so that no optimizer moment,
+        RNG state or history leaves the trainers.
 
     Returns
     -------
@@ -230,6 +246,7 @@ def fit(
         loss=loss, weights=weights, freeze_epochs=freeze_epochs, head_lr=head_lr, schedule=schedule,
         precision=precision, channels_last=channels_last, accumulate=accumulate,
         activation_checkpointing=activation_checkpointing,
+        proximal_mu=proximal_mu,
     )  # fmt: skip
     total_steps = options.steps_per_epoch // options.accumulate * options.epochs
     if options.compression != "none" and options.parallel == "ddp" and options.warmup_steps >= total_steps:
@@ -250,11 +267,13 @@ def fit(
     try:
         resume_from, history = _resume_point(options) if options.resume else (None, [])
         client = get_client(client)
-        workers = place_trainers(client, options.trainers)
+        workers_allowed = None if workers is None else tuple(workers)
+        workers = place_trainers(client, options.trainers, among=workers_allowed)
         check_visible(client, options.store, workers=workers)  # the trainers open the store themselves
         run = TrainingRun(
-            client, options, workers=workers, history=history, resume_from=resume_from, owns_client=owns_client
-        )
+            client, options, workers=workers, history=history, resume_from=resume_from, owns_client=owns_client,
+            start_state=start_state, weights_only=weights_only, among=workers_allowed,
+        )  # fmt: skip
     except BaseException:
         if lease is not None:
             lease.release()
@@ -298,6 +317,9 @@ class TrainingRun:
         history: list[dict[str, Any]],
         resume_from: str | None = None,
         owns_client: bool = False,
+        start_state: dict[str, Any] | None = None,
+        weights_only: bool = False,
+        among: tuple[str, ...] | None = None,
     ) -> None:
         from dask_dl.train.driver import Driver
         from dask_dl.train.history import HistoryWriter
@@ -324,7 +346,7 @@ class TrainingRun:
         self._history_writer = HistoryWriter(
             options.checkpoint_dir, tensorboard=options.tensorboard, run_id=self.run_id
         )
-        self.spec = _trainer_spec(options, resume_from)
+        self.spec = _trainer_spec(options, resume_from, start_state=start_state, weights_only=weights_only)
         self._driver = Driver(
             client,
             self.spec,
@@ -335,7 +357,7 @@ class TrainingRun:
             checkpoint_dir=options.checkpoint_dir,
             global_batch=options.global_batch,
             sink=self,
-            policy=RestartPolicy(options.max_restarts, options.min_trainers, options.restart_wait_s),
+            policy=RestartPolicy(options.max_restarts, options.min_trainers, options.restart_wait_s, among),
         )
 
     # ---- public ---------------------------------------------------------------------------------------
@@ -565,7 +587,13 @@ def _current_client_exists() -> bool:
     return True
 
 
-def _trainer_spec(options: RunOptions, resume_from: str | None) -> Any:
+def _trainer_spec(
+    options: RunOptions,
+    resume_from: str | None,
+    *,
+    start_state: dict[str, Any] | None = None,
+    weights_only: bool = False,
+) -> Any:
     from dask_dl.models import MODELS
     from dask_dl.train.actor import TrainerSpec
 
@@ -612,6 +640,9 @@ def _trainer_spec(options: RunOptions, resume_from: str | None) -> Any:
         channels_last=options.channels_last,
         accumulate=options.accumulate,
         activation_checkpointing=options.activation_checkpointing,
+        start_state=None if start_state is None else dict(start_state),
+        proximal_mu=options.proximal_mu,
+        weights_only=bool(weights_only),
     )
 
 
