@@ -68,6 +68,8 @@ _LAZY = {
     "read_boxes": "dask_dl.data.boxes",
     "attach_boxes": "dask_dl.data.boxes",
     "connect": "dask_dl.cluster",
+    "fit_sites": "dask_dl.sites.run",
+    "SitesRun": "dask_dl.sites.run",
 }
 
 __all__ = [
@@ -90,7 +92,7 @@ __all__ = [
 
 
 # sub-packages reachable as attributes without importing them first: ``dask_dl.cluster.make("slurm")``
-_SUBPACKAGES = ("cluster",)
+_SUBPACKAGES = ("cluster", "sites")
 
 
 def __getattr__(name: str) -> Any:
@@ -131,6 +133,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from dask_dl.export import export_onnx, read_model_info
     from dask_dl.inference import evaluate, predict, scores_table
     from dask_dl.metrics import auroc
+    from dask_dl.sites.run import SitesRun, fit_sites
     from dask_dl.models import build_model, list_models, register_model
     from dask_dl.models.weights import load_weights
     from dask_dl.train.compression import make_compressor

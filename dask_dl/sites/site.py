@@ -15,7 +15,6 @@ site's *manifest* (the sample numbers and splits ``fit`` needs; for a site of it
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -130,8 +129,7 @@ class Connected:
     def close(self) -> None:
         """Close the client this run opened to the site (never the site's cluster, never a client passed in)."""
         if self.owns_client:
-            with contextlib.ExitStack():
-                self.client.close()
+            self.client.close()
 
 
 def connect_sites(sites: Mapping[str, Any], *, client: Client | None, transfers: Transfers) -> list[Connected]:
@@ -207,11 +205,13 @@ def manifest(store: str) -> xr.Dataset:
     Returns the store's attributes and ``encoding["source"]``, and the ``sample`` and ``split`` coordinates of
     its valid rows.
     """
+    import dask
     import xarray as xr
 
     from dask_dl.data.dataset import open_dataset
 
-    ds = open_dataset(store)
+    with dask.config.set(scheduler="sync"):  # small coordinate arrays, read in this task: no tasks from a task
+        ds = open_dataset(store)
     out = xr.Dataset(
         coords={"sample": ds["sample"].values, "split": ("sample", np.asarray(ds["split"].values).astype(str))},
         attrs=dict(ds.attrs),

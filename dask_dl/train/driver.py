@@ -130,6 +130,12 @@ class Driver:
     # ---- the thread ----------------------------------------------------------------------------------------
 
     def _drive(self) -> None:
+        # actor handles bind to the current client of the thread that first calls them: make it this run's client,
+        # not the default one (fit(client=...) on a client that is not the default, e.g. one per site)
+        with self.client.as_current():
+            self._drive_as_current()
+
+    def _drive_as_current(self) -> None:
         status, error = "failed", None
         self.client.subscribe_topic(self.topic, lambda event: self._rows.put(event[1]))
         try:
