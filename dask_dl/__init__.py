@@ -133,8 +133,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from dask_dl.export import export_onnx, read_model_info
     from dask_dl.inference import evaluate, predict, scores_table
     from dask_dl.metrics import auroc
-    from dask_dl.sites.run import SitesRun, fit_sites
     from dask_dl.models import build_model, list_models, register_model
     from dask_dl.models.weights import load_weights
+    from dask_dl.sites.run import SitesRun, fit_sites
     from dask_dl.train.compression import make_compressor
     from dask_dl.train.run import TrainingRun, fit

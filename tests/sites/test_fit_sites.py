@@ -1,0 +1,213 @@
+"""fit_sites on one cluster (sites as datasets): protocols, their options, the run handle, and learning.
+
+Small sites (32 px "squares" collections, one store each, of different sizes) check the mechanics; three
+synthetic hospitals (``synthesize``'s ``sites``: their own label mixes and exposures) check that cyclic weight
+transfer and federated averaging learn about as well as pooling the data with the same budget.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import dask_dl
+from dask_dl import ConfigurationError, DatasetError
+from dask_dl.export import read_model_info
+from dask_dl.models import build_model
+from dask_dl.sites.score import Ensemble, ModelSpec, score
+from dask_dl.sites.synthetic import synthetic_sites
+from dask_dl.testing.train import squares_collection
+
+OPTIONS = dict(model="small_cnn", model_kwargs={"width": 8}, batch_size=8, lr=0.05, seed=0)
+SIZES = {"A": 48, "B": 64, "C": 32}
+
+
+@pytest.fixture(scope="module")
+def cluster3():
+    from distributed import Client, LocalCluster
+
+    with (
+        LocalCluster(n_workers=3, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+    ):
+        yield client
+
+
+@pytest.fixture(scope="module")
+def squares(tmp_path_factory, cluster3) -> dict[str, str]:
+    stores = {}
+    for i, (name, n) in enumerate(SIZES.items()):
+        root = tmp_path_factory.mktemp(name)
+        stores[name] = str(root / "site.zarr")
+        dask_dl.ingest(squares_collection(root, n_train=n, n_val=16, seed=i), stores[name], size=32, chunk=8, shard=2,
+                       client=cluster3, progress=False)  # fmt: skip
+    return stores
+
+
+def _datasets(stores):
+    return {name: dask_dl.open_dataset(store) for name, store in stores.items()}
+
+
+# ---- fit's start_state and proximal term ------------------------------------------------------------------
+
+
+def _params(state):
+    return torch.cat([v.flatten() for k, v in state.items() if "running" not in k and "num_batches" not in k])
+
+
+def test_fit_starts_from_start_state_and_pulls_towards_it(squares, cluster3):
+    torch.manual_seed(123)
+    start = build_model("small_cnn", num_outputs=2, width=8).state_dict()
+    seeded = dask_dl.fit(dask_dl.open_dataset(squares["B"]), epochs=1, trainers=1, client=cluster3,
+                         **{**OPTIONS, "lr": 1e-9}).checkpoint()["model"]  # fmt: skip
+    still = dask_dl.fit(dask_dl.open_dataset(squares["B"]), epochs=1, trainers=1, client=cluster3, start_state=start,
+                        **{**OPTIONS, "lr": 1e-9}).checkpoint()["model"]  # fmt: skip
+    torch.testing.assert_close(_params(still), _params(start), rtol=0, atol=1e-6)
+    assert float((_params(seeded) - _params(start)).abs().max()) > 0.1  # not the seeded initial weights
+
+    def moved(mu: float) -> float:
+        run = dask_dl.fit(dask_dl.open_dataset(squares["B"]), epochs=2, trainers=1, client=cluster3,
+                          start_state=start, proximal_mu=mu, **OPTIONS)  # fmt: skip
+        return float((_params(run.checkpoint()["model"]) - _params(start)).norm())
+
+    free, held = moved(0.0), moved(5.0)
+    assert held < 0.6 * free, (held, free)
+
+
+def test_fit_trains_only_on_the_workers_given(squares, cluster3):
+    workers = sorted(cluster3.scheduler_info()["workers"])
+    run = dask_dl.fit(dask_dl.open_dataset(squares["A"]), epochs=1, trainers=1, client=cluster3,
+                      workers=workers[2:], weights_only=True, **OPTIONS)  # fmt: skip
+    assert run.workers == workers[2:]
+    assert set(run.checkpoint()) == {"model", "epoch", "model_name"}
+    with pytest.raises(dask_dl.ClusterError, match="not workers of the cluster"):
+        dask_dl.fit(dask_dl.open_dataset(squares["A"]), trainers=1, client=cluster3, workers=["tcp://nowhere:1"])
+
+
+# ---- protocols and the run handle ---------------------------------------------------------------------------
+
+
+def test_cyclic_options_shape_every_visit(squares, cluster3):
+    run = dask_dl.fit_sites(
+        _datasets(squares), protocol="cyclic", rounds=2, steps=3, proportional_steps=True, order="shuffled",
+        cyclic_lr=0.1, site_weighted_loss=True, client=cluster3, **OPTIONS,
+    )  # fmt: skip
+    h = run.history
+    mean = np.mean(list(SIZES.values()))
+    for _, row in h.iterrows():
+        assert row["steps"] == max(1, round(3 * SIZES[row["site"]] / mean)), row
+        assert row["samples"] == row["steps"] * 8
+    # the learning rate follows the cosine within each cycle, in the shuffled order, times the site's share
+    order = np.random.default_rng(0)
+    for r in range(2):
+        names = [list(SIZES)[k] for k in order.permutation(3)]
+        for k, name in enumerate(names):
+            low = 0.1 * 0.05
+            lr = (low + (0.05 - low) * (1 + math.cos(math.pi * k / 3)) / 2) * SIZES[name] / mean
+            got = h[(h["round"] == r) & (h["site"] == name)]["lr"].item()
+            assert got == pytest.approx(lr, rel=1e-12), (r, name)
+    assert h["auroc_mean"].notna().all() and (h["event"] == "").all()
+
+
+def test_ensemble_is_the_mean_of_the_site_models_and_exports(squares, cluster3, tmp_path):
+    run = dask_dl.fit_sites(_datasets(squares), protocol="ensemble", rounds=1, client=cluster3, **OPTIONS)
+    states = run.states()
+    assert len(states) == 3
+    net = run.model()
+    assert isinstance(net, Ensemble)
+    x = torch.rand(4, 1, 32, 32)
+    members = [build_model("small_cnn", num_outputs=2, width=8) for _ in states]
+    for m, s in zip(members, states, strict=True):
+        m.load_state_dict(s)
+        m.eval()
+    with torch.no_grad():
+        expected = torch.stack([m(x).sigmoid() for m in members]).mean(0)
+        torch.testing.assert_close(net(x).sigmoid(), expected, rtol=0, atol=1e-6)
+    info = read_model_info(run.export_onnx(tmp_path / "ensemble.onnx"))
+    assert info.labels == ("a", "b") and info.input_size == 32
+    # the per-site scores are the ensemble's, computed on each site
+    spec = ModelSpec(name="small_cnn", labels=("a", "b"), task="multilabel", input_size=32, kwargs={"width": 8})
+    ds = dask_dl.open_dataset(squares["A"])
+    mine = score(squares["A"], ds.sample.values[ds.split.values == "val"], states, spec)
+    got = run.history.query("site == 'A'").iloc[0]
+    assert got["auroc_mean"] == pytest.approx(mine["auroc_mean"], abs=1e-9) and got["n"] == 16
+
+
+def test_fedprox_and_export_of_a_run(squares, cluster3, tmp_path):
+    run = dask_dl.fit_sites(_datasets(squares), protocol="fedprox", mu=0.1, rounds=1, client=cluster3, **OPTIONS)
+    assert run.status == "finished" and run.curves.shape == (1, 4)  # A, B, C and their mean
+    path = dask_dl.export_onnx(run, tmp_path / "fedprox.onnx")
+    assert read_model_info(path).labels == ("a", "b")
+    torch.testing.assert_close(run.model().state_dict()["fc.weight"], run.state()["fc.weight"])
+
+
+def test_stop_ends_the_run_and_frees_the_workers(squares, cluster3):
+    run = dask_dl.fit_sites(_datasets(squares), protocol="cyclic", rounds=200, client=cluster3, wait=False, **OPTIONS)
+    run.stop().wait(timeout=120)
+    assert run.status == "stopped" and run.done
+    assert not any(cluster3.run(lambda: torch.distributed.is_initialized()).values())
+
+
+def test_bad_arguments_fail_before_any_work(squares, cluster3):
+    sites = _datasets(squares)
+    cases = [
+        (dict(protocol="gossip"), "protocol"),
+        (dict(protocol="fedavg", mu=0.1), "mu is an option of protocol=fedprox"),
+        (dict(protocol="fedprox"), "needs mu > 0"),
+        (dict(protocol="cyclic", min_sites=2), "min_sites is an option of protocol=fedavg/fedprox"),
+        (dict(protocol="fedavg", min_sites=4), "more than the 3 sites"),
+        (dict(protocol="cyclic", proportional_steps=True), "pass steps"),
+        (dict(protocol="cyclic", site_weighted_loss=True, optimizer="adamw"), "AdamW"),
+        (dict(protocol="cyclic", cyclic_lr=2.0), "0 < x <= 1"),
+        (dict(protocol="cyclic", rounds=0), "rounds"),
+    ]
+    for options, message in cases:
+        with pytest.raises(ConfigurationError, match=message):
+            dask_dl.fit_sites(sites, **{"rounds": 1, **options}, client=cluster3)
+    with pytest.raises(ConfigurationError, match="has unknown keys"):
+        dask_dl.fit_sites({"A": {"data": 1}}, protocol="cyclic", rounds=1, client=cluster3)
+    with pytest.raises(ConfigurationError, match="no store"):
+        dask_dl.fit_sites({"A": {"scheduler": "tcp://127.0.0.1:1"}}, protocol="cyclic", rounds=1)
+    with pytest.raises(DatasetError, match="site 'A'.*no 'val' samples"):
+        dask_dl.fit_sites({"A": dask_dl.open_dataset(squares["A"], split="train")}, protocol="cyclic", rounds=1,
+                          client=cluster3)  # fmt: skip
+
+
+# ---- learning: three synthetic hospitals --------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_cyclic_and_fedavg_learn_as_well_as_pooling(tmp_path_factory, cluster3):
+    """Cyclic and fedavg end within 0.03 mean test AUROC of pooled training with the same 8 epochs of data.
+
+    Measured (seed 0, 1500 images, three sites): pooled 0.848; cyclic 0.845, fedavg 0.836 (4 rounds of 2 local
+    epochs); ensemble and incremental, with a smaller budget, are recorded below as the weaker protocols they are
+    (ensemble ~0.77 at 4 epochs; incremental ~0.77).
+    """
+    data = synthetic_sites(tmp_path_factory.mktemp("hospitals"), n_images=1500, seed=0, client=cluster3)
+    sites, test = _datasets(data.stores), dask_dl.open_dataset(data.test)
+    options = dict(model="small_cnn", batch_size=16, lr=0.05, seed=0)
+    pooled = dask_dl.fit(dask_dl.open_dataset(data.pooled), epochs=8, trainers=1, client=cluster3, **options)
+    spec = ModelSpec(name="small_cnn", labels=tuple(pooled.checkpoint()["labels"]), task="multilabel", input_size=32)
+    baseline = score(data.test, test.sample.values, [pooled.checkpoint()["model"]], spec)["auroc_mean"]
+    assert baseline > 0.8, baseline
+    results = {}
+    for protocol in ("cyclic", "fedavg"):
+        run = dask_dl.fit_sites(sites, protocol=protocol, rounds=4, local_epochs=2, test=test, client=cluster3,
+                                **options)  # fmt: skip
+        results[protocol] = run.curves["test"].iloc[-1]
+        assert list(run.curves.index) == [0, 1, 2, 3]
+    ensemble = dask_dl.fit_sites(sites, protocol="ensemble", rounds=2, local_epochs=2, test=test, client=cluster3,
+                                 **options)  # fmt: skip
+    incremental = dask_dl.fit_sites(sites, protocol="incremental", rounds=2, test=test, client=cluster3, **options)
+    results["ensemble"] = ensemble.curves["test"].iloc[-1]
+    results["incremental"] = incremental.curves["test"].iloc[-1]
+    print(f"pooled {baseline:.3f}", {k: round(float(v), 3) for k, v in results.items()})
+    for protocol in ("cyclic", "fedavg"):
+        assert results[protocol] >= baseline - 0.03, (protocol, results, baseline)
+    # the weaker protocols learn, and are worse than pooling: recorded, not hidden
+    for protocol in ("ensemble", "incremental"):
+        assert 0.6 < results[protocol] < baseline, (protocol, results, baseline)
