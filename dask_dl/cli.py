@@ -651,6 +651,73 @@ def explain_command(
             close_client(client)
 
 
+# ---- xsite (cross-site training: dask_dl.sites) ---------------------------------------------------------------
+
+
+@cli.command("xsite")
+@click.argument("plan", type=click.Path(exists=True, dir_okay=False))
+@click.option("--protocol", "-p", type=click.Choice(["ensemble", "incremental", "cyclic", "fedavg", "fedprox"]),
+              default=None, help="Overrides the file's protocol.")  # fmt: skip
+@click.option("--rounds", "-r", type=int, default=None, help="Overrides the file's rounds.")
+@click.option("--export", "export_path", default=None, help="Write the final model as ONNX to this path.")
+@click.option("--history", "history_path", default=None, help="Write the history table to this .csv or .parquet.")
+@scheduler_option
+@quiet_option
+def xsite_command(plan, protocol, rounds, export_path, history_path, scheduler, workers, quiet) -> None:
+    """Train one model across sites that keep their images, as PLAN (a YAML file) says.
+
+    PLAN names the protocol, the rounds, the model, the options of dask_dl.fit_sites and the sites: a site with
+    a scheduler address is a cluster of its own (only weights and metrics travel); a site with only a store
+    (and a resource) is on the shared cluster (--scheduler, or a local one). Prints the AUROC of every round per
+    site and what the coordinator received from each site.
+    """
+    import time
+
+    from dask_dl.cluster import connect
+    from dask_dl.sites.plan_file import read_plan_file
+    from dask_dl.sites.run import fit_sites
+
+    sites, options = read_plan_file(plan)
+    options.update({k: v for k, v in (("protocol", protocol), ("rounds", rounds)) if v is not None})
+    for key in ("protocol", "rounds"):
+        if key not in options:
+            raise click.UsageError(f"{plan} has no {key}: add '{key}:' to it or pass --{key}")
+    with connect(scheduler=scheduler, n_workers=workers) as client:
+        run = fit_sites(sites, client=client, wait=False, **options)
+        shown = 0
+        try:
+            while not run.done:
+                time.sleep(0.5)
+                shown = _echo_rounds(run, shown, quiet)
+        except KeyboardInterrupt:
+            click.echo("stopping the sites' trainers within a few steps ...", err=True)
+            run.stop()
+            while not run.done:
+                time.sleep(0.2)
+        _echo_rounds(run, shown, quiet)
+        click.echo(f"{run.run_id} {run.protocol}: {run.status}")
+        if len(run.history):
+            click.echo(run.curves.to_string(float_format=lambda v: f"{v:.3f}"))
+        click.echo("received by the coordinator:")
+        click.echo(run.transfers.to_string(index=False))
+        if history_path is not None:
+            frame = run.history
+            frame.to_parquet(history_path) if history_path.endswith(".parquet") else frame.to_csv(history_path)
+        run.wait()  # raises what made the run fail
+        if export_path is not None:
+            click.echo(f"wrote {run.export_onnx(export_path, overwrite=True)}")
+
+
+def _echo_rounds(run, shown: int, quiet: bool) -> int:
+    """Print the rounds finished since the last call: mean AUROC per site; return how many rounds were shown."""
+    curves = run.curves
+    if quiet or curves.empty:
+        return len(curves)
+    for r, row in curves.iloc[shown:].iterrows():
+        click.echo(f"round {r}: " + " ".join(f"{k}={v:.3f}" for k, v in row.items()))
+    return len(curves)
+
+
 # ---- end of commands --------------------------------------------------------------------------------------
 
 main = cli

@@ -180,12 +180,13 @@ def test_bad_arguments_fail_before_any_work(squares, cluster3):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_cyclic_and_fedavg_learn_as_well_as_pooling(tmp_path_factory, cluster3):
     """Cyclic and fedavg end within 0.03 mean test AUROC of pooled training with the same 8 epochs of data.
 
     Measured (seed 0, 1500 images, three sites): pooled 0.848; cyclic 0.845, fedavg 0.836 (4 rounds of 2 local
-    epochs); ensemble and incremental, with a smaller budget, are recorded below as the weaker protocols they are
-    (ensemble ~0.77 at 4 epochs; incremental ~0.77).
+    epochs); ensemble (2 epochs per site) and incremental (1 epoch per site), with smaller budgets, are recorded
+    as the weaker protocols they are, and printed.
     """
     data = synthetic_sites(tmp_path_factory.mktemp("hospitals"), n_images=1500, seed=0, client=cluster3)
     sites, test = _datasets(data.stores), dask_dl.open_dataset(data.test)
@@ -200,9 +201,9 @@ def test_cyclic_and_fedavg_learn_as_well_as_pooling(tmp_path_factory, cluster3):
                                 **options)  # fmt: skip
         results[protocol] = run.curves["test"].iloc[-1]
         assert list(run.curves.index) == [0, 1, 2, 3]
-    ensemble = dask_dl.fit_sites(sites, protocol="ensemble", rounds=2, local_epochs=2, test=test, client=cluster3,
+    ensemble = dask_dl.fit_sites(sites, protocol="ensemble", rounds=1, local_epochs=2, test=test, client=cluster3,
                                  **options)  # fmt: skip
-    incremental = dask_dl.fit_sites(sites, protocol="incremental", rounds=2, test=test, client=cluster3, **options)
+    incremental = dask_dl.fit_sites(sites, protocol="incremental", rounds=1, test=test, client=cluster3, **options)
     results["ensemble"] = ensemble.curves["test"].iloc[-1]
     results["incremental"] = incremental.curves["test"].iloc[-1]
     print(f"pooled {baseline:.3f}", {k: round(float(v), 3) for k, v in results.items()})

@@ -16,6 +16,7 @@ from distributed import Client, LocalCluster
 
 import dask_dl
 from dask_dl import TrainingError
+from dask_dl.sites.weights import state_nbytes
 from dask_dl.testing.train import squares_collection
 
 OPTIONS = dict(model="small_cnn", model_kwargs={"width": 8}, batch_size=8, lr=0.05, seed=0)
@@ -53,7 +54,7 @@ def test_only_weights_and_metrics_cross(two_sites):
     assert set(received["kind"]) == {"manifest", "weights", "metrics"}, received
     weights = received[received["kind"] == "weights"].set_index("site")
     assert list(weights["objects"]) == [2, 2]  # two rounds, one visit per site each
-    state_bytes = dask_dl.sites.weights.state_nbytes(run.state())
+    state_bytes = state_nbytes(run.state())
     assert list(weights["bytes"]) == [2 * state_bytes, 2 * state_bytes]
     manifests = received[received["kind"] == "manifest"]
     assert list(manifests["objects"]) == [1, 1]

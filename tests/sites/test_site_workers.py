@@ -1,0 +1,44 @@
+"""A shared cluster whose workers belong to sites: trainers stay on their site's workers, under the site guard.
+
+The guard (``dask_dl.sites.guard``) is built on its own branch; these tests run once it is there.
+"""
+
+from __future__ import annotations
+
+import pytest
+from distributed import Client, Nanny, Scheduler, SpecCluster
+
+import dask_dl
+from dask_dl.testing.train import squares_collection
+
+guard = pytest.importorskip("dask_dl.sites.guard")
+
+OPTIONS = dict(model="small_cnn", model_kwargs={"width": 8}, batch_size=8, lr=0.05, seed=0)
+
+
+@pytest.fixture(scope="module")
+def site_cluster(tmp_path_factory):
+    """Two workers per... one worker per site (resource ``site-A`` / ``site-B``) and one plain worker."""
+    workers = {
+        name: {"cls": Nanny, "options": {"nthreads": 1, "resources": resources}}
+        for name, resources in (("a", {"site-A": 1e9}), ("b", {"site-B": 1e9}), ("plain", {}))
+    }
+    scheduler = {"cls": Scheduler, "options": {"dashboard_address": ":0"}}
+    tmp = tmp_path_factory.mktemp("guarded")
+    with SpecCluster(workers=workers, scheduler=scheduler) as cluster, Client(cluster) as client:
+        stores = {}
+        for i, name in enumerate("AB"):
+            stores[name] = str(tmp / f"{name}.zarr")
+            catalog = squares_collection(tmp / name, n_train=32, n_val=16, seed=i)
+            dask_dl.ingest(catalog, stores[name], size=32, chunk=8, shard=2, client=client, progress=False)
+        yield client, stores
+
+
+def test_cyclic_on_site_workers_is_audited_clean(site_cluster):
+    client, stores = site_cluster
+    sites = {n: {"dataset": dask_dl.open_dataset(s), "resource": f"site-{n}"} for n, s in stores.items()}
+    run = dask_dl.fit_sites(sites, protocol="cyclic", rounds=2, client=client, **OPTIONS)
+    assert run.status == "finished" and run.history["auroc_mean"].notna().all()
+    assert run.audit is not None and list(run.audit.violations) == []
+    # the sites' workers are what the guard lists, and the plain worker took no trainer
+    assert guard.site_workers(client, "site-A") != guard.site_workers(client, "site-B")

@@ -1,0 +1,63 @@
+"""``dask-dl xsite PLAN``: a YAML plan of sites and protocol, run on a local cluster the command starts."""
+
+from __future__ import annotations
+
+from click.testing import CliRunner
+
+import dask_dl
+from dask_dl.cli import cli
+from dask_dl.export import read_model_info
+from dask_dl.testing.train import squares_collection
+
+
+def _plan(tmp_path, body: str):
+    path = tmp_path / "plan.yaml"
+    path.write_text(body)
+    return path
+
+
+def test_xsite_runs_a_plan_and_exports(tmp_path):
+    from distributed import Client, LocalCluster
+
+    with LocalCluster(n_workers=1, processes=False, dashboard_address=":0") as cluster, Client(cluster) as client:
+        for i, name in enumerate(("a", "b")):
+            catalog = squares_collection(tmp_path / name, n_train=32, n_val=16, seed=i)
+            dask_dl.ingest(catalog, tmp_path / f"{name}.zarr", size=32, chunk=8, shard=2, progress=False,
+                           client=client)  # fmt: skip
+    plan = _plan(
+        tmp_path,
+        "protocol: cyclic\nrounds: 1\nmodel: small_cnn\noptions: {batch_size: 8, lr: 0.05, model_kwargs: {width: 8}}\n"
+        "sites:\n  A: {store: a.zarr}\n  B: {store: b.zarr}\n",
+    )
+    out = tmp_path / "model.onnx"
+    result = CliRunner().invoke(
+        cli,
+        [
+            "xsite",
+            str(plan),
+            "--protocol",
+            "fedavg",
+            "--rounds",
+            "2",
+            "--workers",
+            "2",
+            "--export",
+            str(out),
+            "--history",
+            str(tmp_path / "h.csv"),
+        ],  # fmt: skip
+    )
+    assert result.exit_code == 0, result.output
+    assert "round 0: A=" in result.output and "round 1: A=" in result.output
+    assert "fedavg: finished" in result.output
+    assert "received by the coordinator:" in result.output and "weights" in result.output
+    assert read_model_info(out).labels == ("a", "b")
+    assert (tmp_path / "h.csv").read_text().count("\n") == 5  # header and 2 rounds x 2 sites
+
+
+def test_xsite_explains_a_bad_plan(tmp_path):
+    result = CliRunner().invoke(cli, ["xsite", str(_plan(tmp_path, "protocol: cyclic\nrounds: 1\nsite: {}\n"))])
+    assert result.exit_code == 1
+    assert "unknown keys ['site']" in result.output
+    result = CliRunner().invoke(cli, ["xsite", str(_plan(tmp_path, "rounds: 1\nsites: {A: {store: x.zarr}}\n"))])
+    assert result.exit_code != 0
