@@ -158,6 +158,7 @@ def fit_sites(
     transfers = Transfers()
     connected = connect_sites(sites, client=client, transfers=transfers)
     try:
+        _check_batches(connected, fit_options["batch_size"], trainers)
         spec = _model_spec(connected[0], fit_options)
         test_part = _test_part(test, spec) if test is not None else None
         coordinator = Coordinator(connected, model=spec, fit_options=fit_options, trainers=trainers,
@@ -457,6 +458,15 @@ def _real(name: str, value: Any, *, low: float, example: float, strict: bool = T
         return float(value)
     bound = f"> {low}" if strict else f">= {low}"
     raise ConfigurationError(f"{name} must be a number {bound}, got {value!r}; pass e.g. {name}={example}")
+
+
+def _check_batches(sites: list[Connected], batch_size: int, trainers: int) -> None:
+    for site in sites:
+        if site.n_train // trainers < batch_size:
+            raise DatasetError(
+                f"site {site.name!r} has {site.n_train} training samples: fewer than batch_size={batch_size} per "
+                f"trainer x {trainers} trainers; pass batch_size <= {max(site.n_train // trainers, 1)}"
+            )
 
 
 def _model_spec(site: Connected, fit_options: dict[str, Any]) -> Any:

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from dask_dl.errors import ConfigurationError, DatasetError
 from dask_dl.sites.score import ModelSpec, score
 from dask_dl.sites.site import Connected
 from dask_dl.sites.transfers import Transfers
@@ -112,8 +113,14 @@ class Coordinator:
         results: dict[int, Visit] = {}
         for wave in self._waves(plans):
             started = []
-            for i in wave:
-                started.append((i, *self._start(plans[i])))
+            try:
+                for i in wave:
+                    started.append((i, *self._start(plans[i])))
+            except BaseException:
+                for _, run, _ in started:  # the visits already started would go on alone
+                    if run is not None:
+                        run.stop()
+                raise
             for i, run, visit in started:
                 results[i] = self._finish(plans[i], run, visit)
         return [results[i] for i in range(len(plans))]
@@ -133,6 +140,8 @@ class Coordinator:
                 client=site.client, workers=site.workers, start_state=plan.state, proximal_mu=plan.mu,
                 weights_only=True, view="none", wait=False, **self.fit_options,
             )  # fmt: skip
+        except (ConfigurationError, DatasetError) as exc:  # the arguments or the site's data: the user's to fix
+            raise type(exc)(f"site {site.name!r}: {exc}") from exc
         except Exception as exc:  # the site's cluster is gone, or refuses the work: reported, not raised
             visit.error = f"{type(exc).__name__}: {exc}"
             return None, visit

@@ -171,6 +171,8 @@ def test_bad_arguments_fail_before_any_work(squares, cluster3):
         dask_dl.fit_sites({"A": {"data": 1}}, protocol="cyclic", rounds=1, client=cluster3)
     with pytest.raises(ConfigurationError, match="no store"):
         dask_dl.fit_sites({"A": {"scheduler": "tcp://127.0.0.1:1"}}, protocol="cyclic", rounds=1)
+    with pytest.raises(DatasetError, match="site 'C' has 32 training samples.*batch_size <= 32"):
+        dask_dl.fit_sites(sites, protocol="cyclic", rounds=1, batch_size=40, client=cluster3)
     with pytest.raises(DatasetError, match="site 'A'.*no 'val' samples"):
         dask_dl.fit_sites({"A": dask_dl.open_dataset(squares["A"], split="train")}, protocol="cyclic", rounds=1,
                           client=cluster3)  # fmt: skip

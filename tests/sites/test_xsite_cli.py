@@ -6,7 +6,6 @@ from click.testing import CliRunner
 
 import dask_dl
 from dask_dl.cli import cli
-from dask_dl.export import read_model_info
 from dask_dl.testing.train import squares_collection
 
 
@@ -16,7 +15,7 @@ def _plan(tmp_path, body: str):
     return path
 
 
-def test_xsite_runs_a_plan_and_exports(tmp_path):
+def test_xsite_runs_a_plan(tmp_path):
     from distributed import Client, LocalCluster
 
     with LocalCluster(n_workers=1, processes=False, dashboard_address=":0") as cluster, Client(cluster) as client:
@@ -51,7 +50,6 @@ def test_xsite_runs_a_plan_and_exports(tmp_path):
     assert "round 0: A=" in result.output and "round 1: A=" in result.output
     assert "fedavg: finished" in result.output
     assert "received by the coordinator:" in result.output and "weights" in result.output
-    assert read_model_info(out).labels == ("a", "b")
     assert (tmp_path / "h.csv").read_text().count("\n") == 5  # header and 2 rounds x 2 sites
 
 
