@@ -1,6 +1,6 @@
 """What the coordinator received from each site: a ledger of kinds and bytes.
 
-Every object :func:`dask_dl.fit_sites` takes from a site passes through :meth:`Transfers.receive`, which records
+Every result :func:`dask_dl.fit_sites` takes from a site passes through :meth:`Transfers.receive`, which records
 its site, its kind and its pickled size. The kinds are:
 
 ``weights``
@@ -11,7 +11,9 @@ its site, its kind and its pickled size. The kinds are:
     what ``fit`` needs to place a visit: the store's attributes (labels, size) and the sample numbers and split
     name of each row. No pixels, no labels of samples, no patient or image ids.
 
-Nothing else is ever asked of a site, so ``run.transfers`` lists these kinds only; the tests assert it.
+No other result is taken from a site, so ``run.transfers`` lists these kinds only; the tests assert it. Not
+listed are the control messages of ``fit`` itself while a visit runs (the worker list, each trainer's setup
+report and live progress: addresses, counts, a running loss), which carry no data of the site either.
 """
 
 from __future__ import annotations
