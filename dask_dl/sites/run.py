@@ -212,8 +212,8 @@ class SitesRun:
     def history(self) -> pd.DataFrame:
         """One row per round and site (``split="val"``) and per round for the test split (``site="test"``).
 
-        Columns: ``round``, ``site``, ``split``, ``train_loss``, ``steps``, ``samples`` and ``lr`` of the site's
-        visit in that round (NaN when it did not train then), ``loss``, ``auroc_mean``, ``auroc_<label>`` and
+        Columns: ``round``, ``site``, ``split``, ``train_loss``, ``steps``, ``samples``, ``lr`` and ``workers``
+        (addresses, space-separated) of the site's visit in that round (NaN/empty when it did not train then), ``loss``, ``auroc_mean``, ``auroc_<label>`` and
         ``n`` of the round's model on that split, and ``event`` (``lost``, or ``""``) with ``error``.
         """
         with self._lock:
@@ -355,8 +355,7 @@ class SitesRun:
     def _close(self) -> None:
         try:
             if self._guard is not None:
-                self.audit = self._guard.audit()
-                self._guard.close()
+                self.audit = self._guard.close()  # the final audit, then the guard's plugins go
             for site in self._co.sites:
                 site.close()
         except Exception as exc:  # the run's outcome stands; what failed after it is reported, not raised
@@ -382,9 +381,10 @@ class SitesRun:
 def _row(round_: int, site: str, split: str, visit: Visit | None, scores: dict | None, connected: Any) -> dict:
     row: dict[str, Any] = {"round": round_, "site": site, "split": split}
     nan = math.nan
-    row.update(train_loss=nan, steps=0, samples=0, lr=nan)
+    row.update(train_loss=nan, steps=0, samples=0, lr=nan, workers="")
     if visit is not None:
-        row.update(train_loss=visit.train_loss, steps=visit.steps, samples=visit.samples, lr=visit.lr)
+        row.update(train_loss=visit.train_loss, steps=visit.steps, samples=visit.samples, lr=visit.lr,
+                   workers=" ".join(visit.workers))  # fmt: skip
     row.update({"loss": nan, "auroc_mean": nan, "n": 0})
     if scores and "error" not in scores:
         row.update(scores)

@@ -54,6 +54,7 @@ class Visit:
     steps: int = 0
     lr: float = 0.0
     seconds: float = 0.0
+    workers: list[str] = field(default_factory=list)  #: the workers the visit trained on
     error: str | None = None
 
     @property
@@ -148,6 +149,7 @@ class Coordinator:
         with self._lock:
             self._active.append(run)
         visit.samples = len(run.options.train_samples)
+        visit.workers = list(run.workers)
         visit.seconds = time.perf_counter()
         return run, visit
 

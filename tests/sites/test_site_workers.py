@@ -18,7 +18,7 @@ OPTIONS = dict(model="small_cnn", model_kwargs={"width": 8}, batch_size=8, lr=0.
 
 @pytest.fixture(scope="module")
 def site_cluster(tmp_path_factory):
-    """Two workers per... one worker per site (resource ``site-A`` / ``site-B``) and one plain worker."""
+    """One worker per site (resource ``site-A`` / ``site-B``) and one plain worker, as Nanny processes."""
     workers = {
         name: {"cls": Nanny, "options": {"nthreads": 1, "resources": resources}}
         for name, resources in (("a", {"site-A": 1e9}), ("b", {"site-B": 1e9}), ("plain", {}))
@@ -40,5 +40,7 @@ def test_cyclic_on_site_workers_is_audited_clean(site_cluster):
     run = dask_dl.fit_sites(sites, protocol="cyclic", rounds=2, client=client, **OPTIONS)
     assert run.status == "finished" and run.history["auroc_mean"].notna().all()
     assert run.audit is not None and list(run.audit.violations) == []
-    # the sites' workers are what the guard lists, and the plain worker took no trainer
-    assert guard.site_workers(client, "site-A") != guard.site_workers(client, "site-B")
+    # every visit trained on its own site's worker only (never the plain worker, never the other site's)
+    h = run.history
+    for name in "AB":
+        assert set(h[h["site"] == name]["workers"]) == {" ".join(guard.site_workers(client, f"site-{name}"))}
