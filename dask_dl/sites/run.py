@@ -212,9 +212,10 @@ class SitesRun:
     def history(self) -> pd.DataFrame:
         """One row per round and site (``split="val"``) and per round for the test split (``site="test"``).
 
-        Columns: ``round``, ``site``, ``split``, ``train_loss``, ``steps``, ``samples``, ``lr`` and ``workers``
-        (addresses, space-separated) of the site's visit in that round (NaN/empty when it did not train then), ``loss``, ``auroc_mean``, ``auroc_<label>`` and
-        ``n`` of the round's model on that split, and ``event`` (``lost``, or ``""``) with ``error``.
+        Columns: ``round``, ``site``, ``split``; ``train_loss``, ``steps``, ``samples``, ``lr`` and ``workers``
+        (addresses, space-separated) of the site's visit in that round (NaN/empty when it did not train then);
+        ``loss``, ``auroc_mean``, ``auroc_<label>`` and ``n`` of the round's model on that split; ``event``
+        (``lost``, or ``""``) with ``error``.
         """
         with self._lock:
             return pd.DataFrame(list(self._rows))
