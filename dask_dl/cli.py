@@ -677,13 +677,14 @@ def xsite_command(plan, protocol, rounds, export_path, history_path, scheduler, 
     from dask_dl.sites.plan_file import read_plan_file
     from dask_dl.sites.run import fit_sites
 
-    sites, options = read_plan_file(plan)
-    options.update({k: v for k, v in (("protocol", protocol), ("rounds", rounds)) if v is not None})
+    _, options = read_plan_file(plan, open_stores=False)  # a mistake in the plan is told before a cluster starts
+    overrides = {k: v for k, v in (("protocol", protocol), ("rounds", rounds)) if v is not None}
     for key in ("protocol", "rounds"):
-        if key not in options:
+        if key not in {**options, **overrides}:
             raise click.UsageError(f"{plan} has no {key}: add '{key}:' to it or pass --{key}")
     with connect(scheduler=scheduler, n_workers=workers) as client:
-        run = fit_sites(sites, client=client, wait=False, **options)
+        sites, options = read_plan_file(plan)  # opens the shared cluster's stores, with its client current
+        run = fit_sites(sites, client=client, wait=False, **{**options, **overrides})
         shown = 0
         try:
             while not run.done:

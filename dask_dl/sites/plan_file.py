@@ -38,11 +38,12 @@ _TOP = ("protocol", "rounds", "model", "options", "test", "sites")
 _SITE = ("scheduler", "store", "resource", "tls")
 
 
-def read_plan_file(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, Any]]:
+def read_plan_file(path: str | os.PathLike, *, open_stores: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
     """Read an ``xsite`` file; return the ``sites`` mapping of :func:`dask_dl.fit_sites` and its other keywords.
 
     Sites with a ``scheduler`` stay addresses (``{"scheduler", "security", "store"}``); the others are opened here
-    with :func:`dask_dl.open_dataset` (``{"dataset", "resource"}``). ``test`` is opened too.
+    with :func:`dask_dl.open_dataset` (``{"dataset", "resource"}``), and ``test`` too, unless ``open_stores`` is
+    False (then their paths stay under ``store`` and ``test``: checking a file before any cluster exists).
 
     Raises
     ------
@@ -64,7 +65,7 @@ def read_plan_file(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, A
     entries = plan.get("sites")
     if not isinstance(entries, dict) or not entries:
         raise ConfigurationError(f"{str(path)!r} has no sites: add 'sites:' with one entry per site")
-    sites = {str(name): _site(str(name), entry, path.parent) for name, entry in entries.items()}
+    sites = {str(name): _site(str(name), entry, path.parent, open_stores) for name, entry in entries.items()}
     options = dict(plan.get("options") or {})
     for key in ("protocol", "rounds", "model"):
         if plan.get(key) is not None:
@@ -72,11 +73,12 @@ def read_plan_file(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, A
     if plan.get("test") is not None:
         from dask_dl.data.dataset import open_dataset
 
-        options["test"] = open_dataset(_path(plan["test"], path.parent))
+        test = _path(plan["test"], path.parent)
+        options["test"] = open_dataset(test) if open_stores else test
     return sites, options
 
 
-def _site(name: str, entry: Any, base: Path) -> dict[str, Any]:
+def _site(name: str, entry: Any, base: Path, open_stores: bool) -> dict[str, Any]:
     if not isinstance(entry, dict) or "store" not in entry:
         raise ConfigurationError(f"site {name!r} needs at least 'store: PATH'; got {entry!r}")
     unknown = sorted(set(entry) - set(_SITE))
@@ -95,7 +97,8 @@ def _site(name: str, entry: Any, base: Path) -> dict[str, Any]:
         return site
     from dask_dl.data.dataset import open_dataset
 
-    site = {"dataset": open_dataset(_path(entry["store"], base))}
+    store = _path(entry["store"], base)
+    site = {"dataset": open_dataset(store)} if open_stores else {"store": store}
     if entry.get("resource"):
         site["resource"] = str(entry["resource"])
     return site

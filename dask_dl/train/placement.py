@@ -65,7 +65,8 @@ def place_trainers(
     ConfigurationError
         When ``trainers`` is not a positive integer.
     ClusterError
-        When the cluster has fewer (accelerator) workers than ``trainers``.
+        When the cluster has fewer (accelerator) workers than ``trainers``, or ``among`` names workers the
+        cluster does not have (any more: a site's workers that went away).
 
     Examples
     --------

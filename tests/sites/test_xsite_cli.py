@@ -58,4 +58,4 @@ def test_xsite_explains_a_bad_plan(tmp_path):
     assert result.exit_code == 1
     assert "unknown keys ['site']" in result.output
     result = CliRunner().invoke(cli, ["xsite", str(_plan(tmp_path, "rounds: 1\nsites: {A: {store: x.zarr}}\n"))])
-    assert result.exit_code != 0
+    assert result.exit_code == 2 and "has no protocol" in result.output
