@@ -61,8 +61,8 @@ def _params(state):
 def test_fit_starts_from_start_state_and_pulls_towards_it(squares, cluster3):
     torch.manual_seed(123)
     start = build_model("small_cnn", num_outputs=2, width=8).state_dict()
-    seeded = dask_dl.fit(dask_dl.open_dataset(squares["B"]), epochs=1, trainers=1, client=cluster3,
-                         **{**OPTIONS, "lr": 1e-9}).checkpoint()["model"]  # fmt: skip
+    torch.manual_seed(OPTIONS["seed"])
+    seeded = build_model("small_cnn", num_outputs=2, width=8).state_dict()  # what fit starts from without it
     still = dask_dl.fit(dask_dl.open_dataset(squares["B"]), epochs=1, trainers=1, client=cluster3, start_state=start,
                         **{**OPTIONS, "lr": 1e-9}).checkpoint()["model"]  # fmt: skip
     torch.testing.assert_close(_params(still), _params(start), rtol=0, atol=1e-6)
