@@ -313,8 +313,9 @@ class SitesRun:
         spec = self._co.model
         return {
             "format": FORMAT, "model_name": spec.name, "model_kwargs": dict(spec.kwargs), "model": self.state(),
-            "labels": list(spec.labels), "task": spec.task, "input_size": int(spec.input_size), "in_channels": 1,
-            "normalization": dict(DEFAULT_NORMALIZATION), "epoch": self._rounds_done - 1, "optimizer": {},
+            "labels": list(spec.labels), "task": spec.task, "input_size": int(spec.input_size),
+            "in_channels": spec.channels, "normalization": dict(DEFAULT_NORMALIZATION), "epoch": self._rounds_done - 1,
+            "optimizer": {},
             "compressor": [], "rng": [], "history": self.history.to_dict("records"),
         }  # fmt: skip
 
@@ -473,7 +474,7 @@ def _check_batches(sites: list[Connected], batch_size: int, trainers: int) -> No
 def _model_spec(site: Connected, fit_options: dict[str, Any]) -> Any:
     from dask_dl.models import MODELS
     from dask_dl.sites.score import ModelSpec
-    from dask_dl.train.options import _check_model
+    from dask_dl.train.options import _check_model, check_dataset
 
     meta = site.dataset.attrs["dask_dl"]
     name = fit_options["model"]
@@ -482,6 +483,7 @@ def _model_spec(site: Connected, fit_options: dict[str, Any]) -> Any:
         name=name, labels=tuple(meta["labels"]), task=meta.get("task", "multilabel"),
         input_size=int(meta.get("size")), kwargs=dict(fit_options["model_kwargs"]),
         target=MODELS.entry(name).target, batch_size=int(fit_options["batch_size"]),
+        channels=int(check_dataset(site.dataset)["channels"]),
     )  # fmt: skip
 
 

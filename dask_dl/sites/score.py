@@ -31,6 +31,7 @@ class ModelSpec:
     kwargs: dict[str, Any] = field(default_factory=dict)
     target: Any = None
     batch_size: int = 32
+    channels: int = 1
 
 
 def build(spec: ModelSpec, state: dict[str, Any] | None = None) -> Any:
@@ -39,7 +40,7 @@ def build(spec: ModelSpec, state: dict[str, Any] | None = None) -> Any:
 
     if spec.name not in MODELS and spec.target is not None:  # registered in the coordinator's process
         MODELS.register(spec.name, spec.target)
-    net = build_model(spec.name, num_outputs=len(spec.labels), in_channels=1, **spec.kwargs)
+    net = build_model(spec.name, num_outputs=len(spec.labels), in_channels=spec.channels, **spec.kwargs)
     if state is not None:
         net.load_state_dict(state)
     return net.eval()

@@ -206,9 +206,12 @@ def manifest(store: str) -> xr.Dataset:
 
     with dask.config.set(scheduler="sync"):  # small coordinate arrays, read in this task: no tasks from a task
         ds = open_dataset(store)
+    attrs = dict(ds.attrs)
+    # a grey store's layout may not say its channels: fit would read them from `image`, which stays here
+    attrs["dask_dl"] = {**attrs["dask_dl"], "channels": int(ds["image"].sizes.get("channel", 1))}
     out = xr.Dataset(
         coords={"sample": ds["sample"].values, "split": ("sample", np.asarray(ds["split"].values).astype(str))},
-        attrs=dict(ds.attrs),
+        attrs=attrs,
     )
     out.encoding["source"] = ds.encoding["source"]
     return out
@@ -228,12 +231,13 @@ def _with_samples(site: Connected) -> Connected:
 def _check_alike(sites: list[Connected]) -> None:
     def what(site: Connected) -> tuple:
         meta = site.dataset.attrs["dask_dl"]
-        return tuple(meta.get("labels") or ()), meta.get("task", "multilabel"), meta.get("size")
+        channels = meta.get("channels") or site.dataset["image"].sizes.get("channel", 1)
+        return tuple(meta.get("labels") or ()), meta.get("task", "multilabel"), meta.get("size"), int(channels)
 
     first = what(sites[0])
     for site in sites[1:]:
         if what(site) != first:
             raise ConfigurationError(
-                f"site {site.name!r} has labels, task and size {what(site)}, site {sites[0].name!r} {first}: one "
-                "model needs the same labels, task and image size everywhere; ingest every site alike"
+                f"site {site.name!r} has labels, task, size and channels {what(site)}, site {sites[0].name!r} "
+                f"{first}: one model needs them alike everywhere; ingest every site alike"
             )
