@@ -130,28 +130,30 @@ class Driver:
     # ---- the thread ----------------------------------------------------------------------------------------
 
     def _drive(self) -> None:
-        # actor handles bind to the current client of the thread that first calls them: make it this run's client,
-        # not the default one (fit(client=...) on a client that is not the default, e.g. one per site)
-        with self.client.as_current():
-            self._drive_as_current()
-
-    def _drive_as_current(self) -> None:
         status, error = "failed", None
-        self.client.subscribe_topic(self.topic, lambda event: self._rows.put(event[1]))
         try:
-            status = self._drive_with_restarts()
-        except BaseException as exc:  # handed to wait(); the thread must not die silently
-            status, error = "failed", exc
-        finally:
-            try:
-                self._keep_last_checkpoint()
-                self._release()
-            finally:
+            # actor handles bind to the current client of the thread that first calls them: make it this run's
+            # client, not the default one (fit(client=...) on a client that is not the default, e.g. one per site)
+            with self.client.as_current():
                 try:
-                    self.client.unsubscribe_topic(self.topic)
-                except Exception as exc:  # a client closed under the run: no subscription left to end
-                    logger.debug("%s: unsubscribe failed: %s", self.sink.run_id, exc)
-                self.sink.ended(status, error)
+                    self.client.subscribe_topic(self.topic, lambda event: self._rows.put(event[1]))
+                    status = self._drive_with_restarts()
+                except BaseException as exc:  # handed to wait(); the thread must not die silently
+                    status, error = "failed", exc
+                finally:
+                    try:
+                        self._keep_last_checkpoint()
+                        self._release()
+                    finally:
+                        try:
+                            self.client.unsubscribe_topic(self.topic)
+                        except Exception as exc:  # a client closed under the run: no subscription left to end
+                            logger.debug("%s: unsubscribe failed: %s", self.sink.run_id, exc)
+        except BaseException as exc:  # the client itself is gone (closed under the run): wait() must still end
+            if error is None:
+                status, error = "failed", exc
+        finally:
+            self.sink.ended(status, error)
 
     def _drive_with_restarts(self) -> str:
         checkpoint: Any = None  # what the next group resumes from (a path or dict); None: the spec's resume_from
