@@ -473,12 +473,18 @@ def _check_batches(sites: list[Connected], batch_size: int, trainers: int) -> No
 
 def _model_spec(site: Connected, fit_options: dict[str, Any]) -> Any:
     from dask_dl.models import MODELS
+    from dask_dl.models.source import model_source
     from dask_dl.sites.score import ModelSpec
-    from dask_dl.train.options import _check_model, check_dataset
+    from dask_dl.train.options import check_dataset
 
     meta = site.dataset.attrs["dask_dl"]
     name = fit_options["model"]
-    _check_model(name, fit_options["model_kwargs"])
+    if model_source(name, fit_options["model_kwargs"]).kind != "registry":  # unknown names/options raise here
+        raise ConfigurationError(
+            f"fit_sites builds its model by registry name on every site and in the coordinator; got model={name!r}. "
+            "Register a function that builds it first (dask_dl.register_model('my_net', build_my_net)) and pass "
+            "model='my_net'"
+        )
     return ModelSpec(
         name=name, labels=tuple(meta["labels"]), task=meta.get("task", "multilabel"),
         input_size=int(meta.get("size")), kwargs=dict(fit_options["model_kwargs"]),
