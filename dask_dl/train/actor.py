@@ -48,7 +48,7 @@ from torch.nn.parallel import DistributedDataParallel
 from dask_dl.checkpoint import load_checkpoint
 from dask_dl.errors import ClusterError, TrainingError
 from dask_dl.train import allocator
-from dask_dl.train.checkpoint import rng_state, set_rng_state
+from dask_dl.train.checkpoint import rng_state, set_rng_state, to_cpu
 from dask_dl.train.parallel import data_shard
 
 
@@ -334,7 +334,7 @@ class TrainingActor:
                 f"the checkpoint was written by {len(states)} trainers and this run has {self.world_size}; "
                 f"resume with trainers={len(states)} (error-feedback residuals are per rank)"
             )
-        fresh = _to_cpu(self.compressor.state_dict())
+        fresh = to_cpu(self.compressor.state_dict())
         self.compressor.load_state_dict(compressor_state(checkpoint, fresh, rank=self.rank, world_size=self.world_size))
         if len(states) == self.world_size:
             set_rng_state(checkpoint["rng"][self.rank])
@@ -683,13 +683,13 @@ class TrainingActor:
         from dask_dl.train.checkpoint import save_checkpoint, step_checkpoint_name
         from dask_dl.train.resume import partial_state
 
-        mine: dict[str, Any] = {"compressor": _to_cpu(self.compressor.state_dict()), "rng": rng_state()}
+        mine: dict[str, Any] = {"compressor": to_cpu(self.compressor.state_dict()), "rng": rng_state()}
         if partial is not None:
             mine["partial"] = partial_state(**partial)
         # fsdp / pipeline: collective (shards written, the model consolidated on rank 0)
         parts = {} if self.parallel is None else self.parallel.checkpoint_parts(self.optimizer, epoch=epoch,
                                                                                directory=directory)  # fmt: skip
-        model = parts["model"] if parts else _to_cpu(self.ddp.module.state_dict())
+        model = parts["model"] if parts else to_cpu(self.ddp.module.state_dict())
         if directory is None and self.parallel is None:
             if self.rank == 0:
                 mine["buffers"] = {k: v for k, v in model.items() if k in dict(self.ddp.module.named_buffers())}
@@ -709,7 +709,7 @@ class TrainingActor:
             "model_source": source_of_spec(spec).to_dict(),
             "loss": spec.loss if isinstance(spec.loss, str) else None,
             "tuning": self.tuner.state_dict(),
-            "scaler": _to_cpu(self.precision.state_dict()),
+            "scaler": to_cpu(self.precision.state_dict()),
             "model": model,
             "labels": list(spec.labels),
             "task": spec.task,
@@ -717,7 +717,7 @@ class TrainingActor:
             "in_channels": int(spec.channels),
             "normalization": dict(spec.normalization or DEFAULT_NORMALIZATION),
             "epoch": int(epoch),
-            "optimizer": parts["optimizer"] if parts else _to_cpu(self.optimizer.state_dict()),
+            "optimizer": parts["optimizer"] if parts else to_cpu(self.optimizer.state_dict()),
             "compressor": [g["compressor"] for g in gathered],
             "rng": [g["rng"] for g in gathered],
             "history": [_plain(row) for row in history],
@@ -893,16 +893,6 @@ def _proximal_anchor(model: torch.nn.Module, spec: TrainerSpec) -> list[tuple[to
     if spec.proximal_mu <= 0:
         return None
     return [(p, p.detach().clone()) for p in model.parameters()]
-
-
-def _to_cpu(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu().clone()
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return type(obj)(_to_cpu(v) for v in obj)
-    return obj
 
 
 def _plain(row: dict[str, Any]) -> dict[str, Any]:

@@ -34,6 +34,7 @@ __all__ = [
     "save_checkpoint",
     "set_rng_state",
     "step_checkpoint_name",
+    "to_cpu",
     "write_atomic",
 ]
 
@@ -174,3 +175,14 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate((p["version"], tuple(p["state"]), p["gauss_next"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+def to_cpu(obj: Any) -> Any:
+    """A copy of ``obj`` (tensors in dicts, lists and tuples) with every tensor detached and on the CPU."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().clone()
+    if isinstance(obj, dict):
+        return {k: to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(to_cpu(v) for v in obj)
+    return obj

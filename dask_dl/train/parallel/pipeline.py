@@ -28,6 +28,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from dask_dl.errors import TrainingError
+from dask_dl.train.checkpoint import to_cpu
 
 __all__ = ["PipelineModel"]
 
@@ -159,7 +160,7 @@ class PipelineModel:
             state = self.module.state_dict()
             mine = {
                 "model": {self.names[k]: v.detach().cpu().clone() for k, v in state.items()},
-                "optimizer": _to_cpu(optimizer.state_dict()),
+                "optimizer": to_cpu(optimizer.state_dict()),
             }
         gathered: list[Any] | None = [None] * self.world_size if dist.get_rank() == 0 else None
         dist.gather_object(mine, gathered, dst=0)
@@ -193,13 +194,3 @@ def _stage_shapes(groups: list[list[nn.Module]], shape: tuple[int, ...], device:
     for block, mode in zip((m for group in groups for m in group), modes, strict=True):
         block.train(mode)
     return shapes
-
-
-def _to_cpu(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu().clone()
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return type(obj)(_to_cpu(v) for v in obj)
-    return obj
