@@ -11,6 +11,9 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import sys
+import time
+from collections.abc import Callable
+from typing import Any
 
 import click
 
@@ -404,7 +407,6 @@ def train_command(
     Prints one line per epoch and a final table; Ctrl-C stops the trainers within a few steps and frees the
     workers (the last completed epoch's checkpoint stays).
     """
-    import time
 
     from dask_dl import config
     from dask_dl.cluster import connect
@@ -425,17 +427,7 @@ def train_command(
             weights=weights, freeze_epochs=freeze_epochs, head_lr=head_lr, schedule=schedule, precision=precision,
             accumulate=accumulate,
         )  # fmt: skip
-        shown = 0
-        try:
-            while not run.done:
-                time.sleep(0.5)
-                shown = _echo_epochs(run, shown, interactive)
-        except KeyboardInterrupt:
-            click.echo("stopping the trainers within a few steps ...", err=True)
-            run.stop()
-            while not run.done:
-                time.sleep(0.2)
-        _echo_epochs(run, shown, interactive)
+        _follow(run, lambda shown: _echo_epochs(run, shown, interactive), "stopping the trainers")
         history = run.history
         if len(history):
             columns = [c for c in _TRAIN_COLUMNS if c in history] + [c for c in history if c.startswith("val_auroc_")]
@@ -448,6 +440,21 @@ _TRAIN_COLUMNS = (
     "epoch", "global_batch", "lr", "train_loss", "val_loss", "val_auroc_mean", "images_per_s", "data_wait_s",
     "bytes_sent",
 )  # fmt: skip
+
+
+def _follow(run: Any, echo: Callable[[int], int], stopping: str) -> None:
+    """Print what ``run`` adds until it ends (``echo(shown) -> shown``); Ctrl-C stops it and waits for its end."""
+    shown = 0
+    try:
+        while not run.done:
+            time.sleep(0.5)
+            shown = echo(shown)
+    except KeyboardInterrupt:
+        click.echo(f"{stopping} within a few steps ...", err=True)
+        run.stop()
+        while not run.done:
+            time.sleep(0.2)
+    echo(shown)
 
 
 def _echo_epochs(run, shown: int, interactive: bool) -> int:
@@ -671,7 +678,6 @@ def xsite_command(plan, protocol, rounds, export_path, history_path, scheduler, 
     (and a resource) is on the shared cluster (--scheduler, or a local one). Prints the AUROC of every round per
     site and what the coordinator received from each site.
     """
-    import time
 
     from dask_dl.cluster import connect
     from dask_dl.sites.plan_file import read_plan_file
@@ -685,17 +691,7 @@ def xsite_command(plan, protocol, rounds, export_path, history_path, scheduler, 
     with connect(scheduler=scheduler, n_workers=workers) as client:
         sites, options = read_plan_file(plan)  # opens the shared cluster's stores, with its client current
         run = fit_sites(sites, client=client, wait=False, **{**options, **overrides})
-        shown = 0
-        try:
-            while not run.done:
-                time.sleep(0.5)
-                shown = _echo_rounds(run, shown, quiet)
-        except KeyboardInterrupt:
-            click.echo("stopping the sites' trainers within a few steps ...", err=True)
-            run.stop()
-            while not run.done:
-                time.sleep(0.2)
-        _echo_rounds(run, shown, quiet)
+        _follow(run, lambda shown: _echo_rounds(run, shown, quiet), "stopping the sites' trainers")
         click.echo(f"{run.run_id} {run.protocol}: {run.status}")
         if len(run.history):
             click.echo(run.curves.to_string(float_format=lambda v: f"{v:.3f}"))

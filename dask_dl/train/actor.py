@@ -393,6 +393,8 @@ class TrainingActor:
         offset = position.step  # in-epoch steps before this call, in the current segment
         self._progress = {"epoch": epoch, "step": offset, "steps": offset + steps, "loss": None, "images_per_s": None}
         served: list[np.ndarray] = []
+        counts_examples = getattr(self.parallel, "counts_examples", True)  # pipelines: the reading stage
+        data_world = getattr(self.parallel, "data_world", self.world_size)
         started = time.perf_counter()
         batches = loader.epoch(epoch, with_samples=True, position=position)
         for step, (x, y, rows) in enumerate(itertools.islice(batches, steps)):
@@ -413,7 +415,7 @@ class TrainingActor:
                     precision.backward(loss / accumulate if accumulate > 1 else loss)
             backward_end = time.perf_counter()
             loss_acc += loss.detach()  # stays on the device: no host sync per step
-            examples += x.shape[0] if getattr(self.parallel, "counts_examples", True) else 0
+            examples += x.shape[0] if counts_examples else 0
             stop = bad = due = False
             if (step + 1) % check_every == 0 or step + 1 == steps:
                 # every `check_every` steps (the same steps on every rank) one small all-reduce makes the ranks
@@ -446,7 +448,6 @@ class TrainingActor:
             comm_s += (timer.hook_s - hook_s_before) + tail + (flags_end - backward_end)
             busy_s += end - begin
             elapsed = time.perf_counter() - started
-            data_world = getattr(self.parallel, "data_world", self.world_size)
             self.global_step += 1
             self._progress.update(step=offset + step + 1, images_per_s=examples * data_world / elapsed,
                                   global_step=self.global_step)  # fmt: skip
