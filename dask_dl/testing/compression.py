@@ -101,11 +101,11 @@ def ddp_buckets(shapes: Sequence[tuple[int, ...]], cap_bytes: int = 25 * 2**20) 
 
 
 def sim_grouping(shape) -> tuple[int, int, bool]:
-    """``(out, rest, by_rows)``: a parameter's ``(out, prod(rest))`` view; groups are its rows if rest > out."""
+    """``(out, rest, by_rows)``: a parameter's ``(out, prod(rest))`` view; groups are its rows if rest >= out."""
     if not shape:
         return 1, 1, False
     out, rest = shape[0], math.prod(shape[1:])
-    return out, rest, rest > out
+    return out, rest, rest >= out
 
 
 def sim_columns(shapes, flat) -> list[np.ndarray]:

@@ -99,7 +99,12 @@ def test_two_mean_quantizer_keeps_column_sums_and_uses_the_two_means():
 
 
 def test_groups_run_along_the_longer_axis():
-    """Rows when prod(rest) > out (a (16, 144) weight: 16 groups of 144), else columns ((128, 14): 14 of 128)."""
+    """Rows when prod(rest) >= out (a (16, 144) weight: 16 groups of 144; a square one by its contiguous rows),
+    else columns ((128, 14): 14 of 128)."""
+    square = ColumnLayout(((8, 8),))
+    flat8 = torch.randn(64)
+    (block8,) = square.blocks(flat8)
+    assert square.matrices[0].transposed and all(torch.equal(block8[:, j], flat8.view(8, 8)[j]) for j in range(8))
     wide, tall = ColumnLayout(((16, 144),)), ColumnLayout(((128, 14),))
     assert wide.n_columns == 16 and set(np.diff(wide.column_starts)) == {144}
     assert tall.n_columns == 14 and set(np.diff(tall.column_starts)) == {128}

@@ -98,9 +98,12 @@ class BlockShape(NamedTuple):
 def matrix_shape(shape: Sequence[int]) -> BlockShape:
     """The matrix whose columns are the quantization groups of a parameter of ``shape``.
 
-    With ``out, rest = shape[0], prod(shape[1:])``: ``(rest, out, transposed=True)`` when ``rest > out`` (a
-    group per row of the ``(out, rest)`` view), else ``(out, rest, transposed=False)``. Vectors are one column
-    ``(n, 1)``; scalars ``(1, 1)``.
+    With ``out, rest = shape[0], prod(shape[1:])``: ``(rest, out, transposed=True)`` when ``rest >= out`` (a
+    group per row of the ``(out, rest)`` view), else ``(out, rest, transposed=False)``: groups are the longer
+    side, so there are fewer scales to send. A square parameter (fc7's 4096x4096, attention projections) is
+    grouped by rows, which are contiguous in memory: the columns of a square matrix are as many and as long,
+    but strided, and cost the fused kernels a second sweep. Vectors are one column ``(n, 1)``; scalars
+    ``(1, 1)``.
 
     Examples
     --------
@@ -108,12 +111,14 @@ def matrix_shape(shape: Sequence[int]) -> BlockShape:
     BlockShape(rows=144, cols=16, transposed=True)
     >>> matrix_shape((128, 14))  # 14 groups of 128
     BlockShape(rows=128, cols=14, transposed=False)
+    >>> matrix_shape((64, 64))  # 64 groups of 64, each a row
+    BlockShape(rows=64, cols=64, transposed=True)
     """
     shape = tuple(int(s) for s in shape)
     if not shape:
         return BlockShape(1, 1)
     out, rest = shape[0], math.prod(shape[1:])
-    return BlockShape(rest, out, True) if rest > out else BlockShape(out, rest)
+    return BlockShape(rest, out, True) if rest >= out else BlockShape(out, rest)
 
 
 def empty_block(shape: BlockShape, *, dtype: torch.dtype, device) -> torch.Tensor:
