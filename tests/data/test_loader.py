@@ -6,6 +6,7 @@ samples it holds; label ``j`` of row ``i`` is bit ``j`` of ``i``.
 
 from __future__ import annotations
 
+import os
 import shutil
 import threading
 from collections import Counter
@@ -224,6 +225,24 @@ def test_thread_stops_on_break_and_on_close(store):
         next(batches)
     with pytest.raises(DatasetError, match="closed"):
         next(loader.epoch(1))
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="CPU affinity is Linux's")
+def test_a_one_cpu_process_reads_local_files_in_its_own_thread(store):
+    """A thread overlaps nothing on one CPU: no reader threads, and the very batches of a threaded loader."""
+    threaded = [(x, y) for x, y in ChunkLoader(store, TRAIN, batch_size=2, prefetch=2, seed=5).epoch(1)]
+    everywhere = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(everywhere)})  # this thread only: restored below
+    try:
+        loader = ChunkLoader(store, TRAIN, batch_size=2, prefetch=2, seed=5)
+        inline = []
+        for x, y in loader.epoch(1):
+            assert loader_threads() == []
+            inline.append((x, y))
+    finally:
+        os.sched_setaffinity(0, everywhere)
+    assert len(inline) == len(threaded)
+    assert all(torch.equal(a, c) and torch.equal(b, d) for (a, b), (c, d) in zip(inline, threaded, strict=True))
 
 
 @pytest.mark.parametrize("prefetch", [0, 2])
