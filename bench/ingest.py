@@ -9,6 +9,8 @@ processes (cluster start-up and the workers' first imports not counted). Prints 
 parallel efficiency ``(dask rate / loop rate) / W``; 1.0 would be perfect scaling. Each rate is the best of
 ``--repeat`` runs, alternating loop and Dask so that load from other processes hits both alike. On a machine
 shared with other work the W workers get less than W cores while the loop still gets one, so run it idle.
+(3) The ceiling, in the same run: W separate processes without Dask, each running the loop on its share of
+the shards, started together: how far this machine scales W decoders at all.
 """
 
 from __future__ import annotations
@@ -62,6 +64,32 @@ def single_process(catalog: pd.DataFrame, store: str, *, size: int, chunk: int, 
     return n / (time.perf_counter() - started)
 
 
+def _share(catalog: pd.DataFrame, store: str, size: int, chunk: int, shard: int, start: float) -> float:
+    """One of :func:`independent`'s processes: wait for ``start``, run the loop on its share; its seconds."""
+    while time.time() < start:
+        time.sleep(0.001)
+    return len(catalog) / single_process(catalog, store, size=size, chunk=chunk, shard=shard)
+
+
+def independent(catalog: pd.DataFrame, tmp: str, *, workers: int, size: int, chunk: int, shard: int) -> float:
+    """The ceiling: ``workers`` separate processes, no Dask, each running the loop on its share of whole shards,
+    started together; images/s of all of them over the slowest one's time."""
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    rows = chunk * shard
+    shards = [catalog.iloc[i : i + rows] for i in range(0, len(catalog), rows)]
+    parts = [pd.concat(shards[w::workers]) for w in range(workers)]
+    with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
+        list(pool.map(time.sleep, [0.1] * workers))  # started and imported before the clock
+        start = time.time() + 0.5
+        futures = [
+            pool.submit(_share, part, f"{tmp}/part{w}.zarr", size, chunk, shard, start) for w, part in enumerate(parts)
+        ]
+        seconds = max(f.result() for f in futures)
+    return len(catalog) / seconds
+
+
 def with_dask(catalog: pd.DataFrame, store: str, *, size: int, chunk: int, shard: int, client) -> float:
     shutil.rmtree(store, ignore_errors=True)
     result = dask_dl.ingest(catalog, store, size=size, chunk=chunk, shard=shard, client=client, progress=False)
@@ -83,7 +111,7 @@ def main() -> None:
 
     catalog = write_sources(args.images, args.source_size)
     layout = {"size": args.size, "chunk": args.chunk, "shard": args.shard}
-    loop, parallel = 0.0, 0.0
+    loop, parallel, ceiling = 0.0, 0.0, 0.0
     with (
         tempfile.TemporaryDirectory() as tmp,
         LocalCluster(n_workers=args.workers, threads_per_worker=1, dashboard_address=":0") as cluster,
@@ -93,13 +121,16 @@ def main() -> None:
         for _ in range(args.repeat):  # alternate, so that both see the same load from other processes
             loop = max(loop, single_process(catalog, f"{tmp}/loop.zarr", **layout))
             parallel = max(parallel, with_dask(catalog, f"{tmp}/dask.zarr", **layout, client=client))
+            ceiling = max(ceiling, independent(catalog, tmp, workers=args.workers, **layout))
     shards = -(-args.images // (args.chunk * args.shard))
     print(f"{args.images} PNGs {args.source_size}x{args.source_size} -> {args.size}x{args.size}, {shards} shards")
     print(f"single process loop      {loop:8.1f} images/s")
     print(f"dask_dl.ingest, {args.workers} workers {parallel:8.1f} images/s")
+    print(f"{args.workers} separate loops (no Dask) {ceiling:8.1f} images/s")
     speedup = parallel / loop
     print(f"speed-up {speedup:.2f}x; parallel efficiency (speed-up / workers) {speedup / args.workers:.2f} "
-          f"(target >= 0.90; load {os.getloadavg()[0]:.1f})")  # fmt: skip
+          f"(target >= 0.90; load {os.getloadavg()[0]:.1f}); {args.workers} separate processes reach "
+          f"{ceiling / loop / args.workers:.2f} on this machine in this run")  # fmt: skip
 
 
 if __name__ == "__main__":
