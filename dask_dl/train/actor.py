@@ -47,7 +47,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dask_dl.checkpoint import load_checkpoint
 from dask_dl.errors import ClusterError, TrainingError
-from dask_dl.train import allocator
+from dask_dl.train import allocator, profiler
 from dask_dl.train.checkpoint import rng_state, set_rng_state, to_cpu
 from dask_dl.train.parallel import data_shard
 
@@ -116,6 +116,16 @@ class TrainerSpec:
     #: rank 0 keeps only the model's weights (and the epoch) for the driver, not the optimizer's moments, RNG
     #: states or history: what may leave a site in :func:`dask_dl.fit_sites`
     weights_only: bool = False
+
+
+def _current_worker() -> Any:
+    """The worker this code runs on, or None (a trainer used outside Dask, as in some tests)."""
+    from distributed import get_worker
+
+    try:
+        return get_worker()
+    except ValueError:
+        return None
 
 
 def _epoch_seed(seed: int, epoch: int, rank: int) -> int:
@@ -260,6 +270,7 @@ class TrainingActor:
             MODELS.register(spec.model_name, spec.model_target)
         torch.set_num_threads(max(1, worker.state.nthreads))
         allocator.keep_freed_memory()  # the nanny's MALLOC_TRIM_THRESHOLD_ made every step 1.65x slower
+        profiler.pause(worker)  # its samples of this thread are racy on CPython 3.11 and say nothing of use
         self.spec, self.rank, self.world_size = spec, rank, world_size
         cuda = torch.cuda.is_available()
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -786,6 +797,9 @@ class TrainingActor:
             _reset_process_group()
         self._ready = False
         allocator.restore()
+        worker = _current_worker()
+        if worker is not None:
+            profiler.resume(worker)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         return True

@@ -77,6 +77,21 @@ def _spec(store: str, **kwargs) -> TrainerSpec:
     return TrainerSpec(**{**options, **kwargs})
 
 
+def profiling(client, workers, expect: bool, *, wait_s: float = 5.0) -> dict[str, bool]:
+    """Whether each worker's sampling profiler runs, given up to ``wait_s`` to become ``expect`` (the change is
+    handed to the worker's event loop)."""
+
+    def running(dask_worker) -> bool:
+        return dask_worker.periodic_callbacks["profile"].is_running()
+
+    deadline = time.monotonic() + wait_s
+    state = client.run(running, workers=workers)
+    while set(state.values()) != {expect} and time.monotonic() < deadline:
+        time.sleep(0.05)
+        state = client.run(running, workers=workers)
+    return state
+
+
 def test_actor_protocol(setup_client):
     client, store = setup_client
     workers = place_trainers(client, 2)
@@ -95,6 +110,8 @@ def test_actor_protocol(setup_client):
         assert infos[0]["steps_per_epoch"] == infos[1]["steps_per_epoch"] == 32  # 64 images, 1 per rank and step
         assert infos[0]["threads"] == 1 and infos[0]["device"] == "cpu"
         assert client.run(lambda: torch.distributed.get_world_size()) == {w: 2 for w in workers}
+        # the workers' sampling profiler is paused while they hold a trainer (dask_dl/train/profiler.py)
+        assert profiling(client, workers, False) == {w: False for w in workers}
         with pytest.raises(ClusterError, match="already in a torch.distributed process group"):
             actors[0].setup(spec, init_method=init, rank=0, world_size=2).result()
 
@@ -128,3 +145,4 @@ def test_actor_protocol(setup_client):
         for f in [a.teardown() for a in actors]:
             f.result()
     assert client.run(lambda: torch.distributed.is_initialized()) == {w: False for w in workers}
+    assert profiling(client, workers, True) == {w: True for w in workers}
