@@ -35,9 +35,14 @@ def test_make_gateway_trains_end_to_end_with_gpu_tagged_workers(gateway_server, 
         assert np.isfinite(story.history["train_loss"]).all()
         assert story.scores.shape == (len(dask_dl.open_dataset(story.store, split="test").sample), 14)
     assert cluster.status == "closed"
-    # connect() shut the gateway cluster down. (No ``with Gateway()``: dask-gateway 2026.3's Gateway logs a
-    # traceback when garbage-collected after close(); its __del__ closes it.)
-    assert dask_gateway.Gateway(gateway_server["address"], auth=auth).list_clusters() == []
+    # connect() shut the gateway cluster down. dask-gateway 2026.3's Gateway.__del__ closes it a second time, which
+    # raises once close() stopped its loop: forget the loop runner after closing, as dask_dl.cluster.gateway does.
+    gateway = dask_gateway.Gateway(gateway_server["address"], auth=auth)
+    try:
+        assert gateway.list_clusters() == []
+    finally:
+        gateway.close()
+        gateway.__dict__.pop("_loop_runner", None)
 
 
 # dask-gateway 2026.3's Gateway.__del__ closes an already closed gateway and prints a traceback at garbage
@@ -62,5 +67,5 @@ def test_a_plain_gateway_cluster_works_through_the_default_client(gateway_server
             )  # fmt: skip
             assert sorted(run.workers) == sorted(client.scheduler_info(n_workers=-1)["workers"])
             assert len(run.history) == 1
-    del cluster
+    del cluster, client, run  # the run holds the client, which holds the cluster and its Gateway
     gc.collect()  # the Gateway's __del__ runs here, under this test's filter, not in whichever test comes next
