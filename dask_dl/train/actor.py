@@ -118,16 +118,6 @@ class TrainerSpec:
     weights_only: bool = False
 
 
-def _current_worker() -> Any:
-    """The worker this code runs on, or None (a trainer used outside Dask, as in some tests)."""
-    from distributed import get_worker
-
-    try:
-        return get_worker()
-    except ValueError:
-        return None
-
-
 def _epoch_seed(seed: int, epoch: int, rank: int) -> int:
     # Reseeding at every epoch start makes an epoch's randomness (dropout, augmentation) a function of
     # (seed, epoch, rank) alone, so a resumed run draws exactly what the uninterrupted one drew.
@@ -270,6 +260,7 @@ class TrainingActor:
             MODELS.register(spec.model_name, spec.model_target)
         torch.set_num_threads(max(1, worker.state.nthreads))
         allocator.keep_freed_memory()  # the nanny's MALLOC_TRIM_THRESHOLD_ made every step 1.65x slower
+        self._worker = worker
         profiler.pause(worker)  # its samples of this thread are racy on CPython 3.11 and say nothing of use
         self.spec, self.rank, self.world_size = spec, rank, world_size
         cuda = torch.cuda.is_available()
@@ -797,7 +788,7 @@ class TrainingActor:
             _reset_process_group()
         self._ready = False
         allocator.restore()
-        worker = _current_worker()
+        worker = self.__dict__.pop("_worker", None)  # the worker whose profiler setup paused
         if worker is not None:
             profiler.resume(worker)
         if torch.cuda.is_available():
