@@ -186,7 +186,7 @@ def test_kernel_fidelity_on_a_nearly_cancelling_group(shape):
     assert mean_neg == np.float32(-1e-3)
     assert mean_pos == np.float32(np.delete(column, n // 3).astype(np.float64).mean())
     assert residual[n // 3] == 0.0
-    assert np.unpackbits(msgs[0, 8:], count=n).sum() == n - 1
+    assert np.unpackbits(msgs[0, 8:], count=n, bitorder="little").sum() == n - 1
 
 
 def test_all_zero_bucket_stays_zero_and_zeros_are_positive():
@@ -194,7 +194,7 @@ def test_all_zero_bucket_stays_zero_and_zeros_are_positive():
     msgs = np.zeros((1, p.size), dtype=np.uint8)
     residual = np.zeros(24, dtype=np.float32)
     kernels.quantize(p.tasks, msgs, p.columns, grad=np.zeros(24, dtype=np.float32), vals=residual)
-    assert np.unpackbits(msgs[0, 24:], count=24).all() and not msgs[0, :24].any()  # scales all 0, signs all 1
+    assert np.unpackbits(msgs[0, 24:], count=24, bitorder="little").all() and not msgs[0, :24].any()  # scales all 0, signs all 1
     out = np.full(24, np.nan, dtype=np.float32)
     kernels.decode(p.tasks, msgs, p.columns, out, average=True)
     assert not out.any() and not residual.any()

@@ -30,13 +30,13 @@ def test_pack_signs_equals_numpy_packbits(n):
     bits = np.random.default_rng(n).random(n) > 0.5
     packed = pack_signs(torch.from_numpy(bits))
     assert packed.dtype == torch.uint8
-    np.testing.assert_array_equal(packed.numpy(), np.packbits(bits))  # bitorder="big", byte for byte
+    np.testing.assert_array_equal(packed.numpy(), np.packbits(bits, bitorder="little"))  # byte for byte
     np.testing.assert_array_equal(unpack_signs(packed, n).numpy(), bits)
 
 
 def test_torch_packing_for_accelerators_equals_numpy_packbits():
     bits = np.random.default_rng(5).random(1001) > 0.5
-    np.testing.assert_array_equal(_pack_signs_torch(torch.from_numpy(bits)).numpy(), np.packbits(bits))
+    np.testing.assert_array_equal(_pack_signs_torch(torch.from_numpy(bits)).numpy(), np.packbits(bits, bitorder="little"))
 
 
 def _sim_scales(shapes, flat):
@@ -55,7 +55,7 @@ def test_message_is_scales_then_numpy_packbits_of_signs():
     bits, scales = quantize(layout.blocks(flat))
     shapes = layout.block_shapes()
     message = encode(bits, scales, transposed=[s.transposed for s in shapes]).numpy()
-    np.testing.assert_array_equal(message[8 * layout.n_columns :], np.packbits(flat.numpy() >= 0))
+    np.testing.assert_array_equal(message[8 * layout.n_columns :], np.packbits(flat.numpy() >= 0, bitorder="little"))
     scales_sent = message[: 8 * layout.n_columns].view(np.float32).reshape(-1, 2)
     np.testing.assert_array_equal(scales_sent, scales.numpy())
     np.testing.assert_allclose(scales_sent, _sim_scales(SHAPES, flat.numpy()), rtol=1e-6, atol=1e-7)
@@ -159,7 +159,7 @@ def test_zeros_go_to_the_positive_side_as_in_cntk():
     bits, scales = _reference(column)
     assert bits[0].reshape(-1).tolist() == [True, True, True, False, False, True]
     assert scales.tolist() == [[0.75, -1.5]]
-    assert pack_signs(torch.from_numpy(column >= 0)).tolist() == [0b11100100]
+    assert pack_signs(torch.from_numpy(column >= 0)).tolist() == [0b00100111]  # entry k is bit k
 
 
 # ---- stripes -----------------------------------------------------------------------------------------------

@@ -71,7 +71,7 @@ def _unpack(row, bit0, length, bits):
     e = 0
     while e < length and ((bit0 + e) & 7) != 0:
         b = bit0 + e
-        bits[e] = (row[b >> 3] >> (7 - (b & 7))) & 1
+        bits[e] = (row[b >> 3] >> (b & 7)) & 1
         e += 1
     full = (length - e) >> 3
     src = row[(bit0 + e) >> 3 : ((bit0 + e) >> 3) + full]
@@ -79,11 +79,11 @@ def _unpack(row, bit0, length, bits):
     for i in range(full):
         v = src[i]
         for lane in range(8):
-            dst[8 * i + lane] = (v >> (7 - lane)) & 1
+            dst[8 * i + lane] = (v >> lane) & 1
     e += 8 * full
     while e < length:
         b = bit0 + e
-        bits[e] = (row[b >> 3] >> (7 - (b & 7))) & 1
+        bits[e] = (row[b >> 3] >> (b & 7)) & 1
         e += 1
 
 
@@ -93,7 +93,7 @@ def _pack(bits, length, bit0, msgs, m, head, tail, heads, tails, t):
     e = 0
     acc = 0
     while e < length and ((bit0 + e) & 7) != 0:
-        acc |= bits[e] << (7 - ((bit0 + e) & 7))
+        acc |= bits[e] << ((bit0 + e) & 7)
         e += 1
     if e > 0:
         _put(msgs, m, bit0 >> 3, np.uint8(acc), head, tail, heads, tails, t)
@@ -102,14 +102,14 @@ def _pack(bits, length, bit0, msgs, m, head, tail, heads, tails, t):
     src = bits[e : e + 8 * full]
     for i in range(full):
         dst[i] = (
-            (src[8 * i] << 7) | (src[8 * i + 1] << 6) | (src[8 * i + 2] << 5) | (src[8 * i + 3] << 4)
-            | (src[8 * i + 4] << 3) | (src[8 * i + 5] << 2) | (src[8 * i + 6] << 1) | src[8 * i + 7]
+            src[8 * i] | (src[8 * i + 1] << 1) | (src[8 * i + 2] << 2) | (src[8 * i + 3] << 3)
+            | (src[8 * i + 4] << 4) | (src[8 * i + 5] << 5) | (src[8 * i + 6] << 6) | (src[8 * i + 7] << 7)
         )  # fmt: skip
     e += 8 * full
     if e < length:
         acc = 0
         while e < length:
-            acc |= bits[e] << (7 - ((bit0 + e) & 7))
+            acc |= bits[e] << ((bit0 + e) & 7)
             e += 1
         _put(msgs, m, (bit0 + length - 1) >> 3, np.uint8(acc), head, tail, heads, tails, t)
 

@@ -8,9 +8,11 @@ SSE, NEON) without reordering anything:
 - sums of the entries ``>= 0``, of the others (float64, the negative side summed itself) and their count, in 16
   lanes (entry ``e`` of a run goes to lane ``e % 16``), the lanes added in order at the end: a fixed order, so
   results do not depend on how work is cut or on the CPU;
-- signs (``x >= 0``: NaN on the negative side, zeros on the positive) packed 16 to two bytes, most significant
-  bit first, with the error ``x - mean`` written back while the values are in registers;
-- the mean of ``N`` messages decoded into float32, summed in float64 in message order, one store per value.
+- signs (``x >= 0``: NaN on the negative side, zeros on the positive) packed 16 to two bytes, least significant
+  bit first (the order of a comparison mask: packing is one move), with the error ``x - mean`` written back
+  while the values are in registers;
+- the mean of ``N`` messages decoded into float32, summed in float64 in message order, one store per value; a
+  single message (``onebit`` on one rank, the owner's stripe in ``onebit2``) in float32: a blend and a store.
 
 Every loop covers ``count`` blocks of 16 values; callers do the ragged ends with scalar code in the same order.
 numba's cache does not follow imports: a change here needs a change to ``kernels.py`` (or a cleared cache).
@@ -29,8 +31,8 @@ _VF, _VD = ir.VectorType(_F32, W), ir.VectorType(_F64, W)
 _ZERO_D = ir.Constant(_VD, [0.0] * W)
 _ONE_D = ir.Constant(_VD, [1.0] * W)
 _ZERO_F = ir.Constant(_VF, [0.0] * W)
-# bit k of a byte holds value 8*i + 7 - k (MSB first), a vector of i1 bitcast to an integer puts element k in bit k
-_MSB_FIRST = ir.Constant(ir.VectorType(_I32, W), [8 * (k // 8) + 7 - k % 8 for k in range(W)])
+_MASK = ir.VectorType(ir.IntType(1), W)
+_BYTES = ir.IntType(W)  # two sign bytes; bit k of a byte holds value 8*i + k (LSB first), as a mask bitcast
 
 
 def _int(context, builder, value, ty):
@@ -69,14 +71,13 @@ def _steps(builder, count):
 
 def _sign_bytes(builder, mask):
     """The two sign bytes (as an i16 to store little-endian) of a 16-lane comparison."""
-    return builder.bitcast(builder.shuffle_vector(mask, mask, _MSB_FIRST), ir.IntType(W))
+    return builder.bitcast(mask, _BYTES)
 
 
 def _mask_of(builder, pointer, index):
     """The 16 signs stored at two bytes from ``pointer[index]``, as a vector of i1 (element k: value k)."""
-    bits = builder.load(builder.bitcast(builder.gep(pointer, [index]), ir.IntType(W).as_pointer()), align=1)
-    mask = builder.bitcast(bits, ir.VectorType(ir.IntType(1), W))
-    return builder.shuffle_vector(mask, mask, _MSB_FIRST)
+    bits = builder.load(builder.bitcast(builder.gep(pointer, [index]), _BYTES.as_pointer()), align=1)
+    return builder.bitcast(bits, _MASK)
 
 
 def _lanes_in_order(builder, vector):
@@ -86,16 +87,24 @@ def _lanes_in_order(builder, vector):
     return total
 
 
-def _accumulate(builder, x, accumulators):
-    """Add the float64 of ``x``'s entries ``>= 0``, of the others, and the count of the first to three vectors."""
+def _accumulate(builder, x, accumulators, per_lane):
+    """Add the float64 of ``x``'s entries ``>= 0`` to the first of three accumulators, of the others to the
+    second (two float64 vectors), and the count of the first to the third: a float64 vector ``per_lane``,
+    else an i64 (a popcount of the comparison mask).
+
+    A lane not added to keeps its value: a masked add, the same sum as adding 0.0 (accumulators start at +0.0).
+    """
     wide = builder.fpext(x, _VD)
     positive = builder.fcmp_ordered(">=", x, _ZERO_F)
-    parts = (
-        builder.select(positive, wide, _ZERO_D),
-        builder.select(positive, _ZERO_D, wide),
-        builder.select(positive, _ONE_D, _ZERO_D),
-    )
-    return [builder.fadd(acc, part) for acc, part in zip(accumulators, parts, strict=True)]
+    sp, sn, count = accumulators
+    sp = builder.select(positive, builder.fadd(sp, wide), sp)
+    sn = builder.select(positive, sn, builder.fadd(sn, wide))
+    if per_lane:
+        count = builder.select(positive, builder.fadd(count, _ONE_D), count)
+    else:
+        ones = builder.call(builder.module.declare_intrinsic("llvm.ctpop", [_BYTES]), [_sign_bytes(builder, positive)])
+        count = builder.add(count, builder.zext(ones, _I64))
+    return [sp, sn, count]
 
 
 def _make_sums(add: bool):
@@ -107,17 +116,17 @@ def _make_sums(add: bool):
         if add:
             grad = _base(context, builder, sig.args[2], args[2], _int(context, builder, args[3], sig.args[3]))
         count = _int(context, builder, args[-1], sig.args[-1])
-        slots = [cgutils.alloca_once_value(builder, _ZERO_D) for _ in range(3)]
+        slots = [*(cgutils.alloca_once_value(builder, _ZERO_D) for _ in range(2)), cgutils.alloca_once_value(builder, ir.Constant(_I64, 0))]
         with _steps(builder, count) as loop:
             at = builder.mul(loop.index, ir.Constant(_I64, W))
             x = _load(builder, src, at, _VF, 4)
             if add:
                 x = builder.fadd(x, _load(builder, grad, at, _VF, 4))
                 _store(builder, x, src, at, 4)
-            totals = _accumulate(builder, x, [builder.load(s) for s in slots])
+            totals = _accumulate(builder, x, [builder.load(s) for s in slots], per_lane=False)
             for slot, total in zip(slots, totals, strict=True):
                 builder.store(total, slot)
-        sums = [_lanes_in_order(builder, builder.load(s)) for s in slots]
+        sums = [*(_lanes_in_order(builder, builder.load(s)) for s in slots[:2]), builder.uitofp(builder.load(slots[2]), _F64)]
         return context.make_tuple(builder, sig.return_type, sums)
 
     if add:
@@ -164,7 +173,7 @@ def _make_band_sums(add: bool):
                 if add:
                     x = builder.fadd(x, _load(builder, grad, at, _VF, 4))
                     _store(builder, x, src, at, 4)
-                totals = _accumulate(builder, x, [builder.load(slot) for slot in slots])
+                totals = _accumulate(builder, x, [builder.load(slot) for slot in slots], per_lane=True)
                 for slot, total in zip(slots, totals, strict=True):
                     builder.store(total, slot)
             for p, slot in zip(partials, slots, strict=True):
@@ -234,42 +243,63 @@ def _make_decode(per_column: bool, add: bool, stream: bool = False):
     + e`` picks), plus ``out[o0 + e]`` with ``add``. The means: ``mp[r, col]``/``mn[r, col]``, or ``[r, col +
     e]`` ``per_column`` (2-D float32 arrays, C order). With ``stream``, ``&out[o0]`` must be 64-byte aligned:
     the values are stored past the caches (non-temporal: a bucket is not read back soon, and the store does not
-    read the line first), then a fence orders them before whatever the caller does next."""
+    read the line first), then a fence orders them before whatever the caller does next.
+
+    One row with ``inv_n == 1`` is decoded in float32 (the float64 round trip of one float32 mean is exact):
+    the picked mean is a blend of two vectors, stored (or added) as it is.
+    """
 
     def codegen(context, builder, sig, args):
         msgs_ty, mp_ty = sig.args[0], sig.args[5]
         r0, r1, byte0, count, col = (_int(context, builder, args[k], sig.args[k]) for k in (1, 2, 3, 4, 7))
-        inv_n = _splat(builder, context.cast(builder, args[8], sig.args[8], types.float64), _VD)
+        inv_n = context.cast(builder, args[8], sig.args[8], types.float64)
         out = _base(context, builder, sig.args[9], args[9], _int(context, builder, args[10], sig.args[10]))
         slot = cgutils.alloca_once_value(builder, _ZERO_D)
         one = ir.Constant(_I64, 1)
 
-        def picked(r, at):
+        def means(r, at, vty):
+            """The two means of row ``r`` for the 16 values from ``at``, as vectors of ``vty``."""
+            pointers = [_row(context, builder, mp_ty, args[k], r, col) for k in (5, 6)]
+            if per_column:
+                loaded = [_load(builder, p, at, _VF, 4) for p in pointers]
+                return loaded if vty is _VF else [builder.fpext(v, _VD) for v in loaded]
+            scalars = [builder.load(p) for p in pointers]
+            if vty is _VD:
+                scalars = [builder.fpext(v, _F64) for v in scalars]
+            return [_splat(builder, v, vty) for v in scalars]
+
+        def picked(r, at, vty):
             signs = _row(context, builder, msgs_ty, args[0], r, byte0)
             mask = _mask_of(builder, signs, builder.udiv(at, ir.Constant(_I64, 8)))
-            if per_column:
-                mp = builder.fpext(_load(builder, _row(context, builder, mp_ty, args[5], r, col), at, _VF, 4), _VD)
-                mn = builder.fpext(_load(builder, _row(context, builder, mp_ty, args[6], r, col), at, _VF, 4), _VD)
-            else:
-                pointers = [_row(context, builder, mp_ty, args[k], r, col) for k in (5, 6)]
-                mp, mn = (_splat(builder, builder.fpext(builder.load(p), _F64), _VD) for p in pointers)
-            return builder.select(mask, mp, mn)
+            return builder.select(mask, *means(r, at, vty))
 
-        with _steps(builder, count) as loop:
-            at = builder.mul(loop.index, ir.Constant(_I64, W))
-            builder.store(picked(r0, at), slot)  # the first row as it is (0.0 + -0.0 would be +0.0)
-            with cgutils.for_range(builder, builder.sub(r1, builder.add(r0, one))) as rows:
-                r = builder.add(builder.add(r0, one), rows.index)
-                builder.store(builder.fadd(builder.load(slot), picked(r, at)), slot)
-            mean = builder.fptrunc(builder.fmul(builder.load(slot), inv_n), _VF)
+        def put(value, at):
             if add:
-                mean = builder.fadd(mean, _load(builder, out, at, _VF, 4))
+                value = builder.fadd(value, _load(builder, out, at, _VF, 4))
             if stream:
                 target = builder.bitcast(builder.gep(out, [at]), _VF.as_pointer())
-                store = builder.store(mean, target, align=64)
+                store = builder.store(value, target, align=64)
                 store.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(_I32, 1)]))
             else:
-                _store(builder, mean, out, at, 4)
+                _store(builder, value, out, at, 4)
+
+        single = builder.and_(
+            builder.icmp_signed("==", builder.sub(r1, r0), one), builder.fcmp_ordered("==", inv_n, ir.Constant(_F64, 1.0))
+        )
+        with builder.if_else(single) as (alone, several):
+            with alone:
+                with _steps(builder, count) as loop:
+                    at = builder.mul(loop.index, ir.Constant(_I64, W))
+                    put(picked(r0, at, _VF), at)
+            with several:
+                scale = _splat(builder, inv_n, _VD)
+                with _steps(builder, count) as loop:
+                    at = builder.mul(loop.index, ir.Constant(_I64, W))
+                    builder.store(picked(r0, at, _VD), slot)  # the first row as it is (0.0 + -0.0 would be +0.0)
+                    with cgutils.for_range(builder, builder.sub(r1, builder.add(r0, one))) as rows:
+                        r = builder.add(builder.add(r0, one), rows.index)
+                        builder.store(builder.fadd(builder.load(slot), picked(r, at, _VD)), slot)
+                    put(builder.fptrunc(builder.fmul(builder.load(slot), scale), _VF), at)
         if stream:
             builder.fence("seq_cst")
         return context.get_dummy_value()
