@@ -194,7 +194,8 @@ def test_all_zero_bucket_stays_zero_and_zeros_are_positive():
     msgs = np.zeros((1, p.size), dtype=np.uint8)
     residual = np.zeros(24, dtype=np.float32)
     kernels.quantize(p.tasks, msgs, p.columns, grad=np.zeros(24, dtype=np.float32), vals=residual)
-    assert np.unpackbits(msgs[0, 24:], count=24, bitorder="little").all() and not msgs[0, :24].any()  # scales all 0, signs all 1
+    signs = np.unpackbits(msgs[0, 24:], count=24, bitorder="little")
+    assert signs.all() and not msgs[0, :24].any()  # scales all 0, signs all 1
     out = np.full(24, np.nan, dtype=np.float32)
     kernels.decode(p.tasks, msgs, p.columns, out, average=True)
     assert not out.any() and not residual.any()

@@ -36,7 +36,8 @@ def test_pack_signs_equals_numpy_packbits(n):
 
 def test_torch_packing_for_accelerators_equals_numpy_packbits():
     bits = np.random.default_rng(5).random(1001) > 0.5
-    np.testing.assert_array_equal(_pack_signs_torch(torch.from_numpy(bits)).numpy(), np.packbits(bits, bitorder="little"))
+    packed = _pack_signs_torch(torch.from_numpy(bits)).numpy()
+    np.testing.assert_array_equal(packed, np.packbits(bits, bitorder="little"))
 
 
 def _sim_scales(shapes, flat):

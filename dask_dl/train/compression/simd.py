@@ -116,7 +116,9 @@ def _make_sums(add: bool):
         if add:
             grad = _base(context, builder, sig.args[2], args[2], _int(context, builder, args[3], sig.args[3]))
         count = _int(context, builder, args[-1], sig.args[-1])
-        slots = [*(cgutils.alloca_once_value(builder, _ZERO_D) for _ in range(2)), cgutils.alloca_once_value(builder, ir.Constant(_I64, 0))]
+        zero = ir.Constant(_I64, 0)
+        slots = [cgutils.alloca_once_value(builder, _ZERO_D), cgutils.alloca_once_value(builder, _ZERO_D),
+                 cgutils.alloca_once_value(builder, zero)]  # fmt: skip
         with _steps(builder, count) as loop:
             at = builder.mul(loop.index, ir.Constant(_I64, W))
             x = _load(builder, src, at, _VF, 4)
@@ -126,7 +128,8 @@ def _make_sums(add: bool):
             totals = _accumulate(builder, x, [builder.load(s) for s in slots], per_lane=False)
             for slot, total in zip(slots, totals, strict=True):
                 builder.store(total, slot)
-        sums = [*(_lanes_in_order(builder, builder.load(s)) for s in slots[:2]), builder.uitofp(builder.load(slots[2]), _F64)]
+        sums = [_lanes_in_order(builder, builder.load(s)) for s in slots[:2]]
+        sums.append(builder.uitofp(builder.load(slots[2]), _F64))  # the count: exact in float64
         return context.make_tuple(builder, sig.return_type, sums)
 
     if add:
@@ -283,14 +286,12 @@ def _make_decode(per_column: bool, add: bool, stream: bool = False):
             else:
                 _store(builder, value, out, at, 4)
 
-        single = builder.and_(
-            builder.icmp_signed("==", builder.sub(r1, r0), one), builder.fcmp_ordered("==", inv_n, ir.Constant(_F64, 1.0))
-        )
+        one_row = builder.icmp_signed("==", builder.sub(r1, r0), one)
+        single = builder.and_(one_row, builder.fcmp_ordered("==", inv_n, ir.Constant(_F64, 1.0)))
         with builder.if_else(single) as (alone, several):
-            with alone:
-                with _steps(builder, count) as loop:
-                    at = builder.mul(loop.index, ir.Constant(_I64, W))
-                    put(picked(r0, at, _VF), at)
+            with alone, _steps(builder, count) as loop:
+                at = builder.mul(loop.index, ir.Constant(_I64, W))
+                put(picked(r0, at, _VF), at)
             with several:
                 scale = _splat(builder, inv_n, _VD)
                 with _steps(builder, count) as loop:
