@@ -2,7 +2,8 @@
 
 Both run on the same Dask worker process (same torch thread count), with the same model, batch size, optimizer
 and images: the plain loop steps over uint8 batches already in memory (no reading at all), dask_dl reads them
-through its ChunkLoader from the Zarr store, inside DDP (world size 1) with the per-step stop/finite all-reduce.
+through its ChunkLoader from the Zarr store in its first epoch and keeps the decoded chunks for the next ones
+(``dask-dl.train.cache``), and mixes and normalizes every batch.
 The plain loop runs before and after dask_dl, as many timed passes over the same batches as dask_dl has timed
 epochs. The ratio is printed of the medians and of the best passes (the usual way to compare timings on a machine
 that runs other work too); on a shared machine, rerun it: other jobs move single passes by 20 % or more.
@@ -139,7 +140,7 @@ def main() -> None:
           f"({len(before)} passes before dask_dl, {len(after)} after)")  # fmt: skip
     print(f"dask_dl, 1 trainer   {1000 * steps_s.min():8.2f} ms/step best, {1000 * np.median(steps_s):8.2f} median "
           f"(epochs 2..{args.epochs})")  # fmt: skip
-    inline = " (on one CPU the loader reads in the trainer's thread: this is the reading itself)" if args.cpu else ""
+    inline = " (on one CPU the loader works in the trainer's thread: its mixing and normalizing)" if args.cpu else ""
     print(f"data wait share      {100 * wait_share:8.2f} % (target < 5 %){inline}")
     print(
         f"step-time ratio      {np.median(steps_s) / np.median(plain_s):8.3f} of the medians, "

@@ -12,7 +12,7 @@ from typing import Any
 
 from dask_dl.errors import ConfigurationError
 
-__all__ = ["one_of", "positive_int"]
+__all__ = ["byte_count", "one_of", "positive_int"]
 
 
 def positive_int(name: str, value: Any, *, example: int | None = None) -> int:
@@ -47,6 +47,35 @@ def positive_int(name: str, value: Any, *, example: int | None = None) -> int:
     if example is None:
         example = max(int(value), 1) if isinstance(value, numbers.Real) and value == value else 1
     raise ConfigurationError(f"{name} must be a positive integer, got {value!r}; pass e.g. {name}={example}")
+
+
+def byte_count(name: str, value: Any, *, example: str = "1 GiB") -> int:
+    """Return ``value`` as a number of bytes >= 0: an integer, or a size such as ``"512 MiB"``.
+
+    Examples
+    --------
+    >>> byte_count("cache", "1 KiB")
+    1024
+    >>> byte_count("cache", 0)
+    0
+
+    Anything else (``"lots"``, ``-1``, ``1.5``, ``True``) raises a ConfigurationError that shows the value and
+    an example.
+    """
+    from dask.utils import parse_bytes
+
+    parsed: Any = value
+    if isinstance(value, str):
+        try:
+            parsed = parse_bytes(value)
+        except ValueError:
+            parsed = None
+    if isinstance(parsed, numbers.Integral) and not isinstance(parsed, bool) and parsed >= 0:
+        return int(parsed)
+    raise ConfigurationError(
+        f"{name} must be a number of bytes >= 0 or a size such as {example!r}, got {value!r}; "
+        f"pass e.g. {name}={example!r}"
+    )
 
 
 def one_of(name: str, value: Any, choices: Any) -> Any:

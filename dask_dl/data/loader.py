@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from dask_dl import config
-from dask_dl.checks import positive_int
+from dask_dl.checks import byte_count, positive_int
 from dask_dl.data import store as contract
 from dask_dl.data.position import EpochPosition
 from dask_dl.data.store import open_store
@@ -163,12 +163,18 @@ class ChunkLoader:
     normalization : dict, optional
         ``{"mean": m, "std": s}``, numbers or one per channel (:func:`dask_dl.normalize.check_normalization`);
         default :data:`dask_dl.normalize.DEFAULT_NORMALIZATION`.
+    cache : int or str, optional
+        Bytes of decoded chunks this loader keeps in memory from one epoch to the next, e.g. ``"1 GiB"``: a chunk
+        is read from the store once while the kept chunks fit, and served from memory in later epochs (the
+        batches are the same). 0 reads every chunk every epoch. Default ``dask-dl.train.cache``. ``reads``
+        counts the chunks read from the store.
 
     Raises
     ------
     ConfigurationError
         ``batch_size``, ``world_size``, ``window`` or ``prefetch`` is not a count, ``rank`` or ``seed`` out of range,
-        ``normalization`` is not one (or has another number of channels than the store).
+        ``cache`` is not a number of bytes, ``normalization`` is not one (or has another number of channels than
+        the store).
     StoreNotFoundError
         Nothing at ``store``.
     StoreError
@@ -198,6 +204,7 @@ class ChunkLoader:
         augment: bool | Augmentation = False,
         drop_last: bool = True,
         normalization: dict[str, Any] | None = None,
+        cache: int | str | None = None,
     ) -> None:
         self.batch_size = positive_int("batch_size", batch_size, example=32)
         self.world_size = positive_int("world_size", world_size)
@@ -211,6 +218,7 @@ class ChunkLoader:
         self.shuffle, self.drop_last = bool(shuffle), bool(drop_last)
         self.window = positive_int("window", config.get("train.shuffle-window", window), example=4)
         self.prefetch = _non_negative("prefetch", config.get("train.prefetch", prefetch))
+        self.cache_bytes = byte_count("cache", config.get("train.cache", cache))
         self.augmentation = Augmentation() if augment is True else (augment or None)
         if self.augmentation is not None and not isinstance(self.augmentation, Augmentation):
             raise ConfigurationError(f"augment must be True, False or an Augmentation(...), got {augment!r}")
@@ -249,6 +257,10 @@ class ChunkLoader:
         self._chunks, first = np.unique(chunk_of, return_index=True)
         self._groups = np.split(self.samples, first[1:])
         self.wait_s = 0.0
+        self.reads = 0  # chunks read from the store
+        self._kept: dict[int, np.ndarray] = {}  # decoded chunks kept across epochs (read-only), within cache_bytes
+        self._kept_bytes = 0
+        self._lock = threading.Lock()
         self._position_key: tuple | None = None  # the position whose batches _position_cache holds
         self._position_cache: list[np.ndarray] = []
         self._running: set[_Producer] = set()
@@ -406,11 +418,14 @@ class ChunkLoader:
                 batches.close()
 
     def close(self) -> None:
-        """Stop the background threads of epochs in progress; the loader cannot start new epochs afterwards."""
+        """Stop the background threads of epochs in progress and drop the kept chunks; the loader cannot start new
+        epochs afterwards."""
         self._closed = True
         for producer in list(self._running):
             producer.stop()
         self._running.clear()
+        self._kept.clear()
+        self._kept_bytes = 0
 
     def __enter__(self) -> ChunkLoader:
         return self
@@ -429,6 +444,20 @@ class ChunkLoader:
         return self.prefetch
 
     def _read(self, chunk: int) -> np.ndarray:
+        """Chunk ``chunk``'s images: kept from an earlier epoch, or read (and kept while ``cache_bytes`` allows)."""
+        kept = self._kept.get(chunk)
+        if kept is not None:
+            return kept
+        images = self._read_store(chunk)
+        with self._lock:  # reads run on the prefetch pool's threads
+            self.reads += 1
+            if chunk not in self._kept and self._kept_bytes + images.nbytes <= self.cache_bytes:
+                images.flags.writeable = False  # batches are copies (indexed or stacked); nothing may change these
+                self._kept[chunk] = images
+                self._kept_bytes += images.nbytes
+        return images
+
+    def _read_store(self, chunk: int) -> np.ndarray:
         try:
             return self.read_chunk(chunk)
         except Exception as exc:

@@ -79,7 +79,9 @@ def score(store: str, samples: np.ndarray, states: list[dict[str, Any]], spec: M
 
     net = build(spec, states[0]) if len(states) == 1 else Ensemble([build(spec, s) for s in states], spec.task)
     net.eval()
-    loader = ChunkLoader(store, np.asarray(samples), batch_size=spec.batch_size, shuffle=False, drop_last=False)
+    loader = ChunkLoader(  # one pass: nothing to keep
+        store, np.asarray(samples), batch_size=spec.batch_size, shuffle=False, drop_last=False, cache=0
+    )
     probs, truth = [], []
     try:
         with torch.no_grad():

@@ -78,6 +78,8 @@ class TrainerSpec:
     augment: bool = False
     window: int | None = None
     prefetch: int | None = None
+    #: bytes of decoded chunks each loader keeps across epochs (:class:`~dask_dl.data.loader.ChunkLoader`)
+    cache: int | str | None = None
     timeout_s: float = 120.0
     resume_from: str | None = None
     #: steps between the ranks' agreement on stop and non-finite loss (one small all-reduce each)
@@ -313,7 +315,7 @@ class TrainingActor:
                        source=source)  # fmt: skip
         data_rank, data_world = data_shard(spec.parallel, spec.stages, rank, world_size)  # a pipeline's stages share
         common = dict(rank=data_rank, world_size=data_world, seed=spec.seed, window=spec.window,
-                      prefetch=spec.prefetch, normalization=spec.normalization)  # fmt: skip
+                      prefetch=spec.prefetch, cache=spec.cache, normalization=spec.normalization)  # fmt: skip
         self.train_loader = ChunkLoader(
             spec.store, spec.train_samples, batch_size=spec.batch_size, shuffle=True, augment=spec.augment, **common
         )

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from dask_dl import config
-from dask_dl.checks import one_of, positive_int
+from dask_dl.checks import byte_count, one_of, positive_int
 from dask_dl.errors import ConfigurationError, DatasetError
 from dask_dl.normalize import DEFAULT_NORMALIZATION, check_normalization
 from dask_dl.train.parallel import check_parallel
@@ -58,6 +58,7 @@ class RunOptions:
     tensorboard: str | None
     window: int | None
     prefetch: int | None
+    cache: int | str | None
     timeout_s: float
     check_every: int
     #: image channels of the store (1 grey, 3 RGB): the models' first layer takes this many
@@ -238,6 +239,7 @@ def check_run(
         tensorboard=None if tensorboard is None else str(tensorboard),
         window=config.get("train.shuffle-window"),
         prefetch=config.get("train.prefetch"),
+        cache=byte_count("dask-dl.train.cache", config.get("train.cache")),
         timeout_s=_positive_real("dask-dl.train.timeout", config.get("train.timeout"), example=120),
         check_every=positive_int("dask-dl.train.check-every", config.get("train.check-every"), example=8),
         normalization=check_normalization(normalization, channels=data["channels"]),

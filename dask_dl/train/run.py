@@ -619,6 +619,7 @@ def _trainer_spec(
         augment=options.augment,
         window=options.window,
         prefetch=options.prefetch,
+        cache=options.cache,
         timeout_s=options.timeout_s,
         check_every=options.check_every,
         resume_from=resume_from,

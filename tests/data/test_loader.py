@@ -142,7 +142,9 @@ def test_each_chunk_read_once_per_epoch_and_only_chunks_with_samples(store):
     for drop_last in (True, False):
         read_by_all: Counter = Counter()
         for rank in range(2):
-            loader = ChunkLoader(store, TRAIN, batch_size=3, rank=rank, world_size=2, window=2, drop_last=drop_last)
+            loader = ChunkLoader(
+                store, TRAIN, batch_size=3, rank=rank, world_size=2, window=2, drop_last=drop_last, cache=0
+            )  # every epoch reads from the store
             real_read = loader.read_chunk
             for epoch in range(2):
                 reads: Counter = Counter()
@@ -410,3 +412,54 @@ def test_loads_what_dask_dl_ingest_wrote(tmp_path):
             np.testing.assert_array_equal(y.numpy(), label_of(batch))
             seen.append(batch)
     np.testing.assert_array_equal(np.concatenate(seen), expected)
+
+
+def _same_batches(a: ChunkLoader, b: ChunkLoader, epoch: int) -> None:
+    first, second = list(a.epoch(epoch, with_samples=True)), list(b.epoch(epoch, with_samples=True))
+    assert len(first) == len(second) > 0
+    for (x1, y1, s1), (x2, y2, s2) in zip(first, second, strict=True):
+        assert torch.equal(x1, x2) and torch.equal(y1, y2)
+        np.testing.assert_array_equal(s1, s2)
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_kept_chunks_are_read_once_and_serve_the_same_batches(store, prefetch):
+    """With room for every chunk, each is read from the store once per run, and the batches (augmented,
+    shuffled) are those of a loader that reads every epoch."""
+    options = dict(batch_size=2, seed=3, augment=True, prefetch=prefetch)
+    fresh = ChunkLoader(store, TRAIN, cache=0, **options)
+    kept = ChunkLoader(store, TRAIN, cache="1 MiB", **options)
+    for epoch in range(3):
+        _same_batches(fresh, kept, epoch)
+    plans = [[chunk for chunk, _ in fresh.plan(epoch)] for epoch in range(3)]
+    assert fresh.reads == sum(len(p) for p in plans)  # every planned chunk, every epoch
+    assert kept.reads == len(set().union(*plans)) == len(np.unique(TRAIN // CHUNK))
+    kept.close()
+    assert kept._kept == {} and kept._kept_bytes == 0  # closing frees the memory
+
+
+def test_the_cache_keeps_what_fits_and_reads_the_rest_every_epoch(store):
+    """A budget of two chunks keeps chunks in the order they are first read while they fit (the last chunk
+    holds 2 rows, half a chunk); every other chunk is read again each epoch."""
+    budget = 2 * CHUNK * SIZE * SIZE
+    kept = ChunkLoader(store, TRAIN, batch_size=2, seed=1, prefetch=0, cache=budget)
+    fresh = ChunkLoader(store, TRAIN, batch_size=2, seed=1, prefetch=0, cache=0)
+    held: dict[int, int] = {}  # chunk: bytes
+    expected = 0
+    for epoch in range(3):
+        _same_batches(fresh, kept, epoch)
+        for chunk, _ in kept.plan(epoch):
+            if chunk not in held:
+                expected += 1
+                nbytes = min(CHUNK, N - chunk * CHUNK) * SIZE * SIZE
+                if sum(held.values()) + nbytes <= budget:
+                    held[chunk] = nbytes
+    assert kept.reads == expected < fresh.reads
+    assert sorted(kept._kept) == sorted(held) and kept._kept_bytes == sum(held.values()) <= budget
+    assert not any(images.flags.writeable for images in kept._kept.values())  # batches are copies of them
+
+
+@pytest.mark.parametrize("cache", ["lots", -1, 1.5, True])
+def test_cache_must_be_a_number_of_bytes(store, cache):
+    with pytest.raises(ConfigurationError, match=r"cache must be a number of bytes >= 0 .*got .*pass e\.g\. cache="):
+        ChunkLoader(store, TRAIN, batch_size=2, cache=cache)
