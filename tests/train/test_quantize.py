@@ -14,6 +14,7 @@ from dask_dl.train.compression import pack_signs, unpack_signs
 from dask_dl.train.compression.quantize import (
     ColumnLayout,
     _pack_signs_torch,
+    _unpack_signs_torch,
     decode,
     dequantize,
     encode,
@@ -38,6 +39,8 @@ def test_torch_packing_for_accelerators_equals_numpy_packbits():
     bits = np.random.default_rng(5).random(1001) > 0.5
     packed = _pack_signs_torch(torch.from_numpy(bits)).numpy()
     np.testing.assert_array_equal(packed, np.packbits(bits, bitorder="little"))
+    unpacked = _unpack_signs_torch(torch.from_numpy(packed), 1001).numpy()
+    np.testing.assert_array_equal(unpacked, bits)
 
 
 def _sim_scales(shapes, flat):

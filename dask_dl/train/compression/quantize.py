@@ -85,6 +85,11 @@ def unpack_signs(packed: torch.Tensor, n: int) -> torch.Tensor:
     """Inverse of :func:`pack_signs`: the first ``n`` bits of ``packed`` as a 1-D bool tensor."""
     if packed.device.type == "cpu":
         return torch.from_numpy(np.unpackbits(packed.numpy(), count=n, bitorder="little").view(np.bool_))
+    return _unpack_signs_torch(packed, n)
+
+
+def _unpack_signs_torch(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """The same unpacking with torch operations, for tensors on an accelerator."""
     shifts = _SHIFTS.to(packed.device)
     return ((packed.reshape(-1, 1) >> shifts) & 1).view(-1)[:n].bool()
 
