@@ -48,6 +48,7 @@ from torch.nn.parallel import DistributedDataParallel
 from dask_dl.checkpoint import load_checkpoint
 from dask_dl.errors import ClusterError, TrainingError
 from dask_dl.train import allocator, profiler
+from dask_dl.train.buffers import broadcast_buffers
 from dask_dl.train.checkpoint import rng_state, set_rng_state, to_cpu
 from dask_dl.train.parallel import data_shard
 
@@ -292,7 +293,11 @@ class TrainingActor:
         elif world_size == 1 and spec.compression == "none":
             self.ddp, self.timer, self.compressor = _Alone(model), _CommTimer(), make_compressor("none")
         else:
-            self.ddp = DistributedDataParallel(model, device_ids=[self.device.index] if cuda else None)
+            # Buffers are not broadcast at every forward (one more collective a step, where ranks wait for each
+            # other); rank 0's are sent before validation (dask_dl.train.buffers) and are the checkpointed ones.
+            self.ddp = DistributedDataParallel(
+                model, device_ids=[self.device.index] if cuda else None, broadcast_buffers=False
+            )
             self.timer = _CommTimer()
             self.timer.attach(self.ddp)
             self.compressor = make_compressor(
@@ -535,6 +540,8 @@ class TrainingActor:
         """
         model = self.ddp.module
         model.eval()
+        if self.parallel is None and self.world_size > 1:  # score with rank 0's BatchNorm statistics, as checkpointed
+            broadcast_buffers(model)
         samples, scores, labels, loss_sum = [], [], [], 0.0
         batches = self.val_loader.epoch(epoch, with_samples=True)
         if self.parallel is not None:  # fsdp: all ranks gather each block; pipeline: through the stages
@@ -701,7 +708,7 @@ class TrainingActor:
         """Gather every rank's compressor and RNG state and build the checkpoint dict of completed epoch ``epoch``.
 
         With ``directory``, rank 0 gathers, writes it there (atomically) and returns it; other ranks return None.
-        Without one, every rank gets every rank's state (and rank 0's model buffers, which DDP broadcasts) and
+        Without one, every rank gets every rank's state (and rank 0's model buffers, the checkpointed ones) and
         returns the same checkpoint, so the driver can fetch it from any trainer that survives a failure.
         ``position`` (an :class:`~dask_dl.data.position.EpochPosition`) and ``partial`` (this rank's loss
         accumulators) make it a step checkpoint inside epoch ``position.epoch``.

@@ -68,8 +68,8 @@ def reference_weights(store, *, steps_seed: int, b: int, lr: float, trainers: in
 
     Each step concatenates the ranks' batches into one batch of ``trainers * b``. BatchNorm is the one layer that
     sees the per-rank batches in DDP (statistics of ``b`` images each; SyncBatchNorm needs CUDA), so the reference
-    normalizes each rank's part on its own ("ghost batch norm") and keeps rank 0's running statistics, which DDP
-    broadcasts to all ranks. Gradients are those of the mean loss over all ``trainers * b`` images.
+    normalizes each rank's part on its own ("ghost batch norm") and keeps rank 0's running statistics, the
+    checkpointed ones. Gradients are those of the mean loss over all ``trainers * b`` images.
     """
     ds = dask_dl.open_dataset(store)
     samples = ds.sample.values[ds.split.values == "train"]
@@ -117,6 +117,23 @@ def test_trainers_match_one_process(store, cluster_client, trainers):
     # the "none" compressor hands every gradient to all-reduce once per step: 4 bytes per parameter and rank
     n_params = sum(p.numel() for p in run.model().parameters())
     assert row["bytes_sent"] == (4 * n_params * (N_TRAIN // 16) * trainers if trainers > 1 else 0)
+
+
+def test_two_trainers_validate_with_the_checkpointed_model(store, cluster_client):
+    """Each rank keeps its own BatchNorm statistics while training (no broadcast every step); before validating
+    they take rank 0's, so the validation loss is that of the checkpointed model on every validation image."""
+    run = fit(store, cluster_client, trainers=2, batch_size=8, epochs=2, compression="none")
+    ds = dask_dl.open_dataset(store)
+    val = ChunkLoader(store, ds.sample.values[ds.split.values == "val"], batch_size=8, shuffle=False,
+                      drop_last=False, prefetch=0)  # fmt: skip
+    model, total, count = run.model(), 0.0, 0
+    assert any(b.abs().sum() > 0 for name, b in model.named_buffers() if "running_mean" in name)
+    with torch.no_grad():
+        for x, y in val.epoch(0):
+            total += float(F.binary_cross_entropy_with_logits(model(x), y, reduction="none").mean(1).sum())
+            count += len(x)
+    assert count == N_VAL
+    assert run.history["val_loss"].iloc[-1] == pytest.approx(total / count, rel=1e-6)
 
 
 # ---- history, model, checkpoint --------------------------------------------------------------------------

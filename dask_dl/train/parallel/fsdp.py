@@ -26,6 +26,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from dask_dl.errors import CheckpointError
+from dask_dl.train.buffers import broadcast_buffers
 
 __all__ = ["ShardedModel"]
 
@@ -82,7 +83,7 @@ class ShardedModel:
         Rank 0's BatchNorm statistics, the checkpointed ones, are sent to every rank first, so every image is
         scored by the model the checkpoint holds.
         """
-        self._broadcast_buffers()
+        broadcast_buffers(self.module)
         items = iter(batches)
         while True:
             item = next(items, None)
@@ -95,17 +96,6 @@ class ShardedModel:
                 continue
             x, y, s = item
             yield self.module(x.to(self.device)), y.to(self.device), s
-
-    def _broadcast_buffers(self) -> None:
-        buffers = [b for b in self.module.buffers() if b.numel()]
-        if buffers:
-            flat = torch.cat([b.detach().reshape(-1).to(torch.float64) for b in buffers])
-            dist.broadcast(flat, src=0)
-            offset = 0
-            with torch.no_grad():
-                for b in buffers:
-                    b.copy_(flat[offset : offset + b.numel()].view_as(b).to(b.dtype))
-                    offset += b.numel()
 
     # ---- checkpoints ---------------------------------------------------------------------------------------
 
