@@ -85,5 +85,27 @@ def average_weights(states: Sequence[Mapping[str, Any]], weights: Sequence[float
 
 
 def state_nbytes(obj: Any) -> int:
-    """Bytes of ``obj`` as pickled: what sending it between processes costs (tensors, dicts, frames)."""
-    return len(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+    """Bytes of ``obj`` as sent between processes (tensors, dicts, frames): its pickled structure plus the data
+    of each tensor.
+
+    A tensor counts as its data (``numel * element_size``) and a small fixed record, not as its pickled form:
+    torch pickles a storage under a key made of its memory address, whose number of digits varies from one
+    allocation to the next, so the same state dict would count a few bytes more or less each time.
+    """
+    import io
+
+    import torch
+
+    data = 0
+
+    class _Counting(pickle.Pickler):
+        def persistent_id(self, value: Any) -> Any:
+            nonlocal data
+            if isinstance(value, torch.Tensor):
+                data += value.numel() * value.element_size()
+                return (str(value.dtype), tuple(value.shape))
+            return None
+
+    buffer = io.BytesIO()
+    _Counting(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return len(buffer.getvalue()) + data
