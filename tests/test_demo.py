@@ -33,6 +33,7 @@ def test_demo_command_end_to_end(tmp_path, cpu_hog):
     # a successful job ends quietly, busy machine or not: no traceback, no worker killed at shutdown
     assert "Traceback" not in proc.stdout + proc.stderr, proc.stderr
     assert "still alive" not in proc.stderr, proc.stderr
+    assert not re.search(r"\b\w+Warning: ", proc.stdout + proc.stderr), proc.stderr  # e.g. a trainer's FutureWarning
     assert re.search(r"training\s+2 trainers, global batch 64, compression onebit", report), report
 
     data = re.search(r"data\s+([\d,]+) images \((\d+) rejected\), 32x32", report)

@@ -293,11 +293,7 @@ class TrainingActor:
         elif world_size == 1 and spec.compression == "none":
             self.ddp, self.timer, self.compressor = _Alone(model), _CommTimer(), make_compressor("none")
         else:
-            # Buffers are not broadcast at every forward (one more collective a step, where ranks wait for each
-            # other); rank 0's are sent before validation (dask_dl.train.buffers) and are the checkpointed ones.
-            self.ddp = DistributedDataParallel(
-                model, device_ids=[self.device.index] if cuda else None, broadcast_buffers=False
-            )
+            self.ddp = _ddp(model, device_ids=[self.device.index] if cuda else None)
             self.timer = _CommTimer()
             self.timer.attach(self.ddp)
             self.compressor = make_compressor(
@@ -893,6 +889,19 @@ def _exit_without_finalization() -> None:
         os._exit(0)
 
     atexit.register(exit_now)
+
+
+def _ddp(model: torch.nn.Module, *, device_ids: list[int] | None) -> DistributedDataParallel:
+    """DDP that does not broadcast buffers at every forward (one more collective a step, where ranks wait for
+    each other): rank 0's are sent before validation (:mod:`dask_dl.train.buffers`), and are the checkpointed
+    ones. torch 2.13 names the switch ``forward_sync_buffers`` and warns on the older ``broadcast_buffers``,
+    which the torch versions before it take. (The new switch still sends rank 0's buffers once, when DDP starts;
+    the ranks build the same model either way.)"""
+    import inspect
+
+    parameters = inspect.signature(DistributedDataParallel.__init__).parameters
+    switch = "forward_sync_buffers" if "forward_sync_buffers" in parameters else "broadcast_buffers"
+    return DistributedDataParallel(model, device_ids=device_ids, **{switch: False})
 
 
 def _evaluate(model: Any, batches: Any, device: torch.device, precision: Any = None) -> Any:
