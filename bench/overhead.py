@@ -50,7 +50,7 @@ def plain_loop(
     from dask_dl.train import allocator
 
     torch.set_num_threads(get_worker().state.nthreads)
-    allocator.keep_freed_memory()  # as a trainer does (dask_dl/train/allocator.py): compare like with like
+    allocator.keep_freed_memory()  # as a trainer does (dask_dl/allocator.py): compare like with like
     group = zarr.open_group(store, mode="r")
     rows = np.sort(samples)[: steps * batch_size]
     images = np.asarray(group["image"][rows.min() : rows.max() + 1])[rows - rows.min()]

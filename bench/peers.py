@@ -136,7 +136,7 @@ def run_ddp(args: argparse.Namespace, store: str, out: str, *, ranks: int = 2) -
                "--batch-size", str(args.batch_size), "--lr", str(args.lr), "--seed", str(args.seed)]  # fmt: skip
     # glibc's defaults, as a user's torchrun job has them: a LocalCluster in this process put the nanny's
     # MALLOC_TRIM_THRESHOLD_ into os.environ, which switches off glibc's dynamic mmap threshold (twice the step
-    # time for small_cnn; dask_dl's trainers undo it, see dask_dl/train/allocator.py)
+    # time for small_cnn; dask_dl's trainers undo it, see dask_dl/allocator.py)
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     env["OMP_NUM_THREADS"] = "1"
     started = time.perf_counter()

@@ -135,7 +135,11 @@ class PathPolicy:
             if info.st_size > self.max_file_bytes:
                 raise ImageRejected("too_large", path, self._too_large(info.st_size))
             with os.fdopen(os.dup(fd), "rb") as f:
-                data = f.read(self.max_file_bytes + 1)
+                # read(n) allocates n bytes up front: ask for the file's size, not for max_file_bytes (a fresh
+                # 256 MiB mapping per image, page-faulted in as it fills)
+                data = f.read(info.st_size + 1)
+                if len(data) > info.st_size:  # it grew after fstat
+                    data += f.read(self.max_file_bytes + 1 - len(data))
         except OSError as exc:
             raise ImageRejected("unreadable", path, f"{type(exc).__name__}: {exc.strerror or exc}") from None
         finally:

@@ -45,9 +45,10 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from dask_dl import allocator
 from dask_dl.checkpoint import load_checkpoint
 from dask_dl.errors import ClusterError, TrainingError
-from dask_dl.train import allocator, profiler
+from dask_dl.train import profiler
 from dask_dl.train.buffers import broadcast_buffers
 from dask_dl.train.checkpoint import rng_state, set_rng_state, to_cpu
 from dask_dl.train.parallel import data_shard

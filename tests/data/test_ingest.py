@@ -572,3 +572,32 @@ def test_disk_full_is_a_clear_error_and_resume_is_identical(cluster_client, tmp_
     clean = run_ingest(catalog, tmp_path / "clean.zarr", cluster_client, size=48, chunk=2, shard=2)
     assert store_files(store) == store_files(tmp_path / "clean.zarr")
     pd.testing.assert_frame_equal(resumed.rejects, clean.rejects)
+
+
+def _page_faults() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator settings are Linux-only")
+def test_ingest_tasks_reuse_freed_memory_under_the_nannys_trim_threshold(cluster_client, tmp_path):
+    # the nanny starts workers with MALLOC_TRIM_THRESHOLD_, under which every allocation over 128 KiB is a fresh
+    # mapping: each 1 MB file's bytes alone would fault in its 257 pages again for every image
+    assert set(cluster_client.run(os.environ.get, "MALLOC_TRIM_THRESHOLD_").values()) == {"65536"}
+    rng = np.random.default_rng(0)
+    paths = []
+    for i in range(16):  # noise: the PNG files hardly compress
+        paths.append(tmp_path / f"{i}.png")
+        Image.fromarray(rng.integers(0, 256, (1024, 1024), dtype=np.uint8)).save(paths[-1], compress_level=1)
+    rows = {"image_id": [p.name for p in paths], "path": list(map(str, paths)), "site": "a", "split": "train",
+            "patient_id": [f"p{i}" for i in range(16)], "Finding": [i % 2 for i in range(16)]}  # fmt: skip
+    catalog = make_catalog(pd.DataFrame(rows), ["Finding"])
+    file_pages = min(p.stat().st_size for p in paths) // 4096
+    per_image = []
+    for run in range(3):  # the first task on a worker also faults in its first imports: one of 3 runs is warm
+        before = cluster_client.run(_page_faults)
+        run_ingest(catalog, tmp_path / f"{run}.zarr", cluster_client, size=64, chunk=4, shard=4)  # one task
+        after = cluster_client.run(_page_faults)
+        per_image.append(sum(after[w] - before[w] for w in after) / len(paths))
+    assert min(per_image) < file_pages / 4, (per_image, file_pages)  # about 280 without the allocator settings

@@ -57,6 +57,23 @@ def test_files_over_the_size_limit_are_not_read(tmp_path):
     assert load_image(path, size=32).shape == (32, 32)  # the default limit lets it through
 
 
+def test_a_file_that_grows_after_it_was_measured_is_read_whole_up_to_the_limit(tmp_path, monkeypatch):
+    path = write_png(tmp_path / "grows.png", seed=2, shape=(64, 64))
+    data = path.read_bytes()
+    real_fstat = os.fstat
+
+    def measured_short(fd):  # the file grew between fstat and read: a race no test can time, so fstat is told to lag
+        info = real_fstat(fd)
+        return os.stat_result((*info[:6], info.st_size // 2, *info[7:]))
+
+    monkeypatch.setattr("dask_dl.data.paths.os.fstat", measured_short)
+    assert PathPolicy.from_config().read(str(path)) == data  # every byte, not the size fstat gave
+    np.testing.assert_array_equal(load_image(path, size=32), load_image(path, size=32, max_image_bytes=2**20))
+    error = rejected(path, policy=PathPolicy.from_config(max_file_bytes=len(data) - 1))
+    assert error.reason == "too_large"
+    assert error.detail.startswith(f"the file has {len(data)} bytes, over dask-dl.ingest.max-file-bytes")
+
+
 def test_png_decompression_bomb_is_rejected_from_its_header(tmp_path):
     bomb = png_bomb(tmp_path / "bomb.png")  # 9000 x 9000 16-bit RGBA, under Pillow's pixel limit
     assert bomb.stat().st_size < 1_000_000
