@@ -263,7 +263,9 @@ class TrainingActor:
         if spec.model_name not in MODELS and spec.model_target is not None:  # registered in the user's process
             MODELS.register(spec.model_name, spec.model_target)
         torch.set_num_threads(max(1, worker.state.nthreads))
-        allocator.keep_freed_memory()  # the nanny's MALLOC_TRIM_THRESHOLD_ made every step 1.65x slower
+        if not self.__dict__.get("_holds_allocator"):  # held once per trainer, let go at teardown
+            allocator.keep_freed_memory()  # the nanny's MALLOC_TRIM_THRESHOLD_ made every step 1.65x slower
+            self._holds_allocator = True
         self._worker = worker
         profiler.pause(worker)  # its samples of this thread are racy on CPython 3.11 and say nothing of use
         self.spec, self.rank, self.world_size = spec, rank, world_size
@@ -793,7 +795,8 @@ class TrainingActor:
         if _GROUP_OWNER is not None and _GROUP_OWNER() is self:
             _reset_process_group()
         self._ready = False
-        allocator.restore()
+        if self.__dict__.pop("_holds_allocator", False):
+            allocator.restore()
         worker = self.__dict__.pop("_worker", None)  # the worker whose profiler setup paused
         if worker is not None:
             profiler.resume(worker)

@@ -92,6 +92,12 @@ def profiling(client, workers, expect: bool, *, wait_s: float = 5.0) -> dict[str
     return state
 
 
+def allocator_holders() -> int:
+    from dask_dl import allocator
+
+    return allocator._holders
+
+
 def test_actor_protocol(setup_client):
     client, store = setup_client
     workers = place_trainers(client, 2)
@@ -114,6 +120,8 @@ def test_actor_protocol(setup_client):
         assert profiling(client, workers, False) == {w: False for w in workers}
         with pytest.raises(ClusterError, match="already in a torch.distributed process group"):
             actors[0].setup(spec, init_method=init, rank=0, world_size=2).result()
+        # each trainer holds the allocator settings once (dask_dl/allocator.py), the refused setup included
+        assert client.run(allocator_holders, workers=workers) == {w: 1 for w in workers}
 
         # stop asked of rank 1 alone, while the epoch runs: progress and request_stop are answered at once
         # (async methods), and both ranks stop after the same step
@@ -146,6 +154,15 @@ def test_actor_protocol(setup_client):
             f.result()
     assert client.run(lambda: torch.distributed.is_initialized()) == {w: False for w in workers}
     assert profiling(client, workers, True) == {w: True for w in workers}
+    assert client.run(allocator_holders, workers=workers) == {w: 0 for w in workers}  # and let go at teardown
+    # a second teardown (the driver's, after a failed setup's own) lets go of nothing an ingest task holds meanwhile
+    from dask_dl import allocator
+
+    client.run(allocator.keep_freed_memory, workers=workers)
+    for f in [a.teardown() for a in actors]:
+        f.result()
+    assert client.run(allocator_holders, workers=workers) == {w: 1 for w in workers}
+    client.run(allocator.restore, workers=workers)
 
 
 def test_trainer_ddp_skips_the_per_step_buffer_broadcast_without_a_warning():
