@@ -830,6 +830,8 @@ def _claim_process_group(worker: Any, *, wait_s: float) -> None:
             )
         if not registered or time.monotonic() > deadline:  # released, or its teardown never ends: stale
             logger.warning("worker %s: leaving a process group a failed run left behind", worker.address)
+            if owner is not None and owner.__dict__.pop("_holds_allocator", False):
+                allocator.restore()  # its teardown will not let go of the allocator settings either
             break
         time.sleep(0.2)  # its trainer is leaving the group (a failed run's teardown)
     _reset_process_group()

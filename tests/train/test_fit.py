@@ -371,6 +371,14 @@ def test_a_hung_trainer_does_not_poison_its_workers(store, cluster_client):
         again = fit(store, cluster_client, epochs=1, seed=seed)
         assert again.status == "finished" and sorted(again.workers) == sorted(run.workers)
     assert in_process_group(cluster_client) == [False, False]
+    # the hung trainer never tore down: its hold on the allocator settings went with its stale group
+    assert list(cluster_client.run(_allocator_holders).values()) == [0, 0]
+
+
+def _allocator_holders() -> int:
+    from dask_dl import allocator
+
+    return allocator._holders
 
 
 def _failed_rendezvous() -> str:
