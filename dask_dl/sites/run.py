@@ -63,6 +63,7 @@ def fit_sites(
     optimizer: str | None = None,
     seed: int | None = None,
     augment: bool = False,
+    normalization: dict[str, Any] | None = None,
     client: Client | None = None,
     wait: bool = True,
 ) -> SitesRun:
@@ -82,6 +83,12 @@ def fit_sites(
         Rounds (cycles round the sites; for ``incremental``: the most epochs at one site).
     model, model_kwargs, batch_size, lr, optimizer, seed, augment
         As for :func:`dask_dl.fit`; defaults from ``dask-dl.train``.
+    normalization : dict, optional
+        ``{"mean": m, "std": s}`` of the 0..1 pixel values, numbers or one per channel, as for :func:`dask_dl.fit`:
+        every site trains and scores with it, and it goes into :meth:`SitesRun.checkpoint` and the exported ONNX
+        graph. Statistics of the pooled images would need the images in one place: pass values agreed between the
+        sites, or per-site statistics averaged (:func:`dask_dl.normalize.channel_stats` at each site). Default
+        :data:`dask_dl.normalize.DEFAULT_NORMALIZATION`.
     local_epochs : int
         Epochs per visit (``cyclic``, ``fedavg``, ``fedprox``, ``ensemble``).
     steps : int, optional
@@ -151,6 +158,7 @@ def fit_sites(
         "batch_size": positive_int("batch_size", config.get("train.batch-size", batch_size), example=32),
         "optimizer": config.get("train.optimizer", optimizer),
         "augment": bool(augment),
+        "normalization": normalization,
         "compression": "none",
         "warmup_steps": 0,
     }
@@ -308,13 +316,12 @@ class SitesRun:
             :meth:`export_onnx`), or before a round has completed.
         """
         from dask_dl.checkpoint import FORMAT
-        from dask_dl.normalize import DEFAULT_NORMALIZATION
 
         spec = self._co.model
         return {
             "format": FORMAT, "model_name": spec.name, "model_kwargs": dict(spec.kwargs), "model": self.state(),
             "labels": list(spec.labels), "task": spec.task, "input_size": int(spec.input_size),
-            "in_channels": spec.channels, "normalization": dict(DEFAULT_NORMALIZATION), "epoch": self._rounds_done - 1,
+            "in_channels": spec.channels, "normalization": dict(spec.normalization), "epoch": self._rounds_done - 1,
             "optimizer": {},
             "compressor": [], "rng": [], "history": self.history.to_dict("records"),
         }  # fmt: skip
@@ -326,7 +333,8 @@ class SitesRun:
         if self.protocol != "ensemble":
             return export_onnx(self.checkpoint(), path, **options)
         spec = self._co.model
-        defaults = {"labels": list(spec.labels), "input_size": int(spec.input_size), "task": spec.task}
+        defaults = {"labels": list(spec.labels), "input_size": int(spec.input_size), "task": spec.task,
+                    "normalization": dict(spec.normalization)}  # fmt: skip
         return export_onnx(self.model(), path, **{**defaults, **options})
 
     def __repr__(self) -> str:
@@ -474,6 +482,7 @@ def _check_batches(sites: list[Connected], batch_size: int, trainers: int) -> No
 def _model_spec(site: Connected, fit_options: dict[str, Any]) -> Any:
     from dask_dl.models import MODELS
     from dask_dl.models.source import model_source
+    from dask_dl.normalize import check_normalization
     from dask_dl.sites.score import ModelSpec
     from dask_dl.train.options import check_dataset
 
@@ -485,11 +494,13 @@ def _model_spec(site: Connected, fit_options: dict[str, Any]) -> Any:
             "Register a function that builds it first (dask_dl.register_model('my_net', build_my_net)) and pass "
             "model='my_net'"
         )
+    channels = int(check_dataset(site.dataset)["channels"])
+    fit_options["normalization"] = check_normalization(fit_options["normalization"], channels=channels)
     return ModelSpec(
         name=name, labels=tuple(meta["labels"]), task=meta.get("task", "multilabel"),
         input_size=int(meta.get("size")), kwargs=dict(fit_options["model_kwargs"]),
-        target=MODELS.entry(name).target, batch_size=int(fit_options["batch_size"]),
-        channels=int(check_dataset(site.dataset)["channels"]),
+        target=MODELS.entry(name).target, batch_size=int(fit_options["batch_size"]), channels=channels,
+        normalization=fit_options["normalization"],
     )  # fmt: skip
 
 

@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from dask_dl.normalize import DEFAULT_NORMALIZATION
+
 __all__ = ["Ensemble", "ModelSpec", "build", "score"]
 
 
@@ -32,6 +34,7 @@ class ModelSpec:
     target: Any = None
     batch_size: int = 32
     channels: int = 1
+    normalization: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_NORMALIZATION))
 
 
 def build(spec: ModelSpec, state: dict[str, Any] | None = None) -> Any:
@@ -80,7 +83,13 @@ def score(store: str, samples: np.ndarray, states: list[dict[str, Any]], spec: M
     net = build(spec, states[0]) if len(states) == 1 else Ensemble([build(spec, s) for s in states], spec.task)
     net.eval()
     loader = ChunkLoader(  # one pass: nothing to keep
-        store, np.asarray(samples), batch_size=spec.batch_size, shuffle=False, drop_last=False, cache=0
+        store,
+        np.asarray(samples),
+        batch_size=spec.batch_size,
+        shuffle=False,
+        drop_last=False,
+        cache=0,
+        normalization=spec.normalization,
     )
     probs, truth = [], []
     try:

@@ -8,6 +8,7 @@ transfer and federated averaging learn about as well as pooling the data with th
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ import dask_dl
 from dask_dl import ConfigurationError, DatasetError
 from dask_dl.export import read_model_info
 from dask_dl.models import build_model
+from dask_dl.normalize import DEFAULT_NORMALIZATION
 from dask_dl.sites.score import Ensemble, ModelSpec, score
 from dask_dl.sites.synthetic import synthetic_sites
 from dask_dl.testing.train import squares_collection
@@ -142,6 +144,34 @@ def test_fedprox_and_export_of_a_run(squares, cluster3, tmp_path):
     path = dask_dl.export_onnx(run, tmp_path / "fedprox.onnx")
     assert read_model_info(path).labels == ("a", "b")
     torch.testing.assert_close(run.model().state_dict()["fc.weight"], run.state()["fc.weight"])
+
+
+def test_normalization_is_every_sites_and_travels_with_the_model(squares, cluster3, tmp_path):
+    norm = {"mean": 0.3, "std": 0.2}
+    ds = dask_dl.open_dataset(squares["B"])
+    run = dask_dl.fit_sites({"B": ds}, protocol="cyclic", rounds=1, normalization=norm, client=cluster3, **OPTIONS)
+    # the site trained with it: the same visit through fit (seed of round 0's first visit) gives the same weights
+    torch.manual_seed(OPTIONS["seed"])
+    initial = build_model("small_cnn", num_outputs=2, width=8).state_dict()  # what every protocol starts from
+    visit = {**OPTIONS, "seed": OPTIONS["seed"] + 1000, "warmup_steps": 0}
+    alone = dask_dl.fit(ds, epochs=1, trainers=1, client=cluster3, start_state=initial, normalization=norm,
+                        **visit).checkpoint()["model"]  # fmt: skip
+    for key, value in alone.items():
+        torch.testing.assert_close(run.state()[key], value, rtol=0, atol=1e-6)
+    # scored with it, on the site
+    spec = ModelSpec(name="small_cnn", labels=("a", "b"), task="multilabel", input_size=32, kwargs={"width": 8},
+                     batch_size=8, normalization=norm)  # fmt: skip
+    val = ds.sample.values[ds.split.values == "val"]
+    mine = score(squares["B"], val, [run.state()], spec)
+    assert run.history.iloc[0]["loss"] == pytest.approx(mine["loss"], abs=1e-9)
+    default = score(squares["B"], val, [run.state()], replace(spec, normalization=dict(DEFAULT_NORMALIZATION)))
+    assert abs(default["loss"] - mine["loss"]) > 1e-3
+    # and it goes with the model
+    assert run.checkpoint()["normalization"] == norm
+    assert read_model_info(run.export_onnx(tmp_path / "normalized.onnx")).normalization == norm
+    with pytest.raises(ConfigurationError, match="std"):
+        dask_dl.fit_sites({"B": ds}, protocol="cyclic", rounds=1, normalization={"mean": 0.3, "std": 0},
+                          client=cluster3)  # fmt: skip
 
 
 def test_stop_ends_the_run_and_frees_the_workers(squares, cluster3):
