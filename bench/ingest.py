@@ -131,6 +131,10 @@ def main() -> None:
     print(f"speed-up {speedup:.2f}x; parallel efficiency (speed-up / workers) {speedup / args.workers:.2f} "
           f"(target >= 0.90; load {os.getloadavg()[0]:.1f}); {args.workers} separate processes reach "
           f"{ceiling / loop / args.workers:.2f} on this machine in this run")  # fmt: skip
+    print(
+        f"dask_dl.ingest / {args.workers} separate processes: {parallel / ceiling:.2f} (what the cluster's own "
+        "processes, the driver's work before and after the tasks and Dask's per-task cost leave of the machine)"
+    )
 
 
 if __name__ == "__main__":
