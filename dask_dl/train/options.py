@@ -161,7 +161,8 @@ def check_run(
         An unknown model, model option, compressor, compressor option, optimizer or view; a number out of range;
         ``resume=True`` without ``checkpoint_dir``; a ``normalization`` that is not one, or has per-channel values
         for another number of channels than the dataset's; a ``parallel`` mode the compressor, trainers or batch
-        do not fit; a model over ``memory_budget`` per trainer; ``min_trainers`` above ``trainers``.
+        do not fit; a model over ``memory_budget`` per trainer; ``min_trainers`` above ``trainers``; step
+        checkpoints (``checkpoint_every_*``) with ``parallel`` other than ``"ddp"``.
     DatasetError
         Not a dataset of :func:`dask_dl.open_dataset`, no ``train``/``val`` samples or labels, or a batch larger
         than one trainer's share of the training split.
@@ -210,6 +211,9 @@ def check_run(
     memory_budget = _check_memory(config.get("train.memory-budget", memory_budget), model, model_kwargs, data,
                                   plan=plan, trainers=trainers, optimizer=optimizer, momentum=momentum)  # fmt: skip
     recovery = _check_recovery(trainers, max_restarts, min_trainers, checkpoint_every_steps, checkpoint_every_seconds)
+    if plan["parallel"] != "ddp":
+        _no_step_checkpoints(plan["parallel"], recovery, every_steps=checkpoint_every_steps,
+                             every_seconds=checkpoint_every_seconds)  # fmt: skip
     if n_train // (trainers * batch_size) < tuned["accumulate"]:
         raise DatasetError(
             f"accumulate={tuned['accumulate']} micro-batches per step need {tuned['accumulate']} batches of "
@@ -279,6 +283,19 @@ def _check_recovery(
         if every_seconds is None
         else _positive_real("checkpoint_every_seconds", every_seconds, example=300),  # fmt: skip
     }
+
+
+def _no_step_checkpoints(parallel: str, recovery: dict[str, Any], *, every_steps: Any, every_seconds: Any) -> None:
+    """fsdp and pipeline runs checkpoint once per epoch: refuse step checkpoints asked for, drop the configured ones."""
+    given = {"checkpoint_every_steps": every_steps, "checkpoint_every_seconds": every_seconds}
+    asked = [f"{name}={value!r}" for name, value in given.items() if value]
+    if asked:
+        raise ConfigurationError(
+            f"{', '.join(asked)}: step checkpoints are taken with parallel='ddp' only; parallel={parallel!r} runs "
+            "checkpoint at the end of every epoch, and a restart or resume=True goes on from the last one. Leave "
+            "the argument out, or train with parallel='ddp'"
+        )
+    recovery["checkpoint_every_steps"] = recovery["checkpoint_every_seconds"] = None  # dask-dl.train defaults
 
 
 def check_dataset(dataset: Any) -> dict[str, Any]:

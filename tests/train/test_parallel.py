@@ -8,6 +8,7 @@ fail before any actor is placed.
 
 from __future__ import annotations
 
+import dask
 import numpy as np
 import onnxruntime
 import pytest
@@ -22,6 +23,7 @@ from dask_dl.models import MODELS, build_model
 from dask_dl.normalize import normalize
 from dask_dl.testing.train import squares_collection
 from dask_dl.train.checkpoint import save_checkpoint
+from dask_dl.train.options import check_run
 from dask_dl.train.parallel import check_parallel, data_shard
 from dask_dl.train.parallel.memory import estimate_memory, parse_budget
 from dask_dl.train.parallel.split import assign_stages, blocks, check_split, stage_names
@@ -384,6 +386,23 @@ def test_compressors_that_do_not_apply_fail_before_any_actor(store, cluster_clie
     assert not cluster_client.run_on_scheduler(
         lambda dask_scheduler: [k for k in dask_scheduler.tasks if "dask-dl-trainer" in str(k)]
     )
+
+
+@pytest.mark.parametrize("parallel", ["fsdp", "pipeline"])
+def test_step_checkpoints_are_refused_where_they_are_not_taken(store, cluster_client, parallel):
+    for option in ({"checkpoint_every_steps": 5}, {"checkpoint_every_seconds": 60.0}):
+        ((name, value),) = option.items()
+        with pytest.raises(
+            ConfigurationError,
+            match=rf"{name}={value!r}: step checkpoints are taken with "
+            rf"parallel='ddp' only; parallel='{parallel}' runs checkpoint",
+        ):
+            fit(store, cluster_client, parallel=parallel, **option)  # fmt: skip
+    # the configured defaults do not apply: the run's options say so instead of promising checkpoints
+    with dask.config.set({"dask-dl.train.checkpoint-every-steps": 5}):
+        options = check_run(dask_dl.open_dataset(store), parallel=parallel, trainers=2, batch_size=4, **MODEL)
+    assert (options.checkpoint_every_steps, options.checkpoint_every_seconds) == (None, None)
+    assert check_run(dask_dl.open_dataset(store), trainers=2, batch_size=4, **MODEL).checkpoint_every_seconds == 300
 
 
 def test_fsdp_reduces_gradients_in_bf16(store, cluster_client):
