@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import logging
 import os
 import sys
@@ -37,12 +38,14 @@ _lock = threading.Lock()
 _holders = 0
 
 
+@functools.cache
 def _libc() -> ctypes.CDLL | None:
+    """glibc, loaded once; None on other platforms and C libraries (musl has neither function)."""
     if not sys.platform.startswith("linux"):
         return None
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.mallopt, libc.malloc_trim  # noqa: B018 (both exist in glibc; musl has neither)
+        libc.mallopt, libc.malloc_trim  # noqa: B018
     except (OSError, AttributeError) as exc:
         logger.debug("no glibc mallopt in this process (%s); allocator left as it is", exc)
         return None

@@ -453,38 +453,45 @@ def _ingest_shard(
     # the nanny's MALLOC_TRIM_THRESHOLD_ would fault in about 400 fresh pages per image (file bytes, Pillow's
     # intermediate images, zstd contexts, the shard's buffers): 0.7 ms of system time against 10 ms of decoding
     with allocator.kept_freed_memory():
-        layout_ = StoreLayout.from_dict(layout)
-        size = layout_.size
-        block = np.zeros((len(job["paths"]), *layout_.image_shape), np.uint8)
-        status = []
-        for i, (path, image_id) in enumerate(zip(job["paths"], job["image_ids"], strict=True)):
-            row = job["start"] + i
-            try:
-                block[i] = load_image(
-                    path, size=size, min_size=min_size, max_image_bytes=max_image_bytes, policy=policy,
-                    channels=layout_.channels,
-                )  # fmt: skip
-                status.append((row, image_id, True, "", ""))
-            except ImageRejected as exc:
-                status.append((row, image_id, False, exc.reason, exc.detail))
-        files = StoreFiles(url)
-        image = zarr.open_array(contract.zarr_store(url), path=contract.IMAGE, mode="r+")
-        # zarr reads an existing shard before writing into it, even when the write covers all of it; the file a killed
-        # run left may be half-written and unreadable, so start from nothing (this task is the shard's only writer)
-        table = pd.DataFrame(status, columns=_STATUS_COLUMNS)
-        # zarr writes no file for an all-zero shard: say so, so that a missing file can be told from a lost one
-        record = {
-            "shard": job["shard"],
-            "start": job["start"],
-            "empty": not block.any(),
-            "status": table.to_dict(orient="list"),
-        }
-        rows = layout_.shard_rows_of(job["shard"])
-        with _disk_full(url, f"shard {job['shard']} (samples {rows.start}..{rows.stop - 1})"):
-            files.delete(layout_.shard_key(job["shard"]))
-            image[job["start"] : job["start"] + len(block)] = block
-            files.put(layout_.status_key(job["shard"]), json.dumps(record).encode())
-        return table
+        return _write_shard(job, url=url, layout=layout, min_size=min_size, max_image_bytes=max_image_bytes,
+                            policy=policy)  # fmt: skip
+
+
+def _write_shard(
+    job: dict[str, Any], *, url: str, layout: dict[str, Any], min_size: int, max_image_bytes: int, policy: PathPolicy
+) -> pd.DataFrame:
+    layout_ = StoreLayout.from_dict(layout)
+    size = layout_.size
+    block = np.zeros((len(job["paths"]), *layout_.image_shape), np.uint8)
+    status = []
+    for i, (path, image_id) in enumerate(zip(job["paths"], job["image_ids"], strict=True)):
+        row = job["start"] + i
+        try:
+            block[i] = load_image(
+                path, size=size, min_size=min_size, max_image_bytes=max_image_bytes, policy=policy,
+                channels=layout_.channels,
+            )  # fmt: skip
+            status.append((row, image_id, True, "", ""))
+        except ImageRejected as exc:
+            status.append((row, image_id, False, exc.reason, exc.detail))
+    files = StoreFiles(url)
+    image = zarr.open_array(contract.zarr_store(url), path=contract.IMAGE, mode="r+")
+    # zarr reads an existing shard before writing into it, even when the write covers all of it; the file a killed
+    # run left may be half-written and unreadable, so start from nothing (this task is the shard's only writer)
+    table = pd.DataFrame(status, columns=_STATUS_COLUMNS)
+    # zarr writes no file for an all-zero shard: say so, so that a missing file can be told from a lost one
+    record = {
+        "shard": job["shard"],
+        "start": job["start"],
+        "empty": not block.any(),
+        "status": table.to_dict(orient="list"),
+    }
+    rows = layout_.shard_rows_of(job["shard"])
+    with _disk_full(url, f"shard {job['shard']} (samples {rows.start}..{rows.stop - 1})"):
+        files.delete(layout_.shard_key(job["shard"]))
+        image[job["start"] : job["start"] + len(block)] = block
+        files.put(layout_.status_key(job["shard"]), json.dumps(record).encode())
+    return table
 
 
 @contextlib.contextmanager

@@ -168,6 +168,7 @@ def fit_sites(
     try:
         _check_batches(connected, fit_options["batch_size"], trainers)
         spec = _model_spec(connected[0], fit_options)
+        fit_options["normalization"] = spec.normalization  # checked: what every visit trains with
         test_part = _test_part(test, spec) if test is not None else None
         coordinator = Coordinator(connected, model=spec, fit_options=fit_options, trainers=trainers,
                                   transfers=transfers, test=test_part, test_client=client)  # fmt: skip
@@ -495,12 +496,11 @@ def _model_spec(site: Connected, fit_options: dict[str, Any]) -> Any:
             "model='my_net'"
         )
     channels = int(check_dataset(site.dataset)["channels"])
-    fit_options["normalization"] = check_normalization(fit_options["normalization"], channels=channels)
     return ModelSpec(
         name=name, labels=tuple(meta["labels"]), task=meta.get("task", "multilabel"),
         input_size=int(meta.get("size")), kwargs=dict(fit_options["model_kwargs"]),
         target=MODELS.entry(name).target, batch_size=int(fit_options["batch_size"]), channels=channels,
-        normalization=fit_options["normalization"],
+        normalization=check_normalization(fit_options["normalization"], channels=channels),
     )  # fmt: skip
 
 

@@ -263,7 +263,7 @@ class TrainingActor:
         if spec.model_name not in MODELS and spec.model_target is not None:  # registered in the user's process
             MODELS.register(spec.model_name, spec.model_target)
         torch.set_num_threads(max(1, worker.state.nthreads))
-        if not self.__dict__.get("_holds_allocator"):  # held once per trainer, let go at teardown
+        if not self.__dict__.get("_holds_allocator"):  # held once per trainer: see _let_go_of_allocator
             allocator.keep_freed_memory()  # the nanny's MALLOC_TRIM_THRESHOLD_ made every step 1.65x slower
             self._holds_allocator = True
         self._worker = worker
@@ -776,6 +776,12 @@ class TrainingActor:
         if directory is None:
             self._latest_step = checkpoint
 
+    def _let_go_of_allocator(self) -> None:
+        """Let go of this trainer's hold on the allocator settings, once: at teardown, or when the worker drops
+        the stale group of a trainer whose teardown never came. Other holders in the worker keep theirs."""
+        if self.__dict__.pop("_holds_allocator", False):
+            allocator.restore()
+
     def teardown(self, *, keep_latest: bool = False) -> bool:
         """Leave the process group and drop model, loaders and optimizer, so the worker is free again.
 
@@ -795,8 +801,7 @@ class TrainingActor:
         if _GROUP_OWNER is not None and _GROUP_OWNER() is self:
             _reset_process_group()
         self._ready = False
-        if self.__dict__.pop("_holds_allocator", False):
-            allocator.restore()
+        self._let_go_of_allocator()
         worker = self.__dict__.pop("_worker", None)  # the worker whose profiler setup paused
         if worker is not None:
             profiler.resume(worker)
@@ -830,8 +835,8 @@ def _claim_process_group(worker: Any, *, wait_s: float) -> None:
             )
         if not registered or time.monotonic() > deadline:  # released, or its teardown never ends: stale
             logger.warning("worker %s: leaving a process group a failed run left behind", worker.address)
-            if owner is not None and owner.__dict__.pop("_holds_allocator", False):
-                allocator.restore()  # its teardown will not let go of the allocator settings either
+            if owner is not None:
+                owner._let_go_of_allocator()  # its teardown will not come either
             break
         time.sleep(0.2)  # its trainer is leaving the group (a failed run's teardown)
     _reset_process_group()

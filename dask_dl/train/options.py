@@ -210,10 +210,8 @@ def check_run(
     momentum = _non_negative_real("dask-dl.train.momentum", config.get("train.momentum"))
     memory_budget = _check_memory(config.get("train.memory-budget", memory_budget), model, model_kwargs, data,
                                   plan=plan, trainers=trainers, optimizer=optimizer, momentum=momentum)  # fmt: skip
-    recovery = _check_recovery(trainers, max_restarts, min_trainers, checkpoint_every_steps, checkpoint_every_seconds)
-    if plan["parallel"] != "ddp":
-        _no_step_checkpoints(plan["parallel"], recovery, every_steps=checkpoint_every_steps,
-                             every_seconds=checkpoint_every_seconds)  # fmt: skip
+    recovery = _check_recovery(trainers, max_restarts, min_trainers, checkpoint_every_steps, checkpoint_every_seconds,
+                               parallel=plan["parallel"])  # fmt: skip
     if n_train // (trainers * batch_size) < tuned["accumulate"]:
         raise DatasetError(
             f"accumulate={tuned['accumulate']} micro-batches per step need {tuned['accumulate']} batches of "
@@ -260,8 +258,14 @@ def _check_recovery(
     min_trainers: int | None,
     every_steps: int | None,
     every_seconds: float | None,
+    *,
+    parallel: str = "ddp",
 ) -> dict[str, Any]:
-    """The recovery options (:mod:`dask_dl.train.recovery`), config filling what is None."""
+    """The recovery options (:mod:`dask_dl.train.recovery`), config filling what is None.
+
+    fsdp and pipeline runs checkpoint once per epoch: step checkpoints asked of them are refused, and the
+    configured ones do not apply.
+    """
     max_restarts = _non_negative_int("max_restarts", config.get("train.max-restarts", max_restarts))
     min_trainers = config.get("train.min-trainers", min_trainers)
     min_trainers = trainers if min_trainers is None else positive_int("min_trainers", min_trainers, example=1)
@@ -270,6 +274,16 @@ def _check_recovery(
             f"min_trainers={min_trainers} is more than trainers={trainers}: a restarted run never has more trainers "
             f"than it started with; pass min_trainers <= {trainers}"
         )
+    if parallel != "ddp":
+        given = {"checkpoint_every_steps": every_steps, "checkpoint_every_seconds": every_seconds}
+        asked = [f"{name}={value!r}" for name, value in given.items() if value]
+        if asked:
+            raise ConfigurationError(
+                f"{', '.join(asked)}: step checkpoints are taken with parallel='ddp' only; parallel={parallel!r} "
+                "runs checkpoint at the end of every epoch, and a restart or resume=True goes on from the last one. "
+                "Leave the argument out, or train with parallel='ddp'"
+            )
+        every_steps = every_seconds = 0  # the dask-dl.train defaults do not apply either
     every_steps = config.get("train.checkpoint-every-steps", every_steps) or None  # 0: off
     every_seconds = config.get("train.checkpoint-every-seconds", every_seconds) or None
     return {
@@ -283,19 +297,6 @@ def _check_recovery(
         if every_seconds is None
         else _positive_real("checkpoint_every_seconds", every_seconds, example=300),  # fmt: skip
     }
-
-
-def _no_step_checkpoints(parallel: str, recovery: dict[str, Any], *, every_steps: Any, every_seconds: Any) -> None:
-    """fsdp and pipeline runs checkpoint once per epoch: refuse step checkpoints asked for, drop the configured ones."""
-    given = {"checkpoint_every_steps": every_steps, "checkpoint_every_seconds": every_seconds}
-    asked = [f"{name}={value!r}" for name, value in given.items() if value]
-    if asked:
-        raise ConfigurationError(
-            f"{', '.join(asked)}: step checkpoints are taken with parallel='ddp' only; parallel={parallel!r} runs "
-            "checkpoint at the end of every epoch, and a restart or resume=True goes on from the last one. Leave "
-            "the argument out, or train with parallel='ddp'"
-        )
-    recovery["checkpoint_every_steps"] = recovery["checkpoint_every_seconds"] = None  # dask-dl.train defaults
 
 
 def check_dataset(dataset: Any) -> dict[str, Any]:
