@@ -46,8 +46,8 @@ def plain_loop(
     import zarr
     from distributed import get_worker
 
-    from dask_dl.models import build_model, normalize
     from dask_dl import allocator
+    from dask_dl.models import build_model, normalize
 
     torch.set_num_threads(get_worker().state.nthreads)
     allocator.keep_freed_memory()  # as a trainer does (dask_dl/allocator.py): compare like with like

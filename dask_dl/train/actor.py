@@ -37,7 +37,7 @@ import time
 import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 from urllib.parse import urlparse
 
 import numpy as np
@@ -241,10 +241,10 @@ class TrainingActor:
             return self._setup(
                 worker, spec, init_method=init_method, rank=rank, world_size=world_size, checkpoint=checkpoint
             )
-        except BaseException:
+        except BaseException as exc:
             # a failed rendezvous must not leave this worker unusable: no half-made group, no advanced counter
             self.teardown()
-            raise
+            _raise_for_the_driver(exc)
 
     def _setup(
         self, worker: Any, spec: TrainerSpec, *, init_method: str, rank: int, world_size: int, checkpoint: Any = None
@@ -486,7 +486,7 @@ class TrainingActor:
             due = due or (every_steps is not None and self.global_step % every_steps == 0)
             # step checkpoints at optimizer steps only: an accumulation's partial gradients are not saved
             boundary = last_micro and step + 1 < steps and not stop
-            if due and boundary and self._context is not None and self.parallel is None:
+            if due and boundary and self._context is not None and getattr(self.parallel, "step_checkpoints", True):
                 partial = dict(loss_acc=loss_acc, examples=before_examples + examples, steps=before_steps + step + 1)
                 self._step_checkpoint(position.advanced(step + 1), partial)
                 last_checkpoint = time.monotonic()
@@ -605,11 +605,11 @@ class TrainingActor:
             result = self._epochs(first_epoch=first_epoch, epochs=epochs, history=history, directory=directory,
                                   topic=topic, global_batch=global_batch, price=price,
                                   event="restarted" if restarted else "resumed" if resumed else "")  # fmt: skip
-        except BaseException:
+        except BaseException as exc:
             # leave the group now: the driver's teardown may never come (a client gone, a peer hung), and the
             # worker must be as good as new for the next fit; every rank keeps its last checkpoint for the driver
             self.teardown(keep_latest=True)
-            raise
+            _raise_for_the_driver(exc)
         finally:
             done.set()
         if self._orphaned:  # no driver is left to tear this trainer down: free the worker now
@@ -712,7 +712,7 @@ class TrainingActor:
         ``position`` (an :class:`~dask_dl.data.position.EpochPosition`) and ``partial`` (this rank's loss
         accumulators) make it a step checkpoint inside epoch ``position.epoch``.
         """
-        from dask_dl.checkpoint import FORMAT
+        from dask_dl.checkpoint import FORMAT, checkpoint_name
         from dask_dl.normalize import DEFAULT_NORMALIZATION
         from dask_dl.train.building import source_of_spec
         from dask_dl.train.checkpoint import save_checkpoint, step_checkpoint_name
@@ -721,8 +721,9 @@ class TrainingActor:
         mine: dict[str, Any] = {"compressor": to_cpu(self.compressor.state_dict()), "rng": rng_state()}
         if partial is not None:
             mine["partial"] = partial_state(**partial)
+        name = checkpoint_name(epoch) if position is None else step_checkpoint_name(position.epoch, self.global_step)
         # fsdp / pipeline: collective (shards written, the model consolidated on rank 0)
-        parts = {} if self.parallel is None else self.parallel.checkpoint_parts(self.optimizer, epoch=epoch,
+        parts = {} if self.parallel is None else self.parallel.checkpoint_parts(self.optimizer, name=name,
                                                                                directory=directory)  # fmt: skip
         model = parts["model"] if parts else to_cpu(self.ddp.module.state_dict())
         if directory is None and self.parallel is None:
@@ -763,7 +764,6 @@ class TrainingActor:
             checkpoint["position"] = position.to_dict()
             checkpoint["partial"] = [g["partial"] for g in gathered]
         if directory is not None and self.rank == 0:
-            name = step_checkpoint_name(position.epoch, self.global_step) if position is not None else None
             save_checkpoint(checkpoint, directory, name=name)
         return checkpoint
 
@@ -815,6 +815,19 @@ logger = logging.getLogger("dask_dl.train")
 _GROUP_OWNER: weakref.ref | None = None  # the actor whose process group this worker process is in
 _WATCH_S = 1.0  # how often a running trainer checks that its actor is still wanted (its client still there)
 _CLAIM_WAIT_S = 10.0  # how long setup waits for a failed run's trainer to leave its group before judging it stale
+
+
+def _raise_for_the_driver(exc: BaseException) -> NoReturn:
+    """Raise ``exc`` (being handled) in a form that Dask's actor call hands to the driver.
+
+    Dask passes on what an actor method raises only when it is an ``Exception``: anything else ends the call's
+    connection, and the driver saw "OSError: Unable to contact Actor's worker" instead of the cause. torch's
+    ``CheckpointException`` (a failed sharded checkpoint read or write) is such a ``BaseException``; it is raised as a
+    :class:`~dask_dl.errors.TrainingError` with its message.
+    """
+    if isinstance(exc, Exception | KeyboardInterrupt | SystemExit):
+        raise exc
+    raise TrainingError(f"{type(exc).__name__}: {exc}") from exc
 
 
 def _claim_process_group(worker: Any, *, wait_s: float) -> None:

@@ -6,8 +6,11 @@ manifest (size and SHA-256, :func:`dask_dl.checkpoint.verify_manifest`) is writt
 
 Step checkpoints (taken inside an epoch, with the loader's position) are ``step-EEEE-GGGGGGGGG.pt`` (the epoch in
 progress and the run's optimizer steps so far) beside the epoch files; only the newest is kept, and an epoch's
-checkpoint removes the step files of that epoch and before. :func:`resume_candidates` orders both kinds, newest
-first, for resuming. Export and ``latest_checkpoint`` read epoch files only.
+checkpoint removes the step files of that epoch and before. A sharded (FSDP) checkpoint keeps its shards in a
+folder of the same name ending in ``.dcp`` (:func:`shards_name`), written before the ``.pt``; a step checkpoint's
+folder goes with it, and so does one whose ``.pt`` was never written (a run killed between the two).
+:func:`resume_candidates` orders both kinds, newest first, for resuming. Export and ``latest_checkpoint`` read
+epoch files only.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ __all__ = [
     "rng_state",
     "save_checkpoint",
     "set_rng_state",
+    "shards_name",
     "step_checkpoint_name",
     "to_cpu",
     "write_atomic",
@@ -41,11 +45,17 @@ __all__ = [
 logger = logging.getLogger("dask_dl.train")
 
 _STEP_NAME = re.compile(r"^step-(\d+)-(\d+)\.pt$")
+_STEP_SHARDS = re.compile(r"^step-(\d+)-(\d+)\.dcp$")
 
 
 def step_checkpoint_name(epoch: int, global_step: int) -> str:
     """The file name of a step checkpoint inside epoch ``epoch`` after ``global_step`` steps of the run."""
     return f"step-{epoch:04d}-{global_step:09d}.pt"
+
+
+def shards_name(name: str) -> str:
+    """The folder of checkpoint file ``name``'s shards (``epoch-0003.pt`` -> ``epoch-0003.dcp``)."""
+    return f"{name.removesuffix('.pt')}.dcp"
 
 
 def list_step_checkpoints(directory: str | os.PathLike) -> list[tuple[int, int, str]]:
@@ -111,17 +121,22 @@ def save_checkpoint(checkpoint: dict[str, Any], directory: str | os.PathLike, *,
 
 
 def _remove_older_steps(directory: str | os.PathLike, *, keep: str) -> None:
-    """Delete the step checkpoints that ``keep`` (just written) makes obsolete, with their manifests."""
-    fs, _ = fs_of(directory)
+    """Delete the step checkpoints that ``keep`` (just written) makes obsolete, with their manifests and shards."""
+    fs, root = fs_of(directory)
+    victims = []
     for _, _, path in list_step_checkpoints(directory):
-        if path.rstrip("/").rsplit("/", 1)[-1] == keep:
-            continue
-        for victim in (path, manifest_name(path)):
-            try:
-                if fs.exists(victim):
-                    fs.rm(victim)
-            except OSError as exc:  # a leftover step file costs disk, not correctness: resume orders by name
-                logger.warning("could not remove the old step checkpoint %s: %s", victim, exc)
+        if path.rstrip("/").rsplit("/", 1)[-1] != keep:
+            victims += [path, manifest_name(path)]
+    for path in fs.ls(root, detail=False):  # shards, also those a killed run wrote without their .pt
+        name = path.rstrip("/").rsplit("/", 1)[-1]
+        if _STEP_SHARDS.match(name) and name != shards_name(keep):
+            victims.append(path)
+    for victim in victims:
+        try:
+            if fs.exists(victim):
+                fs.rm(victim, recursive=True)
+        except OSError as exc:  # a leftover step file costs disk, not correctness: resume orders by name
+            logger.warning("could not remove the old step checkpoint %s: %s", victim, exc)
 
 
 def write_atomic(directory: str | os.PathLike, name: str, data: bytes | memoryview) -> str:

@@ -263,8 +263,8 @@ def _check_recovery(
 ) -> dict[str, Any]:
     """The recovery options (:mod:`dask_dl.train.recovery`), config filling what is None.
 
-    fsdp and pipeline runs checkpoint once per epoch: step checkpoints asked of them are refused, and the
-    configured ones do not apply.
+    Pipeline runs checkpoint once per epoch: step checkpoints asked of them are refused, and the configured ones
+    do not apply.
     """
     max_restarts = _non_negative_int("max_restarts", config.get("train.max-restarts", max_restarts))
     min_trainers = config.get("train.min-trainers", min_trainers)
@@ -274,14 +274,14 @@ def _check_recovery(
             f"min_trainers={min_trainers} is more than trainers={trainers}: a restarted run never has more trainers "
             f"than it started with; pass min_trainers <= {trainers}"
         )
-    if parallel != "ddp":
+    if parallel == "pipeline":
         given = {"checkpoint_every_steps": every_steps, "checkpoint_every_seconds": every_seconds}
         asked = [f"{name}={value!r}" for name, value in given.items() if value]
         if asked:
             raise ConfigurationError(
-                f"{', '.join(asked)}: step checkpoints are taken with parallel='ddp' only; parallel={parallel!r} "
+                f"{', '.join(asked)}: step checkpoints are taken with parallel='ddp' and 'fsdp'; parallel='pipeline' "
                 "runs checkpoint at the end of every epoch, and a restart or resume=True goes on from the last one. "
-                "Leave the argument out, or train with parallel='ddp'"
+                "Leave the argument out, or train with parallel='fsdp'"
             )
         every_steps = every_seconds = 0  # the dask-dl.train defaults do not apply either
     every_steps = config.get("train.checkpoint-every-steps", every_steps) or None  # 0: off

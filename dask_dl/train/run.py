@@ -163,8 +163,9 @@ def fit(
     checkpoint_every_steps, checkpoint_every_seconds : optional
         Also checkpoint inside epochs, every this many optimizer steps or seconds (0: off), with the loader's
         position, so a restart or ``resume=True`` loses at most that much and neither repeats nor skips a sample.
-        Defaults ``dask-dl.train.checkpoint-every-steps`` / ``-seconds``. With ``parallel="ddp"`` only: fsdp and
-        pipeline runs checkpoint once per epoch (the defaults do not apply to them, and passing either is refused).
+        Defaults ``dask-dl.train.checkpoint-every-steps`` / ``-seconds``. With ``parallel="ddp"`` and ``"fsdp"``
+        (sharded, as its epoch checkpoints): pipeline runs checkpoint once per epoch (the defaults do not apply to
+        them, and passing either is refused).
     loss : {"bce", "ce"} or callable, optional
         ``bce`` trains multi-label (sigmoid per label), ``ce`` single-label (softmax); a function
         ``(logits, targets) -> mean loss`` keeps the dataset's task. Default: the dataset's task decides.

@@ -16,7 +16,13 @@ import torch
 
 from dask_dl.checkpoint import REQUIRED_KEYS, checkpoint_name, latest_checkpoint, list_checkpoints, load_checkpoint
 from dask_dl.errors import CheckpointError, TrainingError
-from dask_dl.train.checkpoint import rng_state, save_checkpoint, set_rng_state
+from dask_dl.train.checkpoint import (
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+    shards_name,
+    step_checkpoint_name,
+)
 
 
 def _checkpoint(epoch: int) -> dict:
@@ -50,6 +56,41 @@ def test_name_and_latest(tmp_path):
     assert [e for e, _ in list_checkpoints(tmp_path / "ck")] == [0, 1, 2, 10]
     assert latest_checkpoint(tmp_path / "ck").endswith("epoch-0010.pt")
     assert not [p for p in os.listdir(tmp_path / "ck") if p.endswith(".tmp")]
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_a_step_checkpoint_takes_its_shards_along_when_it_goes(tmp_path, where):
+    """Sharded (FSDP) step checkpoints: the older ones go with their shard folders, also a folder whose .pt a
+    killed run never wrote; epoch shard folders stay."""
+    import fsspec
+
+    url = str(tmp_path / "ck") if where == "local" else f"memory://dask-dl-shards-{os.getpid()}/ck"
+    fs, root = fsspec.core.url_to_fs(url)
+
+    def shards(name: str) -> None:  # what torch.distributed.checkpoint leaves: a folder of files
+        fs.makedirs(f"{root}/{shards_name(name)}", exist_ok=True)
+        fs.pipe_file(f"{root}/{shards_name(name)}/__0_0.distcp", b"shard")
+
+    def names() -> list[str]:
+        return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False))
+
+    assert shards_name(checkpoint_name(3)) == "epoch-0003.dcp"
+    assert shards_name(step_checkpoint_name(1, 12)) == "step-0001-000000012.dcp"
+    shards(checkpoint_name(0))
+    save_checkpoint(_checkpoint(0), url)
+    first, orphan, second = (step_checkpoint_name(1, s) for s in (6, 9, 12))
+    shards(first)
+    save_checkpoint(_checkpoint(0), url, name=first)
+    shards(orphan)  # the run was killed after the shards, before the .pt
+    shards(second)
+    save_checkpoint(_checkpoint(0), url, name=second)
+    assert names() == ["epoch-0000.dcp", "epoch-0000.pt", "epoch-0000.pt.sha256", "step-0001-000000012.dcp",
+                       "step-0001-000000012.pt", "step-0001-000000012.pt.sha256"]  # fmt: skip
+    assert fs.cat(f"{root}/step-0001-000000012.dcp/__0_0.distcp") == b"shard"
+    shards(checkpoint_name(1))
+    save_checkpoint(_checkpoint(1), url)  # the epoch's checkpoint replaces its step checkpoint, shards and all
+    assert [n for n in names() if n.startswith("step-")] == []
+    assert {"epoch-0000.dcp", "epoch-0001.dcp"} <= set(names())
 
 
 def test_roundtrip_weights_only(tmp_path):

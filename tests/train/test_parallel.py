@@ -8,17 +8,23 @@ fail before any actor is placed.
 
 from __future__ import annotations
 
+import socket
+import time
+
 import dask
 import numpy as np
 import onnxruntime
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
 import dask_dl
 from dask_dl import ConfigurationError, TrainingError
 from dask_dl.data.loader import ChunkLoader
+from dask_dl.errors import CheckpointError
 from dask_dl.models import MODELS, build_model
 from dask_dl.normalize import normalize
 from dask_dl.testing.train import squares_collection
@@ -164,6 +170,109 @@ def test_fsdp_matches_one_process_and_resumes_from_its_shards(store, cluster_cli
     # a DDP run cannot resume an FSDP checkpoint: the message says how
     with pytest.raises(TrainingError, match=r"parallel='fsdp'.*resume with parallel='fsdp'"):
         fit(store, cluster_client, checkpoint_dir=str(directory), resume=True, epochs=3)
+
+
+def wait_until(condition, *, within: float = 120.0, what: str = "") -> None:
+    deadline = time.monotonic() + within
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def test_fsdp_resumes_inside_an_epoch_from_sharded_step_checkpoints(store, cluster_client, tmp_path):
+    """Batch 1 per trainer: 32 steps per epoch, a step checkpoint every 5 steps, stopped at a step the test does
+    not choose; resumed from the step's shards, the run ends with the weights of an uninterrupted one, bit for bit."""
+    options = dict(parallel="fsdp", batch_size=1, epochs=3)
+    straight = fit(store, cluster_client, **options).checkpoint()["model"]
+    ck = tmp_path / "ck"
+    run = fit(store, cluster_client, **options, checkpoint_dir=str(ck), checkpoint_every_steps=5, wait=False)
+    wait_until(lambda: list(ck.glob("step-0001-*.pt")) or run.done, what="a step checkpoint of epoch 1")
+    run.stop().wait(timeout=120)
+    assert run.status == "stopped" and run.history["event"].iloc[-1] == "stopped"
+    (saved,) = ck.glob("step-*.pt")  # the newest only, with its shards and no others
+    assert sorted(p.name for p in ck.glob("step-*.dcp")) == [f"{saved.stem}.dcp"]
+    assert sorted(p.name for p in (ck / f"{saved.stem}.dcp").iterdir()) == [
+        ".metadata", "__0_0.distcp", "__1_0.distcp"
+    ]  # fmt: skip
+    step = torch.load(saved, weights_only=True)
+    assert step["parallel"] == {"kind": "fsdp", "trainers": 2, "sharded": f"{saved.stem}.dcp"}
+    assert step["optimizer"] == {} and step["global_step"] % 5 == 0 and step["position"]["epoch"] >= 1
+
+    resumed = fit(store, cluster_client, **options, checkpoint_dir=str(ck), resume=True)
+    assert resumed.history["event"].iloc[step["position"]["epoch"]] == "resumed"
+    assert list(resumed.history["samples"]) == [N_TRAIN] * 3 and not resumed.history["samples_repeated"].any()
+    got = resumed.checkpoint()["model"]
+    assert set(got) == set(straight)
+    for name, value in straight.items():
+        assert torch.equal(got[name], value), name
+    assert not list(ck.glob("step-*"))  # the epochs' checkpoints removed the step files and their shards
+
+
+def test_a_damaged_shard_file_fails_the_resume_with_its_cause(store, cluster_client, tmp_path):
+    """torch.distributed.checkpoint's errors are BaseExceptions, which Dask's actor calls do not pass on: the
+    driver used to report "Unable to contact Actor's worker" instead of what went wrong."""
+    directory = tmp_path / "ck"
+    fit(store, cluster_client, parallel="fsdp", checkpoint_dir=str(directory))
+    shard = directory / "epoch-0000.dcp" / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:64])
+    with pytest.raises(CheckpointError) as failed:
+        fit(store, cluster_client, parallel="fsdp", checkpoint_dir=str(directory), resume=True, epochs=2)
+    message = str(failed.value)
+    assert message.startswith(f"the sharded checkpoint '{directory}/epoch-0000.dcp' cannot be read (rank 0: ")
+    assert "rank 1: EOFError" in message and "Unable to contact" not in message and "Traceback" not in message
+    assert message.endswith(f"resume from an earlier checkpoint by removing '{directory}/epoch-0000.pt', or train "
+                            "afresh with another checkpoint_dir")  # fmt: skip
+    assert fit(store, cluster_client, parallel="fsdp").status == "finished"  # the workers are as good as new
+
+
+def _load_shards_on_one_trainer(rank: int, path: str, port: int, out: str) -> None:
+    """A world of one: build the sharded model as a trainer does, load ``path``'s shards, save the full state."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    from dask_dl.checkpoint import load_checkpoint
+    from dask_dl.train.parallel.fsdp import ShardedModel
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=1)
+    try:
+        sharded = ShardedModel(new_model(), device=torch.device("cpu"), world_size=1, input_shape=(1, SIZE, SIZE))
+        optimizer = torch.optim.SGD(sharded.module.parameters(), lr=LR, momentum=0.9)
+        sharded.load(load_checkpoint(path), optimizer, source=path)
+        full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model = get_model_state_dict(sharded.module, options=full)
+        state = get_optimizer_state_dict(sharded.module, optimizer, options=full)
+        torch.save({"model": model, "optimizer": state}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp_shards_of_two_trainers_load_on_one(store, cluster_client, tmp_path):
+    """What a restart on fewer trainers does with a sharded checkpoint: the shards written by 2 ranks, loaded by a
+    world of 1, give back the whole model and the optimizer state that the 2 ranks consolidate, exactly."""
+    sharded = fit(store, cluster_client, parallel="fsdp", checkpoint_dir=str(tmp_path / "ck"))
+    consolidated = fit(store, cluster_client, parallel="fsdp").checkpoint()  # no directory: the whole optimizer
+    path = str(tmp_path / "ck" / "epoch-0000.pt")
+    mp.spawn(_load_shards_on_one_trainer, args=(path, _free_port(), str(tmp_path / "one.pt")), nprocs=1, join=True)
+    loaded = torch.load(tmp_path / "one.pt", weights_only=True)
+    assert set(loaded["model"]) == set(consolidated["model"])
+    for name, value in consolidated["model"].items():
+        assert torch.equal(loaded["model"][name], value), name
+        assert torch.equal(sharded.checkpoint()["model"][name], value), name  # the two runs are the same run
+    momentum = {name: state["momentum_buffer"] for name, state in consolidated["optimizer"]["state"].items()}
+    assert set(momentum) == set(dict(new_model().named_parameters()))  # every parameter's
+    for name, value in momentum.items():
+        assert torch.equal(loaded["optimizer"]["state"][name]["momentum_buffer"], value), name
+        assert float(value.abs().max()) > 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def test_fsdp_validation_with_more_batches_on_one_rank(tmp_path_factory, cluster_client):
@@ -388,21 +497,23 @@ def test_compressors_that_do_not_apply_fail_before_any_actor(store, cluster_clie
     )
 
 
-@pytest.mark.parametrize("parallel", ["fsdp", "pipeline"])
-def test_step_checkpoints_are_refused_where_they_are_not_taken(store, cluster_client, parallel):
+def test_pipelines_refuse_step_checkpoints(store, cluster_client):
     for option in ({"checkpoint_every_steps": 5}, {"checkpoint_every_seconds": 60.0}):
         ((name, value),) = option.items()
         with pytest.raises(
             ConfigurationError,
-            match=rf"{name}={value!r}: step checkpoints are taken with "
-            rf"parallel='ddp' only; parallel='{parallel}' runs checkpoint",
+            match=rf"{name}={value!r}: step checkpoints are taken with parallel='ddp' and 'fsdp'; "
+            r"parallel='pipeline' runs checkpoint at the end of every epoch.*train with parallel='fsdp'",
         ):
-            fit(store, cluster_client, parallel=parallel, **option)  # fmt: skip
+            fit(store, cluster_client, parallel="pipeline", **option)  # fmt: skip
     # the configured defaults do not apply: the run's options say so instead of promising checkpoints
+    ds = dask_dl.open_dataset(store)
     with dask.config.set({"dask-dl.train.checkpoint-every-steps": 5}):
-        options = check_run(dask_dl.open_dataset(store), parallel=parallel, trainers=2, batch_size=4, **MODEL)
-    assert (options.checkpoint_every_steps, options.checkpoint_every_seconds) == (None, None)
-    assert check_run(dask_dl.open_dataset(store), trainers=2, batch_size=4, **MODEL).checkpoint_every_seconds == 300
+        options = check_run(ds, parallel="pipeline", trainers=2, batch_size=4, **MODEL)
+        assert (options.checkpoint_every_steps, options.checkpoint_every_seconds) == (None, None)
+        for parallel in ("ddp", "fsdp"):  # where they are taken, they apply
+            options = check_run(ds, parallel=parallel, trainers=2, batch_size=4, **MODEL)
+            assert (options.checkpoint_every_steps, options.checkpoint_every_seconds) == (5, 300)
 
 
 def test_fsdp_reduces_gradients_in_bf16(store, cluster_client):

@@ -213,6 +213,43 @@ def test_resume_from_a_step_checkpoint_is_identical(store, client, straight, tmp
     assert_same_weights(resumed.checkpoint()["model"], straight)
 
 
+def test_a_killed_fsdp_trainer_recovers_from_sharded_step_checkpoints(store, client, tmp_path):
+    """The same kill in an FSDP run: the restart loads the step checkpoint's shards and the loader's position, and
+    the run ends with the weights of an uninterrupted FSDP run, bit for bit."""
+    client.wait_for_workers(4, timeout=120)
+    options = dict(parallel="fsdp", compression="none", epochs=3)
+    straight = fit(store, client, **options).checkpoint()["model"]
+    ck = tmp_path / "ck"
+    run = fit(store, client, **options, checkpoint_dir=str(ck), checkpoint_every_steps=3, wait=False)
+    wait_until(lambda: list(ck.glob("step-0001-*.pt")) or run.done, what="a step checkpoint of epoch 1")
+    victim = run.workers[1]
+    os.kill(pid_of(client, victim), signal.SIGKILL)
+    run.wait(timeout=300)
+    assert run.status == "finished"
+    restarts = run.restarts
+    assert len(restarts) == 1 and restarts.loc[0, "lost_workers"] == victim and restarts.loc[0, "world_size"] == 2
+    assert restarts.loc[0, "resumed_epoch"] >= 1 and restarts.loc[0, "resumed_step"] > 0
+    assert list(run.history["samples"]) == [STEPS * 2] * 3 and not run.history["samples_repeated"].any()
+    assert_same_weights(run.checkpoint()["model"], straight)
+    assert not list(ck.glob("step-*"))  # the epochs' checkpoints removed the step files and their shards
+    client.wait_for_workers(4, timeout=120)
+
+
+def test_fsdp_workers_that_change_rank_between_runs_save_and_load_their_own_shards(store, client, tmp_path):
+    """A worker that was rank 1 of one FSDP run and is rank 0 of the next (and back): DTensor's caches once handed
+    the new run tensors on the old run's mesh, so the worker saved (and loaded) its old rank's shard."""
+    client.wait_for_workers(4, timeout=120)
+    a, b, c = sorted(client.scheduler_info()["workers"])[:3]  # trainers take their ranks in this order
+    options = dict(parallel="fsdp", compression="none", batch_size=8)
+    whole = fit(store, client, **options, epochs=2, workers=[a, b]).checkpoint()["model"]
+    first = fit(store, client, **options, epochs=1, workers=[b, c], checkpoint_dir=str(tmp_path / "ck"))
+    assert first.workers == [b, c] and first.status == "finished"  # b: rank 1, then rank 0
+    resumed = fit(store, client, **options, epochs=2, workers=[a, b], checkpoint_dir=str(tmp_path / "ck"),
+                  resume=True)  # fmt: skip
+    assert resumed.workers == [a, b] and list(resumed.history["event"]) == ["", "resumed"]  # b: rank 1 again
+    assert_same_weights(resumed.checkpoint()["model"], whole)
+
+
 def test_more_failures_than_max_restarts_is_a_clear_error(store, client):
     client.wait_for_workers(4, timeout=120)
     run = fit(store, client, epochs=500, max_restarts=1, wait=False)  # no checkpoint_dir: in-memory checkpoints
@@ -255,3 +292,30 @@ def test_a_worker_lost_for_good_finishes_on_fewer_trainers(store, client, cluste
     assert history.loc[1, "samples"] == 64 and history.loc[1, "samples_repeated"] == 0
     for later in (2, 3):  # then whole epochs on 3 trainers: 21 steps x 3
         assert history.loc[later, "samples"] == 63 and history.loc[later, "samples_repeated"] == 0
+
+
+def test_an_fsdp_run_that_lost_a_worker_for_good_goes_on_with_its_shards_resharded(store, client, cluster, tmp_path):
+    """After the test above (last in this module with it): FSDP on every worker left, one of them lost for good;
+    the restart on one trainer fewer loads the step checkpoint's shards re-sharded and the epoch's remaining rows."""
+    workers = len(client.scheduler_info()["workers"])
+    assert workers >= 2
+    ck = tmp_path / "ck"
+    with dask.config.set({"dask-dl.train.restart-wait": 2, "dask-dl.train.timeout": 10}):
+        run = fit(store, client, parallel="fsdp", compression="none", epochs=3, trainers=workers,
+                  checkpoint_dir=str(ck), checkpoint_every_steps=2, min_trainers=1, wait=False)  # fmt: skip
+    wait_until(lambda: list(ck.glob("step-0001-*.pt")) or run.done, what="a step checkpoint of epoch 1")
+    victim = run.workers[-1]
+    (nanny,) = [n for n in cluster.workers.values() if n.worker_address == victim]
+    nanny.status = Status.closing_gracefully
+    os.kill(pid_of(client, victim), signal.SIGKILL)
+    run.wait(timeout=300)
+    assert run.status == "finished" and len(run.workers) == workers - 1 and victim not in run.workers
+    restarts = run.restarts
+    assert restarts.loc[0, "world_size"] == workers - 1 and restarts.loc[0, "resumed_epoch"] == 1
+    assert restarts.loc[0, "resumed_step"] > 0  # from the step checkpoint's shards, not from epoch 0's
+    history = run.history.set_index("epoch")
+    planned = 64 // workers * workers  # what the epoch's trainers had planned, each row once
+    assert history.loc[1, "event"] == "restarted"
+    assert history.loc[1, "samples"] == planned and history.loc[1, "samples_repeated"] == 0
+    assert history.loc[2, "samples"] == 64 // (workers - 1) * (workers - 1)
+    assert np.isfinite(history["train_loss"]).all()  # the loaded shards' exactness: test_parallel's one-trainer load

@@ -11,21 +11,24 @@ Checkpoints: every rank writes its shards of the model and the optimizer with ``
 to ``<checkpoint_dir>/epoch-NNNN.dcp/``, then rank 0 writes ``epoch-NNNN.pt`` with the consolidated model (the
 full state dict, for ``run.model()`` and ``export_onnx``) and ``parallel={"kind": "fsdp", "sharded":
 "epoch-NNNN.dcp", ...}``: the ``.pt`` comes last, so an epoch whose shards are incomplete has no ``.pt`` and
-is never resumed from. Without ``checkpoint_dir`` the in-memory checkpoint holds the consolidated optimizer
-state instead.
+is never resumed from. Step checkpoints do the same under their own name (``step-EEEE-GGGGGGGGG.dcp/`` beside
+``step-EEEE-GGGGGGGGG.pt``), and go with their ``.pt`` when a newer checkpoint replaces it. Without
+``checkpoint_dir`` the in-memory checkpoint holds the consolidated optimizer state instead.
 """
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.optim import Optimizer
 
-from dask_dl.errors import CheckpointError
+from dask_dl.errors import CheckpointError, TrainingError
 from dask_dl.train.buffers import broadcast_buffers
 
 __all__ = ["ShardedModel"]
@@ -36,6 +39,7 @@ class ShardedModel:
 
     kind = "fsdp"
     counts_examples = True  # every trainer trains on its own images
+    step_checkpoints = True  # each trainer reads its own share, as in DDP: the loader's position is per trainer
 
     def __init__(
         self,
@@ -52,7 +56,11 @@ class ShardedModel:
         from dask_dl.train.parallel.memory import fsdp_units
 
         self.world_size, self.data_world, self.input_shape = world_size, world_size, tuple(input_shape)
-        mesh = init_device_mesh(device.type, (world_size,))
+        # A name of its own for every mesh. DTensor caches sharding decisions by mesh *equality* (its ranks and
+        # dimension names, not its process group), and a cached result keeps the mesh it was made with: a worker
+        # that was rank 0 of an earlier run and is rank 1 now got tensors on the old mesh, with the old rank's
+        # offsets, and torch.distributed.checkpoint then saved (or loaded) rank 0's shard twice.
+        mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=(f"fsdp-{uuid.uuid4().hex[:12]}",))
         # fp16 / bf16 "compression": gradients are reduce-scattered in that dtype (parameters stay float32)
         reduce_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(compression)
         policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
@@ -99,8 +107,9 @@ class ShardedModel:
 
     # ---- checkpoints ---------------------------------------------------------------------------------------
 
-    def checkpoint_parts(self, optimizer: Optimizer, *, epoch: int, directory: str | None) -> dict[str, Any]:
-        """Collective: write the shards (with a directory); return the consolidated parts on rank 0, {} elsewhere."""
+    def checkpoint_parts(self, optimizer: Optimizer, *, name: str, directory: str | None) -> dict[str, Any]:
+        """Collective: write the shards of checkpoint file ``name`` (with a directory); return the consolidated
+        parts on rank 0, {} elsewhere."""
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_model_state_dict,
@@ -114,10 +123,19 @@ class ShardedModel:
         if directory is not None:
             import torch.distributed.checkpoint as dcp
 
-            name = f"epoch-{epoch:04d}.dcp"
+            from dask_dl.train.checkpoint import shards_name
+
+            shards = shards_name(name)
             model_shards, optimizer_shards = get_state_dict(self.module, optimizer)
-            dcp.save({"model": model_shards, "optimizer": optimizer_shards}, storage_writer=_writer(directory, name))
-            parallel["sharded"] = name
+            try:
+                dcp.save({"model": model_shards, "optimizer": optimizer_shards},
+                         storage_writer=_writer(directory, shards))  # fmt: skip
+            except (Exception, CheckpointException) as exc:  # torch's is a BaseException
+                raise TrainingError(
+                    f"writing the sharded checkpoint {_where(directory, shards)!r} failed ({_causes(exc)}); the "
+                    "checkpoints written before it are kept"
+                ) from exc
+            parallel["sharded"] = shards
             optimizer_state: dict[str, Any] = {}
         else:
             optimizer_state = get_optimizer_state_dict(self.module, optimizer, options=full)
@@ -138,7 +156,16 @@ class ShardedModel:
                 raise CheckpointError("a sharded FSDP checkpoint is read from its directory; pass its file path")
             model_shards, optimizer_shards = get_state_dict(self.module, optimizer)
             state = {"model": model_shards, "optimizer": optimizer_shards}
-            dcp.load(state, storage_reader=_reader(source.rsplit("/", 1)[0] if "/" in source else ".", sharded))
+            directory = source.rsplit("/", 1)[0] if "/" in source else "."
+            reader = _reader(directory, sharded)
+            try:
+                dcp.load(state, storage_reader=reader)
+            except (Exception, CheckpointException) as exc:  # torch's is a BaseException
+                raise CheckpointError(
+                    f"the sharded checkpoint {_where(directory, sharded)!r} cannot be read ({_causes(exc)}): it is "
+                    f"damaged or incomplete; resume from an earlier checkpoint by removing {source!r}, or train "
+                    "afresh with another checkpoint_dir"
+                ) from exc
             set_state_dict(self.module, optimizer, model_state_dict=state["model"],
                            optim_state_dict=state["optimizer"])  # fmt: skip
             # buffers are not sharded, and the shards keep one rank's copy: take rank 0's, which the .pt holds
@@ -150,6 +177,22 @@ class ShardedModel:
         full = StateDictOptions(full_state_dict=True)
         set_state_dict(self.module, optimizer, model_state_dict=checkpoint["model"],
                        optim_state_dict=checkpoint["optimizer"], options=full)  # fmt: skip
+
+
+def _causes(exc: BaseException) -> str:
+    """What went wrong on each rank, from torch's ``CheckpointException`` (its ``failures``), in one line."""
+    failures = getattr(exc, "failures", None)
+    if not isinstance(failures, dict) or not failures:
+        return f"{type(exc).__name__}: {exc}"
+    causes = []
+    for rank, failure in sorted(failures.items()):
+        cause = failure[0] if isinstance(failure, tuple) else failure  # (exception, its stack summary)
+        causes.append(f"rank {rank}: {type(cause).__name__}" + (f": {cause}" if str(cause) else ""))
+    return "; ".join(causes)
+
+
+def _where(directory: str, name: str) -> str:
+    return f"{str(directory).rstrip('/')}/{name}"
 
 
 def _writer(directory: str, name: str) -> Any:
@@ -172,8 +215,8 @@ def _reader(directory: str, name: str) -> Any:
     path = f"{root}/{name}" if is_local(fs) else f"{str(directory).rstrip('/')}/{name}"
     if not fs.exists(f"{root}/{name}/.metadata"):
         raise CheckpointError(
-            f"the sharded checkpoint {path!r} is missing or incomplete (no .metadata); resume from an earlier epoch "
-            "by removing the newer epoch-NNNN.pt, or train afresh with another checkpoint_dir"
+            f"the sharded checkpoint {path!r} is missing or incomplete (no .metadata); resume from an earlier "
+            f"checkpoint by removing the newer {name[: -len('.dcp')]}.pt, or train afresh with another checkpoint_dir"
         )
     if is_local(fs):
         from torch.distributed.checkpoint import FileSystemReader

@@ -40,6 +40,9 @@ class PipelineModel:
     """This rank's stage of a pipeline over the default process group."""
 
     kind = "pipeline"
+    # the stages of a pipeline share one data rank, so its loader position and loss sums are per replica, not per
+    # trainer: its runs checkpoint at the end of every epoch only
+    step_checkpoints = False
 
     def __init__(
         self,
@@ -153,7 +156,7 @@ class PipelineModel:
 
     # ---- checkpoints ---------------------------------------------------------------------------------------
 
-    def checkpoint_parts(self, optimizer: Optimizer, *, epoch: int, directory: str | None) -> dict[str, Any]:
+    def checkpoint_parts(self, optimizer: Optimizer, *, name: str, directory: str | None) -> dict[str, Any]:
         """Collective: the first replica's stages send their state to rank 0; the consolidated parts there."""
         mine = None
         if self.replica == 0:
