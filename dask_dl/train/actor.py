@@ -371,8 +371,9 @@ class TrainingActor:
         if len(states) == self.world_size:
             set_rng_state(checkpoint["rng"][self.rank])
         self.global_step = int(checkpoint.get("global_step", 0))
+        data_world = data_shard(self.spec.parallel, self.spec.stages, self.rank, self.world_size)[1]
         self._resume = epoch_resume(checkpoint, rank=self.rank, world_size=self.world_size,
-                                    batch_size=self.spec.batch_size)  # fmt: skip
+                                    batch_size=self.spec.batch_size, data_world=data_world)  # fmt: skip
         self.start_epoch = self._resume.position.epoch if self._resume else int(checkpoint["epoch"]) + 1
 
     # ---- one epoch ------------------------------------------------------------------------------------
@@ -486,7 +487,7 @@ class TrainingActor:
             due = due or (every_steps is not None and self.global_step % every_steps == 0)
             # step checkpoints at optimizer steps only: an accumulation's partial gradients are not saved
             boundary = last_micro and step + 1 < steps and not stop
-            if due and boundary and self._context is not None and getattr(self.parallel, "step_checkpoints", True):
+            if due and boundary and self._context is not None:
                 partial = dict(loss_acc=loss_acc, examples=before_examples + examples, steps=before_steps + step + 1)
                 self._step_checkpoint(position.advanced(step + 1), partial)
                 last_checkpoint = time.monotonic()

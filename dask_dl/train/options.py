@@ -211,7 +211,7 @@ def check_run(
     memory_budget = _check_memory(config.get("train.memory-budget", memory_budget), model, model_kwargs, data,
                                   plan=plan, trainers=trainers, optimizer=optimizer, momentum=momentum)  # fmt: skip
     recovery = _check_recovery(trainers, max_restarts, min_trainers, checkpoint_every_steps, checkpoint_every_seconds,
-                               parallel=plan["parallel"])  # fmt: skip
+                               stages=plan["stages"] if plan["parallel"] == "pipeline" else None)  # fmt: skip
     if n_train // (trainers * batch_size) < tuned["accumulate"]:
         raise DatasetError(
             f"accumulate={tuned['accumulate']} micro-batches per step need {tuned['accumulate']} batches of "
@@ -259,12 +259,12 @@ def _check_recovery(
     every_steps: int | None,
     every_seconds: float | None,
     *,
-    parallel: str = "ddp",
+    stages: int | None = None,
 ) -> dict[str, Any]:
     """The recovery options (:mod:`dask_dl.train.recovery`), config filling what is None.
 
-    Pipeline runs checkpoint once per epoch: step checkpoints asked of them are refused, and the configured ones
-    do not apply.
+    A pipeline (``stages``) restarts on as many trainers as it started with: its stages are cut for them, and
+    the loss sums of a step checkpoint are its stages', which cannot be folded into fewer pipelines.
     """
     max_restarts = _non_negative_int("max_restarts", config.get("train.max-restarts", max_restarts))
     min_trainers = config.get("train.min-trainers", min_trainers)
@@ -274,16 +274,12 @@ def _check_recovery(
             f"min_trainers={min_trainers} is more than trainers={trainers}: a restarted run never has more trainers "
             f"than it started with; pass min_trainers <= {trainers}"
         )
-    if parallel == "pipeline":
-        given = {"checkpoint_every_steps": every_steps, "checkpoint_every_seconds": every_seconds}
-        asked = [f"{name}={value!r}" for name, value in given.items() if value]
-        if asked:
-            raise ConfigurationError(
-                f"{', '.join(asked)}: step checkpoints are taken with parallel='ddp' and 'fsdp'; parallel='pipeline' "
-                "runs checkpoint at the end of every epoch, and a restart or resume=True goes on from the last one. "
-                "Leave the argument out, or train with parallel='fsdp'"
-            )
-        every_steps = every_seconds = 0  # the dask-dl.train defaults do not apply either
+    if stages is not None and min_trainers != trainers:
+        raise ConfigurationError(
+            f"min_trainers={min_trainers} with parallel='pipeline': a pipeline restarts on as many trainers as it "
+            f"started with ({trainers}, {trainers // stages} pipeline(s) of {stages} stages); leave min_trainers "
+            "out, or train with parallel='ddp' or 'fsdp' to go on with fewer trainers"
+        )
     every_steps = config.get("train.checkpoint-every-steps", every_steps) or None  # 0: off
     every_seconds = config.get("train.checkpoint-every-seconds", every_seconds) or None
     return {

@@ -61,12 +61,18 @@ def compressor_state(
     return {**fresh, **{k: old[k] for k in ("step", "bytes_sent", "wire_bytes") if k in old}}
 
 
-def epoch_resume(checkpoint: dict[str, Any], *, rank: int, world_size: int, batch_size: int) -> EpochResume | None:
-    """Where rank ``rank`` goes on in the checkpoint's epoch; None for an epoch checkpoint (the next epoch starts)."""
+def epoch_resume(
+    checkpoint: dict[str, Any], *, rank: int, world_size: int, batch_size: int, data_world: int | None = None
+) -> EpochResume | None:
+    """Where rank ``rank`` goes on in the checkpoint's epoch; None for an epoch checkpoint (the next epoch starts).
+
+    ``data_world`` is how many trainers read distinct data (a pipeline's stages share one position in the data:
+    ``world_size // stages``); default ``world_size``. Loss sums and generators are per trainer.
+    """
     if checkpoint.get("position") is None:
         return None
     saved = EpochPosition.from_dict(checkpoint["position"])
-    position = saved.resumed(world_size=world_size, batch_size=batch_size)
+    position = saved.resumed(world_size=data_world or world_size, batch_size=batch_size)
     partial = list(checkpoint["partial"])
     same = len(partial) == world_size and position.segments == saved.segments
     mine = [partial[rank]] if rank < len(partial) else []

@@ -159,13 +159,13 @@ def fit(
     min_trainers : int, optional
         Fewest trainers a restarted run goes on with, once ``dask-dl.train.restart-wait`` seconds passed without
         as many free workers as it started with (the remaining samples of the epoch are re-sharded; error-feedback
-        residuals start from zero). Default ``dask-dl.train.min-trainers`` (null: ``trainers``).
+        residuals start from zero). Default ``dask-dl.train.min-trainers`` (null: ``trainers``). A pipeline
+        restarts on as many trainers as it started with.
     checkpoint_every_steps, checkpoint_every_seconds : optional
         Also checkpoint inside epochs, every this many optimizer steps or seconds (0: off), with the loader's
         position, so a restart or ``resume=True`` loses at most that much and neither repeats nor skips a sample.
-        Defaults ``dask-dl.train.checkpoint-every-steps`` / ``-seconds``. With ``parallel="ddp"`` and ``"fsdp"``
-        (sharded, as its epoch checkpoints): pipeline runs checkpoint once per epoch (the defaults do not apply to
-        them, and passing either is refused).
+        Defaults ``dask-dl.train.checkpoint-every-steps`` / ``-seconds``. In every ``parallel`` mode (FSDP's are
+        sharded, as its epoch checkpoints).
     loss : {"bce", "ce"} or callable, optional
         ``bce`` trains multi-label (sigmoid per label), ``ce`` single-label (softmax); a function
         ``(logits, targets) -> mean loss`` keeps the dataset's task. Default: the dataset's task decides.

@@ -179,33 +179,46 @@ def wait_until(condition, *, within: float = 120.0, what: str = "") -> None:
         time.sleep(0.01)
 
 
-def test_fsdp_resumes_inside_an_epoch_from_sharded_step_checkpoints(store, cluster_client, tmp_path):
-    """Batch 1 per trainer: 32 steps per epoch, a step checkpoint every 5 steps, stopped at a step the test does
-    not choose; resumed from the step's shards, the run ends with the weights of an uninterrupted one, bit for bit."""
-    options = dict(parallel="fsdp", batch_size=1, epochs=3)
-    straight = fit(store, cluster_client, **options).checkpoint()["model"]
+@pytest.mark.parametrize("parallel", ["fsdp", "pipeline"])
+def test_step_checkpoints_resume_inside_an_epoch_bit_for_bit(store, cluster_client, tmp_path, parallel):
+    """32 steps per epoch (batch 1 per FSDP trainer; batch 2 per pipeline of 2 stages), a step checkpoint every 5
+    steps, stopped at a step the test does not choose; resumed from it, the run ends with the weights of an
+    uninterrupted one, bit for bit."""
+    options = dict(parallel=parallel, batch_size=1 if parallel == "fsdp" else 2, epochs=3)
+    uninterrupted = fit(store, cluster_client, **options)
+    straight = uninterrupted.checkpoint()["model"]
     ck = tmp_path / "ck"
     run = fit(store, cluster_client, **options, checkpoint_dir=str(ck), checkpoint_every_steps=5, wait=False)
     wait_until(lambda: list(ck.glob("step-0001-*.pt")) or run.done, what="a step checkpoint of epoch 1")
     run.stop().wait(timeout=120)
     assert run.status == "stopped" and run.history["event"].iloc[-1] == "stopped"
-    (saved,) = ck.glob("step-*.pt")  # the newest only, with its shards and no others
-    assert sorted(p.name for p in ck.glob("step-*.dcp")) == [f"{saved.stem}.dcp"]
-    assert sorted(p.name for p in (ck / f"{saved.stem}.dcp").iterdir()) == [
-        ".metadata", "__0_0.distcp", "__1_0.distcp"
-    ]  # fmt: skip
+    (saved,) = ck.glob("step-*.pt")  # the newest only
     step = torch.load(saved, weights_only=True)
-    assert step["parallel"] == {"kind": "fsdp", "trainers": 2, "sharded": f"{saved.stem}.dcp"}
-    assert step["optimizer"] == {} and step["global_step"] % 5 == 0 and step["position"]["epoch"] >= 1
+    assert step["global_step"] % 5 == 0 and step["position"]["epoch"] >= 1
+    if parallel == "fsdp":  # with its shards, and no others
+        assert sorted(p.name for p in ck.glob("step-*.dcp")) == [f"{saved.stem}.dcp"]
+        assert sorted(p.name for p in (ck / f"{saved.stem}.dcp").iterdir()) == [
+            ".metadata", "__0_0.distcp", "__1_0.distcp"
+        ]  # fmt: skip
+        assert step["parallel"] == {"kind": "fsdp", "trainers": 2, "sharded": f"{saved.stem}.dcp"}
+        assert step["optimizer"] == {}
+    else:  # consolidated; both stages read the same batches: one position in the data
+        assert step["parallel"] == {"kind": "pipeline", "trainers": 2, "stages": 2}
+        assert len(step["optimizer"]["stages"]) == 2
+        assert [s["world_size"] for s in step["position"]["segments"]] == [1]
+    assert len(step["partial"]) == 2  # every trainer's loss sums
 
     resumed = fit(store, cluster_client, **options, checkpoint_dir=str(ck), resume=True)
     assert resumed.history["event"].iloc[step["position"]["epoch"]] == "resumed"
-    assert list(resumed.history["samples"]) == [N_TRAIN] * 3 and not resumed.history["samples_repeated"].any()
+    # the interrupted epoch's loss too: every trainer's loss sum went on from its step checkpoint's
+    assert list(resumed.history["train_loss"]) == list(uninterrupted.history["train_loss"])
+    if parallel == "fsdp":  # pipelines do not count samples (their stages serve the same rows)
+        assert list(resumed.history["samples"]) == [N_TRAIN] * 3 and not resumed.history["samples_repeated"].any()
     got = resumed.checkpoint()["model"]
     assert set(got) == set(straight)
     for name, value in straight.items():
         assert torch.equal(got[name], value), name
-    assert not list(ck.glob("step-*"))  # the epochs' checkpoints removed the step files and their shards
+    assert not list(ck.glob("step-*"))  # the epochs' checkpoints removed the step files (and shards)
 
 
 def test_a_damaged_shard_file_fails_the_resume_with_its_cause(store, cluster_client, tmp_path):
@@ -497,23 +510,18 @@ def test_compressors_that_do_not_apply_fail_before_any_actor(store, cluster_clie
     )
 
 
-def test_pipelines_refuse_step_checkpoints(store, cluster_client):
-    for option in ({"checkpoint_every_steps": 5}, {"checkpoint_every_seconds": 60.0}):
-        ((name, value),) = option.items()
-        with pytest.raises(
-            ConfigurationError,
-            match=rf"{name}={value!r}: step checkpoints are taken with parallel='ddp' and 'fsdp'; "
-            r"parallel='pipeline' runs checkpoint at the end of every epoch.*train with parallel='fsdp'",
-        ):
-            fit(store, cluster_client, parallel="pipeline", **option)  # fmt: skip
-    # the configured defaults do not apply: the run's options say so instead of promising checkpoints
+def test_pipelines_restart_on_as_many_trainers_as_they_started_with(store, cluster_client):
     ds = dask_dl.open_dataset(store)
+    with pytest.raises(ConfigurationError, match=r"min_trainers=1 with parallel='pipeline': a pipeline restarts on "
+                                                 r"as many trainers as it started with \(2, 1 pipeline\(s\) of 2 "
+                                                 r"stages\); leave min_trainers out"):  # fmt: skip
+        fit(store, cluster_client, parallel="pipeline", min_trainers=1)
+    # step checkpoints apply to every mode, the configured defaults too
     with dask.config.set({"dask-dl.train.checkpoint-every-steps": 5}):
-        options = check_run(ds, parallel="pipeline", trainers=2, batch_size=4, **MODEL)
-        assert (options.checkpoint_every_steps, options.checkpoint_every_seconds) == (None, None)
-        for parallel in ("ddp", "fsdp"):  # where they are taken, they apply
+        for parallel in ("ddp", "fsdp", "pipeline"):
             options = check_run(ds, parallel=parallel, trainers=2, batch_size=4, **MODEL)
             assert (options.checkpoint_every_steps, options.checkpoint_every_seconds) == (5, 300)
+            assert options.min_trainers == 2
 
 
 def test_fsdp_reduces_gradients_in_bf16(store, cluster_client):

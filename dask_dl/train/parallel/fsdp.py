@@ -39,7 +39,6 @@ class ShardedModel:
 
     kind = "fsdp"
     counts_examples = True  # every trainer trains on its own images
-    step_checkpoints = True  # each trainer reads its own share, as in DDP: the loader's position is per trainer
 
     def __init__(
         self,

@@ -14,7 +14,9 @@ normalizes each micro-batch on its own, as gradient accumulation would.
 
 Checkpoints are consolidated on rank 0: the first replica's stages send their parameters (under the model's own
 names) and optimizer states, and rank 0 writes one ``epoch-NNNN.pt`` whose ``model`` is the whole model (for
-``run.model()`` and ``export_onnx``) and whose ``optimizer`` is ``{"stages": [state of stage 0, ...]}``.
+``run.model()`` and ``export_onnx``) and whose ``optimizer`` is ``{"stages": [state of stage 0, ...]}``. A step
+checkpoint (``step-EEEE-GGGGGGGGG.pt``) is the same with the loader's position, which the stages of a pipeline
+share (one data rank per replica), and every trainer's loss sums and generators.
 """
 
 from __future__ import annotations
@@ -40,9 +42,6 @@ class PipelineModel:
     """This rank's stage of a pipeline over the default process group."""
 
     kind = "pipeline"
-    # the stages of a pipeline share one data rank, so its loader position and loss sums are per replica, not per
-    # trainer: its runs checkpoint at the end of every epoch only
-    step_checkpoints = False
 
     def __init__(
         self,
