@@ -14,13 +14,14 @@ import torch.distributed as dist
 from torch import nn
 
 
-def broadcast_buffers(module: nn.Module, *, src: int = 0) -> None:
-    """Give every rank rank ``src``'s buffers of ``module`` (one broadcast, in float64; a collective)."""
+def broadcast_buffers(module: nn.Module, *, src: int = 0, group: dist.ProcessGroup | None = None) -> None:
+    """Give every rank of ``group`` (default: all) rank ``src``'s buffers of ``module`` (one broadcast, in float64;
+    a collective of the group; ``src`` is a global rank)."""
     buffers = [b for b in module.buffers() if b.numel()]
     if not buffers:
         return
     flat = torch.cat([b.detach().reshape(-1).to(torch.float64) for b in buffers])
-    dist.broadcast(flat, src=src)
+    dist.broadcast(flat, src=src, group=group)
     offset = 0
     with torch.no_grad():
         for b in buffers:

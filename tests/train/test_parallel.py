@@ -582,5 +582,15 @@ def test_two_replicas_of_a_two_stage_pipeline(store, cluster_client):
         run = fit(store, cluster_client, parallel="pipeline", stages=2, microbatches=2, batch_size=8, trainers=4)
         assert run.history["global_batch"].iloc[0] == 16 and run.history["steps"].iloc[0] == N_TRAIN // 16
         assert_weights(run.checkpoint()["model"], replicated_pipeline_reference(store, b=8, microbatches=2, replicas=2))
+        # both replicas score their half of the validation split with the checkpointed (first replica's) statistics
+        ds = dask_dl.open_dataset(store)
+        val = ChunkLoader(store, ds.sample.values[ds.split.values == "val"], batch_size=8, shuffle=False,
+                          drop_last=False, prefetch=0)  # fmt: skip
+        model, total, count = run.model(), 0.0, 0
+        with torch.no_grad():
+            for x, y in val.epoch(0):
+                total += float(F.binary_cross_entropy_with_logits(model(x), y, reduction="none").mean(1).sum())
+                count += len(x)
+        assert run.history["val_loss"].iloc[-1] == pytest.approx(total / count, rel=1e-6)
     finally:
         cluster.scale(2)

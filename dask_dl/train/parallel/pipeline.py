@@ -30,6 +30,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from dask_dl.errors import TrainingError
+from dask_dl.train.buffers import broadcast_buffers
 from dask_dl.train.checkpoint import to_cpu
 
 __all__ = ["PipelineModel"]
@@ -123,7 +124,13 @@ class PipelineModel:
         return loss
 
     def evaluate(self, batches: Iterable[Any]) -> Iterator[tuple[torch.Tensor, Any, Any]]:
-        """Send each validation batch through the stages; the last stage yields ``(logits, y, samples)``."""
+        """Send each validation batch through the stages; the last stage yields ``(logits, y, samples)``.
+
+        With several replicas, each stage first takes the first replica's BatchNorm statistics (the checkpointed
+        ones: every replica trains its own), so every image is scored by the model the checkpoint holds.
+        """
+        if self.stage_group is not None:
+            broadcast_buffers(self.module, src=self.stage, group=self.stage_group)  # the first replica's stage
         for x, y, s in batches:
             h = x.to(self.device) if self.first else self._receive(self.ranks[self.stage - 1])
             h = self.module(h)
