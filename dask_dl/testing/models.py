@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["TinyNet", "tiny_net"]
+__all__ = ["BrokenNet", "TinyNet", "broken_net", "tiny_net"]
 
 
 class TinyNet(nn.Module):
@@ -33,3 +33,26 @@ class TinyNet(nn.Module):
 def tiny_net(num_outputs: int, in_channels: int = 1, width: int = 4) -> TinyNet:
     """A factory for ``fit(model=tiny_net)``: called on every trainer with the data's labels and channels."""
     return TinyNet(num_outputs, in_channels, width=width)
+
+
+class BrokenNet(TinyNet):
+    """A :class:`TinyNet` whose training forward on a trainer (in a process group) raises torch's
+    ``CheckpointException``, a ``BaseException`` as torch.distributed.checkpoint raises it: rank 1's disk is full.
+    Tests that trainers hand such errors to the driver with their cause."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        if self.training and dist.is_initialized():
+            import traceback
+
+            from torch.distributed.checkpoint.api import CheckpointException
+
+            full = OSError(28, "No space left on device")
+            raise CheckpointException("write", {1: (full, traceback.StackSummary())})
+        return super().forward(x)
+
+
+def broken_net(num_outputs: int, in_channels: int = 1) -> BrokenNet:
+    """A factory for ``fit(model=broken_net)``."""
+    return BrokenNet(num_outputs, in_channels)

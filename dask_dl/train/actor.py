@@ -823,12 +823,15 @@ def _raise_for_the_driver(exc: BaseException) -> NoReturn:
 
     Dask passes on what an actor method raises only when it is an ``Exception``: anything else ends the call's
     connection, and the driver saw "OSError: Unable to contact Actor's worker" instead of the cause. torch's
-    ``CheckpointException`` (a failed sharded checkpoint read or write) is such a ``BaseException``; it is raised as a
-    :class:`~dask_dl.errors.TrainingError` with its message.
+    ``CheckpointException`` (a failed sharded checkpoint read or write) is such a ``BaseException``; it is raised as
+    a ``RuntimeError`` with its message, which the driver judges as it judges torch's own errors (a restart may
+    cure it).
     """
+    from dask_dl.train.checkpoint import failure_causes
+
     if isinstance(exc, Exception | KeyboardInterrupt | SystemExit):
         raise exc
-    raise TrainingError(f"{type(exc).__name__}: {exc}") from exc
+    raise RuntimeError(f"{type(exc).__name__}: {failure_causes(exc)}") from exc
 
 
 def _claim_process_group(worker: Any, *, wait_s: float) -> None:

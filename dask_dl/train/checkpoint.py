@@ -32,6 +32,7 @@ from dask_dl.checkpoint import REQUIRED_KEYS, checkpoint_name, fs_of, is_local, 
 from dask_dl.errors import TrainingError
 
 __all__ = [
+    "failure_causes",
     "resume_candidates",
     "rng_state",
     "save_checkpoint",
@@ -159,6 +160,19 @@ def write_atomic(directory: str | os.PathLike, name: str, data: bytes | memoryvi
         fs.pipe_file(temporary, bytes(data))
         fs.mv(temporary, target)
     return target
+
+
+def failure_causes(exc: BaseException) -> str:
+    """What went wrong, in one line: each rank's error of torch's ``CheckpointException`` (its ``failures``, which
+    its message would show as whole tracebacks), or ``exc`` itself."""
+    failures = getattr(exc, "failures", None)
+    if not isinstance(failures, dict) or not failures:
+        return f"{type(exc).__name__}: {exc}"
+    causes = []
+    for rank, failure in sorted(failures.items()):
+        cause = failure[0] if isinstance(failure, tuple) else failure  # (exception, its stack summary)
+        causes.append(f"rank {rank}: {type(cause).__name__}" + (f": {cause}" if str(cause) else ""))
+    return "; ".join(causes)
 
 
 def rng_state() -> dict[str, Any]:

@@ -16,11 +16,11 @@ import torch
 from torch import nn
 
 import dask_dl
-from dask_dl import ConfigurationError, ExportError, MissingDependencyError
+from dask_dl import ConfigurationError, ExportError, MissingDependencyError, TrainingError
 from dask_dl.checkpoint import load_checkpoint
 from dask_dl.models import nets
 from dask_dl.models.source import adapt_first_conv, build_from_checkpoint, check_fits, head_name, model_source
-from dask_dl.testing.models import TinyNet, tiny_net
+from dask_dl.testing.models import TinyNet, broken_net, tiny_net
 from dask_dl.testing.train import squares_collection
 
 SIZE = 32
@@ -160,6 +160,16 @@ def test_a_model_that_does_not_fit_fails_before_training(store, cluster_client):
 
 
 # ---- losses ------------------------------------------------------------------------------------------------
+
+
+def test_a_base_exception_on_a_trainer_reaches_the_driver_with_its_cause(store, cluster_client):
+    """torch.distributed.checkpoint raises CheckpointException, a BaseException; Dask's actor calls pass on
+    Exceptions only, and the driver used to report "Unable to contact Actor's worker" instead of the cause."""
+    cause = r"RuntimeError: CheckpointException: rank 1: OSError: \[Errno 28\] No space left on device"
+    with pytest.raises(TrainingError, match=rf"trainer \d on \S+ failed in epoch 0: {cause}") as failed:
+        fit(store, cluster_client, model=broken_net, max_restarts=0)
+    assert "Unable to contact" not in str(failed.value)
+    assert fit(store, cluster_client, model=tiny_net).status == "finished"  # the workers are as good as new
 
 
 def test_loss_names_and_callables(store, cluster_client):

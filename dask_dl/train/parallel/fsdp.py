@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.optim import Optimizer
 
-from dask_dl.errors import CheckpointError, TrainingError
+from dask_dl.errors import CheckpointError
 from dask_dl.train.buffers import broadcast_buffers
 
 __all__ = ["ShardedModel"]
@@ -122,7 +122,7 @@ class ShardedModel:
         if directory is not None:
             import torch.distributed.checkpoint as dcp
 
-            from dask_dl.train.checkpoint import shards_name
+            from dask_dl.train.checkpoint import failure_causes, shards_name
 
             shards = shards_name(name)
             model_shards, optimizer_shards = get_state_dict(self.module, optimizer)
@@ -130,8 +130,9 @@ class ShardedModel:
                 dcp.save({"model": model_shards, "optimizer": optimizer_shards},
                          storage_writer=_writer(directory, shards))  # fmt: skip
             except (Exception, CheckpointException) as exc:  # torch's is a BaseException
-                raise TrainingError(
-                    f"writing the sharded checkpoint {_where(directory, shards)!r} failed ({_causes(exc)}); the "
+                # a RuntimeError, as torch's own errors: a restart may cure it (a peer lost while writing)
+                raise RuntimeError(
+                    f"writing the sharded checkpoint {_where(directory, shards)!r} failed ({failure_causes(exc)}); the "
                     "checkpoints written before it are kept"
                 ) from exc
             parallel["sharded"] = shards
@@ -155,15 +156,17 @@ class ShardedModel:
                 raise CheckpointError("a sharded FSDP checkpoint is read from its directory; pass its file path")
             model_shards, optimizer_shards = get_state_dict(self.module, optimizer)
             state = {"model": model_shards, "optimizer": optimizer_shards}
+            from dask_dl.train.checkpoint import failure_causes
+
             directory = source.rsplit("/", 1)[0] if "/" in source else "."
             reader = _reader(directory, sharded)
             try:
                 dcp.load(state, storage_reader=reader)
             except (Exception, CheckpointException) as exc:  # torch's is a BaseException
                 raise CheckpointError(
-                    f"the sharded checkpoint {_where(directory, sharded)!r} cannot be read ({_causes(exc)}): it is "
-                    f"damaged or incomplete; resume from an earlier checkpoint by removing {source!r}, or train "
-                    "afresh with another checkpoint_dir"
+                    f"the sharded checkpoint {_where(directory, sharded)!r} cannot be read ({failure_causes(exc)}): "
+                    f"it is damaged or incomplete; resume from an earlier checkpoint by removing {source!r}, or "
+                    "train afresh with another checkpoint_dir"
                 ) from exc
             set_state_dict(self.module, optimizer, model_state_dict=state["model"],
                            optim_state_dict=state["optimizer"])  # fmt: skip
@@ -176,18 +179,6 @@ class ShardedModel:
         full = StateDictOptions(full_state_dict=True)
         set_state_dict(self.module, optimizer, model_state_dict=checkpoint["model"],
                        optim_state_dict=checkpoint["optimizer"], options=full)  # fmt: skip
-
-
-def _causes(exc: BaseException) -> str:
-    """What went wrong on each rank, from torch's ``CheckpointException`` (its ``failures``), in one line."""
-    failures = getattr(exc, "failures", None)
-    if not isinstance(failures, dict) or not failures:
-        return f"{type(exc).__name__}: {exc}"
-    causes = []
-    for rank, failure in sorted(failures.items()):
-        cause = failure[0] if isinstance(failure, tuple) else failure  # (exception, its stack summary)
-        causes.append(f"rank {rank}: {type(cause).__name__}" + (f": {cause}" if str(cause) else ""))
-    return "; ".join(causes)
 
 
 def _where(directory: str, name: str) -> str:
