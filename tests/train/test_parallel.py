@@ -116,6 +116,20 @@ def pipeline_reference(store, *, b: int, microbatches: int, epochs: int = 1) -> 
     return model.state_dict(), losses
 
 
+def validation_loss(store, model: nn.Module) -> float:
+    """The mean loss of ``model`` (in eval mode) over every image of the validation split, in one process."""
+    ds = dask_dl.open_dataset(store)
+    val = ChunkLoader(store, ds.sample.values[ds.split.values == "val"], batch_size=16, shuffle=False,
+                      drop_last=False, prefetch=0)  # fmt: skip
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for x, y in val.epoch(0):
+            total += float(F.binary_cross_entropy_with_logits(model.eval()(x), y, reduction="none").mean(1).sum())
+            count += len(x)
+    assert count == 32
+    return total / count
+
+
 def assert_weights(got: dict, expected: dict) -> None:
     assert set(got) == set(expected)
     for name, value in expected.items():
@@ -385,16 +399,7 @@ def test_pipeline_matches_one_process_accumulating_microbatches(store, cluster_c
     assert row["train_loss"] == pytest.approx(losses[0], rel=1e-5)
     assert row["steps"] == N_TRAIN // 16 and row["global_batch"] == 16
     # validation went through the stages: every validation image scored once, as the whole model scores it
-    ds = dask_dl.open_dataset(store)
-    val = ChunkLoader(store, ds.sample.values[ds.split.values == "val"], batch_size=16, shuffle=False,
-                      drop_last=False, prefetch=0)  # fmt: skip
-    model, total, count = run.model(), 0.0, 0
-    with torch.no_grad():
-        for x, y in val.epoch(0):
-            total += float(F.binary_cross_entropy_with_logits(model(x), y, reduction="none").mean(1).sum())
-            count += len(x)
-    assert count == 32
-    assert row["val_loss"] == pytest.approx(total / count, rel=1e-5)
+    assert row["val_loss"] == pytest.approx(validation_loss(store, run.model()), rel=1e-5)
     if schedule == "gpipe":  # resume: each stage takes its parameters and optimizer state back
         with dask.config.set({"dask-dl.train.pipeline-schedule": schedule}):
             resumed = fit(store, cluster_client, parallel="pipeline", stages=2, microbatches=4, batch_size=16,
@@ -583,14 +588,6 @@ def test_two_replicas_of_a_two_stage_pipeline(store, cluster_client):
         assert run.history["global_batch"].iloc[0] == 16 and run.history["steps"].iloc[0] == N_TRAIN // 16
         assert_weights(run.checkpoint()["model"], replicated_pipeline_reference(store, b=8, microbatches=2, replicas=2))
         # both replicas score their half of the validation split with the checkpointed (first replica's) statistics
-        ds = dask_dl.open_dataset(store)
-        val = ChunkLoader(store, ds.sample.values[ds.split.values == "val"], batch_size=8, shuffle=False,
-                          drop_last=False, prefetch=0)  # fmt: skip
-        model, total, count = run.model(), 0.0, 0
-        with torch.no_grad():
-            for x, y in val.epoch(0):
-                total += float(F.binary_cross_entropy_with_logits(model(x), y, reduction="none").mean(1).sum())
-                count += len(x)
-        assert run.history["val_loss"].iloc[-1] == pytest.approx(total / count, rel=1e-6)
+        assert run.history["val_loss"].iloc[-1] == pytest.approx(validation_loss(store, run.model()), rel=1e-6)
     finally:
         cluster.scale(2)

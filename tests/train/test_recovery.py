@@ -165,6 +165,16 @@ def wait_until(condition, *, within: float = 120.0, what: str = "") -> None:
         time.sleep(0.01)
 
 
+def kill_after_a_step_checkpoint(run, client: Client, ck: Path, *, epoch: int) -> str:
+    """SIGKILL trainer 1's worker as soon as epoch ``epoch`` has a step checkpoint (in the middle of the epoch, at a
+    step the test does not choose), wait for the run to end; the killed worker's address."""
+    wait_until(lambda: list(ck.glob(f"step-{epoch:04d}-*.pt")) or run.done, what=f"a step checkpoint of epoch {epoch}")
+    victim = run.workers[1]
+    os.kill(pid_of(client, victim), signal.SIGKILL)
+    run.wait(timeout=300)
+    return victim
+
+
 def test_two_runs_on_one_cluster_do_not_interfere(store, client, straight, tmp_path):
     # the second starts as soon as fit returns the first: the first's actors are placed by then, so the second
     # sees those workers busy and trains on the other two
@@ -180,11 +190,7 @@ def test_two_runs_on_one_cluster_do_not_interfere(store, client, straight, tmp_p
 def test_a_killed_trainer_recovers_with_identical_weights(store, client, straight, tmp_path):
     ck = tmp_path / "ck"
     run = fit(store, client, checkpoint_dir=str(ck), checkpoint_every_steps=3, wait=False)
-    # kill as soon as epoch 2 has a step checkpoint: in the middle of epoch 2, at a step the test does not choose
-    wait_until(lambda: list(ck.glob("step-0002-*.pt")) or run.done, what="a step checkpoint of epoch 2")
-    victim = run.workers[1]
-    os.kill(pid_of(client, victim), signal.SIGKILL)
-    run.wait(timeout=300)
+    victim = kill_after_a_step_checkpoint(run, client, ck, epoch=2)
     assert run.status == "finished"
     restarts = run.restarts
     assert len(restarts) == 1 and restarts.loc[0, "lost_workers"] == victim
@@ -221,10 +227,7 @@ def test_a_killed_fsdp_trainer_recovers_from_sharded_step_checkpoints(store, cli
     straight = fit(store, client, **options).checkpoint()["model"]
     ck = tmp_path / "ck"
     run = fit(store, client, **options, checkpoint_dir=str(ck), checkpoint_every_steps=3, wait=False)
-    wait_until(lambda: list(ck.glob("step-0001-*.pt")) or run.done, what="a step checkpoint of epoch 1")
-    victim = run.workers[1]
-    os.kill(pid_of(client, victim), signal.SIGKILL)
-    run.wait(timeout=300)
+    victim = kill_after_a_step_checkpoint(run, client, ck, epoch=1)
     assert run.status == "finished"
     restarts = run.restarts
     assert len(restarts) == 1 and restarts.loc[0, "lost_workers"] == victim and restarts.loc[0, "world_size"] == 2
