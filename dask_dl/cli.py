@@ -18,6 +18,7 @@ from typing import Any
 import click
 
 from dask_dl.errors import DaskDLError
+from dask_dl.interrupt import caught_interrupt
 from dask_dl.models import MODELS
 from dask_dl.registry import Registry
 from dask_dl.train.compressors import COMPRESSORS
@@ -405,7 +406,7 @@ def train_command(
     """Train a model on the train split of STORE, validating on its val split after every epoch.
 
     Prints one line per epoch and a final table; Ctrl-C stops the trainers within a few steps and frees the
-    workers (the last completed epoch's checkpoint stays).
+    workers (the last completed epoch's checkpoint stays), then exits with status 130.
     """
 
     from dask_dl import config
@@ -427,13 +428,15 @@ def train_command(
             weights=weights, freeze_epochs=freeze_epochs, head_lr=head_lr, schedule=schedule, precision=precision,
             accumulate=accumulate,
         )  # fmt: skip
-        _follow(run, lambda shown: _echo_epochs(run, shown, interactive), "stopping the trainers")
+        interrupted = _follow(run, lambda shown: _echo_epochs(run, shown, interactive), "stopping the trainers")
         history = run.history
         if len(history):
             columns = [c for c in _TRAIN_COLUMNS if c in history] + [c for c in history if c.startswith("val_auroc_")]
             click.echo(history[list(dict.fromkeys(columns))].to_string(index=False, float_format=lambda v: f"{v:.4g}"))
         click.echo(f"{run.run_id}: {run.status}")
         run.wait()  # raises what made the run fail
+    if interrupted:
+        sys.exit(130)
 
 
 _TRAIN_COLUMNS = (
@@ -442,19 +445,28 @@ _TRAIN_COLUMNS = (
 )  # fmt: skip
 
 
-def _follow(run: Any, echo: Callable[[int], int], stopping: str) -> None:
-    """Print what ``run`` adds until it ends (``echo(shown) -> shown``); Ctrl-C stops it and waits for its end."""
+def _follow(run: Any, echo: Callable[[int], int], stopping: str) -> bool:
+    """Print what ``run`` adds until it ends (``echo(shown) -> shown``); Ctrl-C stops it and waits for its end.
+
+    Returns whether Ctrl-C stopped it: the command then exits with status 130 once it has printed what the run
+    did, as shells report a command that Ctrl-C ended, so that a script's next step does not start.
+    """
     shown = 0
     try:
-        while not run.done:
-            time.sleep(0.5)
-            shown = echo(shown)
+        with caught_interrupt() as interrupt:  # raised here, never lost in a finalizer (dask_dl.interrupt)
+            while not run.done:
+                time.sleep(0.5)
+                interrupt.check()
+                shown = echo(shown)
     except KeyboardInterrupt:
         click.echo(f"{stopping} within a few steps ...", err=True)
         run.stop()
         while not run.done:
             time.sleep(0.2)
+        echo(shown)
+        return True
     echo(shown)
+    return False
 
 
 def _echo_epochs(run, shown: int, interactive: bool) -> int:
@@ -676,7 +688,8 @@ def xsite_command(plan, protocol, rounds, export_path, history_path, scheduler, 
     PLAN names the protocol, the rounds, the model, the options of dask_dl.fit_sites and the sites: a site with
     a scheduler address is a cluster of its own (only weights and metrics travel); a site with only a store
     (and a resource) is on the shared cluster (--scheduler, or a local one). Prints the AUROC of every round per
-    site and what the coordinator received from each site.
+    site and what the coordinator received from each site. Ctrl-C stops the visits within a few steps, prints
+    what the completed rounds did (and exports their model with --export), then exits with status 130.
     """
 
     from dask_dl.cluster import connect
@@ -691,7 +704,7 @@ def xsite_command(plan, protocol, rounds, export_path, history_path, scheduler, 
     with connect(scheduler=scheduler, n_workers=workers) as client:
         sites, options = read_plan_file(plan)  # opens the shared cluster's stores, with its client current
         run = fit_sites(sites, client=client, wait=False, **{**options, **overrides})
-        _follow(run, lambda shown: _echo_rounds(run, shown, quiet), "stopping the sites' trainers")
+        interrupted = _follow(run, lambda shown: _echo_rounds(run, shown, quiet), "stopping the sites' trainers")
         click.echo(f"{run.run_id} {run.protocol}: {run.status}")
         if len(run.history):
             click.echo(run.curves.to_string(float_format=lambda v: f"{v:.3f}"))
@@ -703,6 +716,8 @@ def xsite_command(plan, protocol, rounds, export_path, history_path, scheduler, 
         run.wait()  # raises what made the run fail
         if export_path is not None:
             click.echo(f"wrote {run.export_onnx(export_path, overwrite=True)}")
+    if interrupted:
+        sys.exit(130)
 
 
 def _echo_rounds(run, shown: int, quiet: bool) -> int:

@@ -16,6 +16,7 @@ from click.testing import CliRunner
 from dask_dl.cli import cli
 from dask_dl.errors import CheckpointError
 from dask_dl.testing.data import write_store
+from dask_dl.testing.interrupt import ctrl_c_in_a_finalizer
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +50,21 @@ def test_train_resume_from_damaged_or_hostile_checkpoint(store, cluster_client, 
 
     result = runner.invoke(cli, ["--debug", *args])  # --debug: the error itself, with its traceback
     assert result.exit_code == 1 and isinstance(result.exception, CheckpointError)
+
+
+def test_ctrl_c_stops_training_and_exits_130_even_when_pressed_in_a_finalizer(store, cluster_client):
+    # the follow loop allocates as it prints; Python's own handler would raise the press into a finalizer there,
+    # which loses it, and the 500 epochs would go on (dask_dl.interrupt)
+    args = ["train", store, "-b", "4", "--quiet", "--scheduler", cluster_client.scheduler.address]
+    with ctrl_c_in_a_finalizer("_follow"):
+        result = CliRunner().invoke(cli, [*args, "--epochs", "500"])
+    lines = result.output.strip().splitlines()
+    assert result.exit_code == 130, result.output
+    assert "stopping the trainers within a few steps ..." in lines
+    assert lines[-1].endswith(": stopped"), result.output
+    again = CliRunner().invoke(cli, [*args, "--epochs", "1"])  # the trainers freed their workers
+    assert again.exit_code == 0, again.output
+    assert again.output.strip().splitlines()[-1].endswith(": finished"), again.output
 
 
 def test_predict_with_bad_onnx_metadata(store, tmp_path):

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 
 from dask_dl.errors import CheckpointError, ConfigurationError, TrainingError
+from dask_dl.interrupt import caught_interrupt
 from dask_dl.train.options import RunOptions, check_run
 from dask_dl.train.parallel import check_resume
 from dask_dl.train.placement import place_trainers
@@ -424,11 +425,14 @@ class TrainingRun:
 
     def _wait_finished(self, timeout: float | None) -> None:
         # an Event polled in short waits, not Thread.join: a KeyboardInterrupt inside join() marks a running
-        # thread as finished on Python 3.11 (bpo-45274's fix), and short waits let Ctrl-C in on every platform
+        # thread as finished on Python 3.11 (bpo-45274's fix), and short waits let Ctrl-C in on every platform;
+        # Ctrl-C is raised here, not in a finalizer the main thread happens to run (dask_dl.interrupt)
         deadline = None if timeout is None else time.monotonic() + timeout
-        while not self._finished.wait(0.2):
-            if deadline is not None and time.monotonic() >= deadline:
-                return
+        with caught_interrupt() as interrupt:
+            while not self._finished.wait(0.2):
+                interrupt.check()
+                if deadline is not None and time.monotonic() >= deadline:
+                    return
 
     def checkpoint(self) -> dict[str, Any]:
         """Return the latest checkpoint (the contract's dict) of this run.
