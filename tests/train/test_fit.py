@@ -277,16 +277,25 @@ def test_keyboard_interrupt_in_wait_stops_the_run(store, cluster_client):
     import threading
 
     run = fit(store, cluster_client, epochs=500, wait=False)
+    start, sent = time.monotonic(), {}
 
     def interrupt_after_first_epoch():
         deadline = time.monotonic() + 60
         while not len(run.history) and time.monotonic() < deadline:
             time.sleep(0.05)
+        sent.update(at=time.monotonic() - start, rows=len(run.history), handler=signal.getsignal(signal.SIGINT))
         os.kill(os.getpid(), signal.SIGINT)  # what Ctrl-C (or a notebook's interrupt) sends
 
     threading.Thread(target=interrupt_after_first_epoch, daemon=True).start()
-    with pytest.raises(KeyboardInterrupt):
+    try:
         run.wait()
+    except KeyboardInterrupt:
+        pass
+    else:  # what was there when the press was sent: it failed this way twice in a whole-suite run, never alone
+        pytest.fail(
+            f"wait() returned after {time.monotonic() - start:.1f} s ({run.status}, {len(run.history)} epochs) "
+            f"without KeyboardInterrupt; SIGINT was sent {sent}"
+        )
     assert run.status == "stopped" and run.done
     assert in_process_group(cluster_client) == [False, False]
     assert trainer_keys(cluster_client) == []
