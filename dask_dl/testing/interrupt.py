@@ -15,15 +15,15 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from types import FrameType
 
 
 class _Press:
     """Shared by the garbage, the presser thread and the context manager."""
 
-    def __init__(self, inside: str, after: float) -> None:
-        self.inside = inside
-        self.not_before = time.monotonic() + after  # the loop of `inside` runs by then, not its set-up
+    def __init__(self, inside: str, when: Callable[[FrameType], bool] | None) -> None:
+        self.inside, self.when = inside, when
         self.entered = threading.Event()  # a finalizer runs in the main thread, beneath `inside`
         self.sent = threading.Event()  # SIGINT was sent
         self.over = False  # no more garbage
@@ -31,12 +31,10 @@ class _Press:
     def due(self) -> bool:
         if self.over or self.entered.is_set() or threading.current_thread() is not threading.main_thread():
             return False
-        if time.monotonic() < self.not_before:
-            return False
         frame = sys._getframe(2)  # whoever allocated when the collector ran
         while frame is not None:
             if frame.f_code.co_name == self.inside and frame.f_code.co_filename != threading.__file__:
-                return True  # (not threading's own Event.wait and Condition.wait)
+                return self.when is None or self.when(frame)  # (not threading's own Event.wait and Condition.wait)
             frame = frame.f_back
         return False
 
@@ -62,22 +60,29 @@ class _Garbage:
 
 
 @contextlib.contextmanager
-def ctrl_c_in_a_finalizer(inside: str, *, after: float = 1.0, within: float = 30.0) -> Iterator[None]:
+def ctrl_c_in_a_finalizer(
+    inside: str, *, when: Callable[[FrameType], bool] | None = None, within: float = 30.0
+) -> Iterator[None]:
     """Send SIGINT to this process while the main thread runs a finalizer beneath a function named ``inside``.
 
-    ``inside`` is a function of the code under test (threading's own ``wait`` functions do not count) that loops
-    for longer than ``after`` seconds and allocates as it loops, so that the collector runs in the main thread; the
-    first finalizer it runs ``after`` seconds into the block gets the press. The collector runs after every
-    allocation of any thread while the block runs (``gc.set_threshold(1)``); thresholds are restored after. Raises
-    AssertionError if no finalizer ran there within ``within`` seconds (then a plain SIGINT was sent, so that the
-    block could end).
+    ``inside`` is a function of the code under test (threading's own ``wait`` functions do not count) that a
+    waiting loop calls, and which allocates, so that the collector runs in the main thread there: the first
+    finalizer run beneath it gets the press, or the first for which ``when(frame)`` (the frame of ``inside``) is
+    true. ``when`` runs inside the collector, in the middle of whatever the main thread does, so it must not take
+    a lock (a run's ``history`` takes one: read the loop's own variables instead).
+
+    The collector runs after every allocation of any thread while the block runs (``gc.set_threshold(1)``);
+    thresholds are restored after. Raises AssertionError if no finalizer ran there within ``within`` seconds (then
+    a plain SIGINT was sent, so that the block could end).
 
     Examples
     --------
-    >>> with pytest.raises(KeyboardInterrupt), ctrl_c_in_a_finalizer("follow"):  # doctest: +SKIP
-    ...     follow(run)  # a loop that prints each new row of run.history until the run ends
+    Press Ctrl-C once a loop that prints a run's rows with ``echo(run, shown)`` has printed one:
+
+    >>> with ctrl_c_in_a_finalizer("echo", when=lambda frame: frame.f_locals["shown"] > 0):  # doctest: +SKIP
+    ...     follow(run, echo)
     """
-    press = _Press(inside, after)
+    press = _Press(inside, when)
 
     def presser() -> None:
         press.entered.wait(within)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import onnx
+import pytest
 from click.testing import CliRunner
 
 import dask_dl
 from dask_dl.cli import cli
+from dask_dl.testing.interrupt import ctrl_c_in_a_finalizer
 from dask_dl.testing.train import squares_collection
 
 
@@ -15,19 +18,27 @@ def _plan(tmp_path, body: str):
     return path
 
 
-def test_xsite_runs_a_plan(tmp_path):
+@pytest.fixture(scope="module")
+def two_sites(tmp_path_factory):
+    """A folder with two sites' stores, a.zarr and b.zarr, and plan.yaml naming them (cyclic, 1 round)."""
     from distributed import Client, LocalCluster
 
+    folder = tmp_path_factory.mktemp("xsite")
     with LocalCluster(n_workers=1, processes=False, dashboard_address=":0") as cluster, Client(cluster) as client:
         for i, name in enumerate(("a", "b")):
-            catalog = squares_collection(tmp_path / name, n_train=32, n_val=16, seed=i)
-            dask_dl.ingest(catalog, tmp_path / f"{name}.zarr", size=32, chunk=8, shard=2, progress=False,
+            catalog = squares_collection(folder / name, n_train=32, n_val=16, seed=i)
+            dask_dl.ingest(catalog, folder / f"{name}.zarr", size=32, chunk=8, shard=2, progress=False,
                            client=client)  # fmt: skip
-    plan = _plan(
-        tmp_path,
+    _plan(
+        folder,
         "protocol: cyclic\nrounds: 1\nmodel: small_cnn\noptions: {batch_size: 8, lr: 0.05, model_kwargs: {width: 8}}\n"
         "sites:\n  A: {store: a.zarr}\n  B: {store: b.zarr}\n",
     )
+    return folder
+
+
+def test_xsite_runs_a_plan(two_sites, tmp_path):
+    plan = two_sites / "plan.yaml"
     out = tmp_path / "model.onnx"
     result = CliRunner().invoke(
         cli,
@@ -51,6 +62,22 @@ def test_xsite_runs_a_plan(tmp_path):
     assert "fedavg: finished" in result.output
     assert "received by the coordinator:" in result.output and "weights" in result.output
     assert (tmp_path / "h.csv").read_text().count("\n") == 5  # header and 2 rounds x 2 sites
+
+
+def test_ctrl_c_stops_the_sites_prints_the_rounds_done_and_exits_130(two_sites, tmp_path):
+    # pressed inside a finalizer of the follow loop, where Python's own handler would lose it (dask_dl.interrupt)
+    out = tmp_path / "model.onnx"
+    args = ["xsite", str(two_sites / "plan.yaml"), "--rounds", "500", "--workers", "2", "--export", str(out)]
+    with ctrl_c_in_a_finalizer("_echo_rounds", when=lambda frame: frame.f_locals["shown"] > 0, within=120):
+        result = CliRunner().invoke(cli, args)  # pressed once a round was printed
+    assert result.exit_code == 130, result.output
+    lines = result.output.splitlines()
+    assert lines[0].startswith("round 0: A=")
+    assert "stopping the sites' trainers within a few steps ..." in lines
+    assert [line for line in lines if line.endswith(" cyclic: stopped")]
+    assert "received by the coordinator:" in lines
+    assert lines[-1] == f"wrote {out}"  # the model of the rounds that finished
+    assert onnx.load(out).graph.input
 
 
 def test_xsite_explains_a_bad_plan(tmp_path):
