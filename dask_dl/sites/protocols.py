@@ -65,10 +65,12 @@ class Plan:
 Report = Callable[[int, list[Visit], dict[str, dict[str, Any]], Any], None]
 
 
-def run_protocol(plan: Plan, coordinator: Coordinator, report: Report) -> tuple[list[dict[str, Any]], str]:
-    """Run ``plan`` to its end; return the final weights (one state, or one per site for ``ensemble``) and status.
+def run_protocol(plan: Plan, coordinator: Coordinator, report: Report) -> str:
+    """Run ``plan`` to its end; return its status. The weights of every round go to ``report`` as it ends.
 
-    Status is ``finished``, ``stopped`` (by ``run.stop()``) or ``stopped-sites-lost`` (``on_lost="stop"``).
+    Status is ``finished``, ``stopped`` (by ``run.stop()``) or ``stopped-sites-lost`` (``on_lost="stop"``). A run
+    stopped in a round reports nothing more: its weights are those of the last round reported (none if stopped in
+    the first).
     """
     loop = {"ensemble": _ensemble, "incremental": _incremental, "cyclic": _cyclic}.get(plan.protocol, _fedavg)
     return loop(plan, coordinator, report)
@@ -86,7 +88,7 @@ def _check_lost(plan: Plan, coordinator: Coordinator, visits: list[Visit]) -> bo
     return bool(lost) and plan.on_lost == "stop"
 
 
-def _ensemble(plan: Plan, co: Coordinator, report: Report) -> tuple[Any, str]:
+def _ensemble(plan: Plan, co: Coordinator, report: Report) -> str:
     states: dict[str, Any] = {s.name: co.initial for s in co.sites}
     for r in range(plan.rounds):
         sites = co.live
@@ -94,22 +96,22 @@ def _ensemble(plan: Plan, co: Coordinator, report: Report) -> tuple[Any, str]:
                  for i, s in enumerate(sites)]  # fmt: skip
         visits = co.visit_many(plans)
         if co.stop_requested.is_set():
-            return _kept(states), "stopped"
+            return "stopped"
         for v in visits:
             if v.ok:
                 states[v.site.name] = v.state
         members = _kept(states)
         report(r, visits, co.evaluate(members), members)
         if _check_lost(plan, co, visits):
-            return members, "stopped-sites-lost"
-    return _kept(states), "finished"
+            return "stopped-sites-lost"
+    return "finished"
 
 
 def _kept(states: dict[str, Any]) -> list[Any]:
     return [s for s in states.values() if s is not None]
 
 
-def _incremental(plan: Plan, co: Coordinator, report: Report) -> tuple[Any, str]:
+def _incremental(plan: Plan, co: Coordinator, report: Report) -> str:
     state, r = co.initial, 0
     for i, site in enumerate(list(co.sites)):
         best, best_auroc, since = state, -math.inf, 0
@@ -118,14 +120,14 @@ def _incremental(plan: Plan, co: Coordinator, report: Report) -> tuple[Any, str]
                 break
             visit = co.visit(VisitPlan(site, state, epochs=1, lr=plan.lr, seed=_seed(plan, r, i)))
             if co.stop_requested.is_set():
-                return [best], "stopped"
+                return "stopped"
             if visit.ok:
                 state = visit.state
             scores = co.evaluate([state]) if state is not None else {}
             report(r, [visit], scores, state)
             r += 1
             if _check_lost(plan, co, [visit]):
-                return [best], "stopped-sites-lost"
+                return "stopped-sites-lost"
             auroc = scores.get(site.name, {}).get("auroc_mean", math.nan)
             if visit.ok and np.isfinite(auroc) and auroc > best_auroc:
                 best, best_auroc, since = state, auroc, 0
@@ -134,10 +136,10 @@ def _incremental(plan: Plan, co: Coordinator, report: Report) -> tuple[Any, str]
                 if since >= plan.patience:
                     break
         state = best  # the best weights of this site are passed on
-    return [state], "finished"
+    return "finished"
 
 
-def _cyclic(plan: Plan, co: Coordinator, report: Report) -> tuple[Any, str]:
+def _cyclic(plan: Plan, co: Coordinator, report: Report) -> str:
     state = co.initial
     rng = np.random.default_rng(plan.seed)
     sizes = {s.name: s.n_train for s in co.sites}
@@ -163,7 +165,7 @@ def _cyclic(plan: Plan, co: Coordinator, report: Report) -> tuple[Any, str]:
             visit = co.visit(VisitPlan(site, state, epochs=1 if steps else plan.local_epochs, steps=steps, lr=lr,
                                        seed=_seed(plan, r, index)))  # fmt: skip
             if co.stop_requested.is_set():
-                return [state], "stopped"
+                return "stopped"
             visits.append(visit)
             if visit.ok:
                 state = visit.state
@@ -171,11 +173,11 @@ def _cyclic(plan: Plan, co: Coordinator, report: Report) -> tuple[Any, str]:
                 break
         report(r, visits, co.evaluate([state]) if state is not None else {}, state)
         if _check_lost(plan, co, visits):
-            return [state], "stopped-sites-lost"
-    return [state], "finished"
+            return "stopped-sites-lost"
+    return "finished"
 
 
-def _fedavg(plan: Plan, co: Coordinator, report: Report) -> tuple[Any, str]:
+def _fedavg(plan: Plan, co: Coordinator, report: Report) -> str:
     state = co.initial
     mu = plan.mu if plan.protocol == "fedprox" else 0.0
     for r in range(plan.rounds):
@@ -184,7 +186,7 @@ def _fedavg(plan: Plan, co: Coordinator, report: Report) -> tuple[Any, str]:
                  for i, s in enumerate(sites)]  # fmt: skip
         visits = co.visit_many(plans)
         if co.stop_requested.is_set():
-            return [state], "stopped"
+            return "stopped"
         answered = [v for v in visits if v.ok]
         if len(answered) < plan.min_sites:
             lost = "; ".join(f"{v.site.name}: {v.error}" for v in visits if not v.ok)
@@ -195,5 +197,5 @@ def _fedavg(plan: Plan, co: Coordinator, report: Report) -> tuple[Any, str]:
         state = average_weights([v.state for v in answered], [v.samples for v in answered])
         report(r, visits, co.evaluate([state]), state)
         if _check_lost(plan, co, visits):
-            return [state], "stopped-sites-lost"
-    return [state], "finished"
+            return "stopped-sites-lost"
+    return "finished"

@@ -356,11 +356,9 @@ class SitesRun:
         from dask_dl.sites.protocols import run_protocol
 
         try:
-            states, status = run_protocol(self.plan, self._co, self._report)
-            with self._lock:
-                if states and all(s is not None for s in states) and not self._states:
-                    self._states = list(states)
-            self.status = status
+            # the weights are those each round reported: a run stopped in its first round has none, not the
+            # untrained start the protocol began from
+            self.status = run_protocol(self.plan, self._co, self._report)
         except BaseException as exc:  # handed to wait(); the thread must not die silently
             self.status, self.error = "failed", exc
         finally:
