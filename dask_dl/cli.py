@@ -689,10 +689,12 @@ def xsite_command(plan, protocol, rounds, export_path, history_path, scheduler, 
     a scheduler address is a cluster of its own (only weights and metrics travel); a site with only a store
     (and a resource) is on the shared cluster (--scheduler, or a local one). Prints the AUROC of every round per
     site and what the coordinator received from each site. Ctrl-C stops the visits within a few steps, prints
-    what the completed rounds did (and exports their model with --export), then exits with status 130.
+    what the finished rounds did (and exports their model with --export, if a round finished), then exits with
+    status 130.
     """
 
     from dask_dl.cluster import connect
+    from dask_dl.errors import TrainingError
     from dask_dl.sites.plan_file import read_plan_file
     from dask_dl.sites.run import fit_sites
 
@@ -715,7 +717,12 @@ def xsite_command(plan, protocol, rounds, export_path, history_path, scheduler, 
             frame.to_parquet(history_path) if history_path.endswith(".parquet") else frame.to_csv(history_path)
         run.wait()  # raises what made the run fail
         if export_path is not None:
-            click.echo(f"wrote {run.export_onnx(export_path, overwrite=True)}")
+            try:
+                click.echo(f"wrote {run.export_onnx(export_path, overwrite=True)}")
+            except TrainingError as exc:  # Ctrl-C before a round finished: nothing to export, and that is no error
+                if not interrupted:
+                    raise
+                click.echo(f"nothing exported to {export_path}: {exc}", err=True)
     if interrupted:
         sys.exit(130)
 

@@ -80,6 +80,23 @@ def test_ctrl_c_stops_the_sites_prints_the_rounds_done_and_exits_130(two_sites, 
     assert onnx.load(out).graph.input
 
 
+def test_ctrl_c_before_a_round_finished_exports_nothing_and_says_so(two_sites, tmp_path):
+    plan = two_sites / "plan.yaml"
+    slow = tmp_path / "slow.yaml"  # rounds of 200 epochs per visit: the first print comes long before one ends
+    text = plan.read_text().replace("options: {", "options: {local_epochs: 200, ")
+    slow.write_text(text.replace("store: ", f"store: {two_sites}/"))  # the stores stay where the plan is
+    out = tmp_path / "model.onnx"
+    with ctrl_c_in_a_finalizer("_echo_rounds", within=120):
+        result = CliRunner().invoke(cli, ["xsite", str(slow), "--workers", "2", "--export", str(out)])
+    assert result.exit_code == 130, result.output
+    lines = result.output.splitlines()
+    assert lines[0] == "stopping the sites' trainers within a few steps ..."
+    assert [line for line in lines if line.endswith(" cyclic: stopped")]
+    assert lines[-1].startswith(f"nothing exported to {out}: sites-")
+    assert lines[-1].endswith("has no weights yet: no round has completed (stopped)")
+    assert not out.exists()
+
+
 def test_xsite_explains_a_bad_plan(tmp_path):
     result = CliRunner().invoke(cli, ["xsite", str(_plan(tmp_path, "protocol: cyclic\nrounds: 1\nsite: {}\n"))])
     assert result.exit_code == 1
