@@ -451,7 +451,7 @@ def _follow(run: Any, echo: Callable[[int], int], stopping: str) -> bool:
     Returns whether Ctrl-C stopped it: the command then exits with status 130 once it has printed what the run
     did, as shells report a command that Ctrl-C ended, so that a script's next step does not start.
     """
-    shown = 0
+    shown, interrupted = 0, False
     try:
         with caught_interrupt() as interrupt:  # raised here, never lost in a finalizer (dask_dl.interrupt)
             while not run.done:
@@ -459,14 +459,13 @@ def _follow(run: Any, echo: Callable[[int], int], stopping: str) -> bool:
                 interrupt.check()
                 shown = echo(shown)
     except KeyboardInterrupt:
+        interrupted = True
         click.echo(f"{stopping} within a few steps ...", err=True)
         run.stop()
         while not run.done:
             time.sleep(0.2)
-        echo(shown)
-        return True
     echo(shown)
-    return False
+    return interrupted
 
 
 def _echo_epochs(run, shown: int, interactive: bool) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -55,3 +56,19 @@ def caught_interrupt() -> Iterator[Interrupt]:
         if signal.getsignal(signal.SIGINT) == interrupt._note:  # unless someone installed theirs meanwhile
             signal.signal(signal.SIGINT, signal.default_int_handler)
     interrupt.check()
+
+
+def wait_for(event: threading.Event, timeout: float | None = None) -> bool:
+    """Block until ``event`` is set or ``timeout`` seconds pass; return whether it is set.
+
+    Ctrl-C raises KeyboardInterrupt here, never lost (:func:`caught_interrupt`). The event is polled in short
+    waits, not one long wait or ``Thread.join``: a KeyboardInterrupt inside ``join()`` marks a running thread as
+    finished on Python 3.11 (bpo-45274's fix), and short waits let Ctrl-C in on every platform.
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    with caught_interrupt() as interrupt:
+        while not event.wait(0.2):
+            interrupt.check()
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+    return True

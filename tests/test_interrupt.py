@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from dask_dl.interrupt import caught_interrupt
+from dask_dl.interrupt import caught_interrupt, wait_for
 from dask_dl.testing.interrupt import ctrl_c_in_a_finalizer
 
 
@@ -82,3 +82,16 @@ def test_other_threads_wait_as_before():
     thread.start()
     thread.join()
     assert seen == [signal.default_int_handler]
+
+
+def test_wait_for_an_event_times_out_ends_when_set_and_raises_a_press():
+    event = threading.Event()
+    assert wait_for(event, 0.3) is False
+    threading.Timer(0.2, event.set).start()
+    assert wait_for(event, 10) is True
+    threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        wait_for(threading.Event(), 10)
+    assert time.monotonic() - start < 5
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

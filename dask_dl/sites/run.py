@@ -13,7 +13,6 @@ import logging
 import math
 import numbers
 import threading
-import time
 import uuid
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -24,7 +23,7 @@ import pandas as pd
 from dask_dl import config
 from dask_dl.checks import one_of, positive_int
 from dask_dl.errors import ConfigurationError, DatasetError, TrainingError
-from dask_dl.interrupt import caught_interrupt
+from dask_dl.interrupt import wait_for
 from dask_dl.sites.protocols import ON_LOST, ORDERS, PROTOCOLS, Plan
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -266,13 +265,9 @@ class SitesRun:
         TimeoutError
             ``timeout`` seconds passed and the run goes on.
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            with caught_interrupt() as interrupt:  # raised here, never lost in a finalizer (dask_dl.interrupt)
-                while not self._finished.wait(0.2):
-                    interrupt.check()
-                    if deadline is not None and time.monotonic() > deadline:
-                        raise TimeoutError(f"{self.run_id} still runs after {timeout} s")
+            if not wait_for(self._finished, timeout):
+                raise TimeoutError(f"{self.run_id} still runs after {timeout} s")
         except KeyboardInterrupt:
             self.stop()
             self._finished.wait()

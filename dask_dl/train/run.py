@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 import uuid
 import warnings
 from typing import TYPE_CHECKING, Any
@@ -20,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 
 from dask_dl.errors import CheckpointError, ConfigurationError, TrainingError
-from dask_dl.interrupt import caught_interrupt
+from dask_dl.interrupt import wait_for
 from dask_dl.train.options import RunOptions, check_run
 from dask_dl.train.parallel import check_resume
 from dask_dl.train.placement import place_trainers
@@ -410,29 +409,18 @@ class TrainingRun:
             When ``timeout`` seconds passed and the run still goes on.
         """
         try:
-            self._wait_finished(timeout)
+            finished = wait_for(self._finished, timeout)
         except KeyboardInterrupt:
             self.stop()
-            self._wait_finished(None)
+            wait_for(self._finished)
             raise
-        if not self._finished.is_set():
+        if not finished:
             raise TimeoutError(f"{self.run_id} still runs after {timeout} s (epoch {self._epoch + 1}/{self.epochs})")
         if self.error is not None:
             if isinstance(self.error, TrainingError | ConfigurationError):  # a model or weights that do not fit
                 raise self.error
             raise TrainingError(f"{self.run_id} failed: {type(self.error).__name__}: {self.error}") from self.error
         return self
-
-    def _wait_finished(self, timeout: float | None) -> None:
-        # an Event polled in short waits, not Thread.join: a KeyboardInterrupt inside join() marks a running
-        # thread as finished on Python 3.11 (bpo-45274's fix), and short waits let Ctrl-C in on every platform;
-        # Ctrl-C is raised here, not in a finalizer the main thread happens to run (dask_dl.interrupt)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with caught_interrupt() as interrupt:
-            while not self._finished.wait(0.2):
-                interrupt.check()
-                if deadline is not None and time.monotonic() >= deadline:
-                    return
 
     def checkpoint(self) -> dict[str, Any]:
         """Return the latest checkpoint (the contract's dict) of this run.
