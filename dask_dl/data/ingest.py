@@ -370,9 +370,9 @@ def _prepare_store(
 ) -> zarr.Group:
     """Check the store again under the lease (another ingest may have finished), then write the skeleton."""
     fresh = _check_store(url, layout, options, overwrite=overwrite)
-    group = zarr.open_group(contract.zarr_store(url), mode="w" if fresh else "r+", zarr_format=3)
-    if fresh:
-        lease.renew()  # mode "w" cleared the store, lease included
+    if fresh:  # not Zarr's mode "w": it deletes the lease too, and for that moment another ingest could take it
+        StoreFiles(url).clear(keep=contract.LEASE_KEY)
+    group = zarr.open_group(contract.zarr_store(url), mode="a" if fresh else "r+", zarr_format=3)
     group.attrs.update(_attrs(layout, options))
     if contract.IMAGE not in group:  # also when a run was killed right after writing the attributes
         _create_image(group, layout, options)

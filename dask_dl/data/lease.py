@@ -116,15 +116,6 @@ class StoreLease:
         if holder and self._stale(holder) is None:
             raise self._held(holder)
 
-    def renew(self) -> None:
-        """Write the lease again (after a store was cleared under it), exclusively: refuse if another took it."""
-        holder = self._holder()
-        if holder is not None and holder.get("token") not in (None, self.token):
-            raise StoreError(f"another ingest took the lease of {self.url!r} while this one replaced the store")
-        if holder is None and not self._create():
-            raise StoreError(f"another ingest took the lease of {self.url!r} while this one replaced the store")
-        self._beat()
-
     def _beat(self) -> None:
         holder = self._holder()
         if holder is not None and holder.get("token") == self.token:

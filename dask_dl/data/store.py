@@ -264,6 +264,28 @@ class StoreFiles:
         if self.fs.exists(self.path(key)):  # a missing file is what was asked for
             self.fs.rm_file(self.path(key))
 
+    def clear(self, *, keep: str) -> None:
+        """Delete everything in the store but the file ``keep`` (a key such as :data:`LEASE_KEY`).
+
+        What an overwrite does under the lease: Zarr's ``mode="w"`` would delete the lease too, and for that moment
+        a second ingest could take it.
+        """
+        if not self.fs.exists(self.root):
+            return
+        self._clear(self.root, keep.strip("/").split("/"))
+
+    def _clear(self, folder: str, keep: list[str]) -> None:
+        for entry in self.fs.ls(folder, detail=True):
+            name = posixpath.basename(entry["name"].rstrip("/"))
+            if len(keep) == 1 and name.startswith(f"{keep[0]}.") and name.endswith(".partial"):
+                continue  # the kept file being rewritten by put(): its rename must find it
+            if name != keep[0]:
+                self.fs.rm(entry["name"], recursive=entry["type"] == "directory")
+            elif len(keep) > 1 and entry["type"] == "directory":
+                self._clear(entry["name"], keep[1:])
+            elif len(keep) > 1:  # a file where the kept file's folder belongs
+                self.fs.rm_file(entry["name"])
+
     def list(self, prefix: str) -> list[str]:
         """Names of the files directly under the folder ``prefix`` (``"_dask_dl/status/"``)."""
         folder = self.path(prefix.rstrip("/"))

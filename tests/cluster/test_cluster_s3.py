@@ -14,6 +14,7 @@ import pytest
 import dask_dl
 from dask_dl import StoreNotFoundError
 from dask_dl.cluster import check_visible, connect, set_storage_options
+from dask_dl.data.store import StoreFiles
 from dask_dl.testing.cluster import small_story
 
 
@@ -62,3 +63,15 @@ def test_ingest_train_export_score_with_every_file_on_s3(s3_server, bucket, tmp_
     expected = dask_dl.predict(test.image.values, story.model).compute()
     np.testing.assert_allclose(story.scores, expected, rtol=1e-5, atol=1e-6)
     assert not (tmp_path / "s3:").exists()  # nothing was written to a local folder named after the URL
+
+
+def test_clearing_a_store_on_s3_keeps_only_its_lease(bucket):
+    # what ingest(overwrite=True) does under its lease; on S3 folders are only prefixes of keys
+    fs = fsspec.filesystem("s3")
+    for key in ["zarr.json", "image/c/0/0/0", "_dask_dl/zarr.json", "_dask_dl/status/shard-0.json",
+                "_dask_dl/lease.json"]:  # fmt: skip
+        fs.pipe_file(f"dask-dl/s.zarr/{key}", key.encode())
+    StoreFiles(f"{bucket}/s.zarr").clear(keep="_dask_dl/lease.json")
+    fs.invalidate_cache()
+    assert fs.find("dask-dl/s.zarr") == ["dask-dl/s.zarr/_dask_dl/lease.json"]
+    assert fs.cat_file("dask-dl/s.zarr/_dask_dl/lease.json") == b"_dask_dl/lease.json"

@@ -26,7 +26,9 @@ import dask_dl
 from dask_dl.cli import cli
 from dask_dl.data.images import load_image
 from dask_dl.data.ingest import IngestResult, read_rejects
+from dask_dl.data.lease import StoreLease
 from dask_dl.data.schema import make_catalog, write_catalog
+from dask_dl.data.store import StoreFiles
 from dask_dl.errors import CatalogError, DatasetError, IngestError, StoreError
 from dask_dl.testing.data import class_folders, png_bomb, png_collection, write_dicom
 
@@ -510,6 +512,51 @@ def test_two_ingests_into_one_store_never_both_write(cluster_client, tmp_path):
     clean = tmp_path / "clean.zarr"
     dask_dl.ingest(catalog, clean, size=32, chunk=2, shard=2, client=cluster_client, progress=False)
     assert store_files(store) == store_files(clean)
+
+
+def test_clearing_a_store_keeps_its_lease_and_the_lease_being_rewritten(tmp_path):
+    store = tmp_path / "s.zarr"
+    for name in ["zarr.json", "image/c/0/0/0", "_dask_dl/zarr.json", "_dask_dl/status/shard-0.json",
+                 "_dask_dl/lease.json", "_dask_dl/lease.json.0a1b.partial", "_dask_dl/lease.jsonx"]:  # fmt: skip
+        (store / name).parent.mkdir(parents=True, exist_ok=True)
+        (store / name).write_text(name)
+    StoreFiles(str(store)).clear(keep="_dask_dl/lease.json")
+    left = sorted(str(p.relative_to(store)) for p in store.rglob("*"))
+    assert left == ["_dask_dl", "_dask_dl/lease.json", "_dask_dl/lease.json.0a1b.partial"]
+    assert (store / "_dask_dl" / "lease.json").read_text() == "_dask_dl/lease.json"
+    StoreFiles(str(tmp_path / "nothing.zarr")).clear(keep="_dask_dl/lease.json")  # nothing there: nothing to do
+    assert not (tmp_path / "nothing.zarr").exists()
+
+
+def test_an_overwrite_keeps_the_lease_while_it_clears_the_store(cluster_client, tmp_path, monkeypatch):
+    # the moment CI once caught by chance in the race above: an overwrite cleared the store (Zarr's mode "w"), its
+    # lease with it, and a second ingest took the lease before the first wrote it again; the first one was then
+    # refused as if it were the second. Here the second ingest asks for the lease right at that moment every time:
+    # the real zarr.open_group and StoreLease, only the timing is arranged.
+    catalog = make_collection(tmp_path / "images", n=8)
+    store = tmp_path / "s.zarr"
+    run_ingest(catalog, store, cluster_client, size=16)
+    (store / "stray.txt").write_text("what overwrite=True deletes")
+    refusals = []
+    real_open_group = zarr.open_group
+
+    def open_group(*args, mode=None, **kwargs):
+        group = real_open_group(*args, mode=mode, **kwargs)
+        if mode != "r":
+            try:
+                StoreLease(str(store)).acquire().release()
+            except StoreError as exc:
+                refusals.append(str(exc))
+            else:
+                refusals.append("the second ingest got the lease")
+        return group
+
+    monkeypatch.setattr(zarr, "open_group", open_group)
+    result = run_ingest(catalog, store, cluster_client, overwrite=True)
+    monkeypatch.undo()
+    assert result.shards_written == 1 and refusals and all("another ingest is writing" in r for r in refusals)
+    run_ingest(catalog, tmp_path / "clean.zarr", cluster_client)
+    assert store_files(store) == store_files(tmp_path / "clean.zarr")  # no stray file, no old array, no lease
 
 
 def _lease(store: Path, **record) -> None:
