@@ -717,7 +717,8 @@ def xsite_command(plan, protocol, rounds, export_path, history_path, scheduler, 
         run.wait()  # raises what made the run fail
         if export_path is not None:
             try:
-                click.echo(f"wrote {run.export_onnx(export_path, overwrite=True)}")
+                path = run.export_onnx(export_path, overwrite=True)
+                click.echo(f"wrote {path} (the model of round {run.model_round})")
             except TrainingError as exc:  # Ctrl-C before a round finished: nothing to export, and that is no error
                 if not interrupted:
                     raise

@@ -6,7 +6,7 @@
 ``incremental``
     institutional incremental learning: train at each site in turn, epoch after epoch, until its validation AUROC
     has not improved for ``patience`` epochs (or ``rounds`` epochs passed), keep its best weights and pass them on;
-    once round the sites.
+    once round the sites. The model is the last site's best weights.
 ``cyclic``
     cyclical weight transfer: ``rounds`` cycles round the sites (fixed or reshuffled order), ``local_epochs``
     epochs or ``steps`` steps per visit, with Balachandar et al.'s options: steps proportional to site size, a
@@ -63,16 +63,20 @@ class Plan:
 
 #: what a protocol reports to the run: ``report(round, visits, scores, state_or_states)``
 Report = Callable[[int, list[Visit], dict[str, dict[str, Any]], Any], None]
+#: what a protocol that finished names as its model when that is not the last round's: ``keep(round, state)``
+Keep = Callable[[int, Any], None]
 
 
-def run_protocol(plan: Plan, coordinator: Coordinator, report: Report) -> str:
+def run_protocol(plan: Plan, coordinator: Coordinator, report: Report, keep: Keep) -> str:
     """Run ``plan`` to its end; return its status. The weights of every round go to ``report`` as it ends.
 
-    Status is ``finished``, ``stopped`` (by ``run.stop()``) or ``stopped-sites-lost`` (``on_lost="stop"``). A run
-    stopped in a round reports nothing more: its weights are those of the last round reported (none if stopped in
-    the first).
+    Status is ``finished``, ``stopped`` (by ``run.stop()``) or ``stopped-sites-lost`` (``on_lost="stop"``). The
+    run's weights are those of the last round reported (none if stopped in the first), except that a finished
+    ``incremental`` run hands over the last site's best round with ``keep``.
     """
-    loop = {"ensemble": _ensemble, "incremental": _incremental, "cyclic": _cyclic}.get(plan.protocol, _fedavg)
+    if plan.protocol == "incremental":
+        return _incremental(plan, coordinator, report, keep)
+    loop = {"ensemble": _ensemble, "cyclic": _cyclic}.get(plan.protocol, _fedavg)
     return loop(plan, coordinator, report)
 
 
@@ -111,8 +115,8 @@ def _kept(states: dict[str, Any]) -> list[Any]:
     return [s for s in states.values() if s is not None]
 
 
-def _incremental(plan: Plan, co: Coordinator, report: Report) -> str:
-    state, r = co.initial, 0
+def _incremental(plan: Plan, co: Coordinator, report: Report, keep: Keep) -> str:
+    state, r, best_round = co.initial, 0, None
     for i, site in enumerate(list(co.sites)):
         best, best_auroc, since = state, -math.inf, 0
         for _ in range(plan.rounds):
@@ -130,12 +134,14 @@ def _incremental(plan: Plan, co: Coordinator, report: Report) -> str:
                 return "stopped-sites-lost"
             auroc = scores.get(site.name, {}).get("auroc_mean", math.nan)
             if visit.ok and np.isfinite(auroc) and auroc > best_auroc:
-                best, best_auroc, since = state, auroc, 0
+                best, best_auroc, best_round, since = state, auroc, r - 1, 0
             else:
                 since += 1
                 if since >= plan.patience:
                     break
-        state = best  # the best weights of this site are passed on
+        state = best  # the best weights of this site are passed on; the last site's are the model
+    if best_round is not None:
+        keep(best_round, state)
     return "finished"
 
 

@@ -211,6 +211,7 @@ class SitesRun:
         self._rows: list[dict[str, Any]] = []
         self._states: list[dict[str, Any]] = []
         self._rounds_done = 0
+        self._model_round = -1  # the round whose weights are the run's
         self._lock = threading.Lock()
         self._finished = threading.Event()
         self._thread = threading.Thread(target=self._drive, name=f"dask-dl-{self.run_id}", daemon=True)
@@ -278,8 +279,17 @@ class SitesRun:
             raise TrainingError(f"{self.run_id} failed: {type(self.error).__name__}: {self.error}") from self.error
         return self
 
+    @property
+    def model_round(self) -> int | None:
+        """The round the weights of :meth:`states` come from; None before a round has completed."""
+        with self._lock:
+            return self._model_round if self._states else None
+
     def state(self) -> dict[str, torch.Tensor]:
-        """The weights of the last completed round (for ``ensemble``: see :meth:`states`)."""
+        """The weights of the last completed round (for ``ensemble``: see :meth:`states`).
+
+        A finished ``incremental`` run gives the last site's best round instead, as the protocol passes on.
+        """
         states = self.states()
         if self.protocol == "ensemble":
             raise TrainingError(
@@ -288,7 +298,10 @@ class SitesRun:
         return states[0]
 
     def states(self) -> list[dict[str, torch.Tensor]]:
-        """The weights of the last completed round: one state, or one per site for ``ensemble``."""
+        """The weights of the last completed round: one state, or one per site for ``ensemble``.
+
+        A finished ``incremental`` run gives the last site's best round instead, as the protocol passes on.
+        """
         with self._lock:
             states = list(self._states)
         if not states:
@@ -296,7 +309,7 @@ class SitesRun:
         return states
 
     def model(self) -> torch.nn.Module:
-        """The model of the last completed round on the CPU in eval mode (``ensemble``: the mean of the sites')."""
+        """The model of :meth:`states` on the CPU in eval mode (``ensemble``: the mean of the sites')."""
         from dask_dl.sites.score import Ensemble, build
 
         spec = self._co.model
@@ -306,7 +319,9 @@ class SitesRun:
         return build(spec, states[0])
 
     def checkpoint(self) -> dict[str, Any]:
-        """The last round's weights as a checkpoint dict of :mod:`dask_dl.checkpoint` (what ``export_onnx`` takes).
+        """The weights of :meth:`state` as a checkpoint dict of :mod:`dask_dl.checkpoint` (what ``export_onnx`` takes).
+
+        Its ``epoch`` is the round they come from.
 
         Raises
         ------
@@ -320,7 +335,7 @@ class SitesRun:
         return {
             "format": FORMAT, "model_name": spec.name, "model_kwargs": dict(spec.kwargs), "model": self.state(),
             "labels": list(spec.labels), "task": spec.task, "input_size": int(spec.input_size),
-            "in_channels": spec.channels, "normalization": dict(spec.normalization), "epoch": self._rounds_done - 1,
+            "in_channels": spec.channels, "normalization": dict(spec.normalization), "epoch": self._model_round,
             "optimizer": {},
             "compressor": [], "rng": [], "history": self.history.to_dict("records"),
         }  # fmt: skip
@@ -353,7 +368,7 @@ class SitesRun:
         try:
             # the weights are those each round reported: a run stopped in its first round has none, not the
             # untrained start the protocol began from
-            self.status = run_protocol(self.plan, self._co, self._report)
+            self.status = run_protocol(self.plan, self._co, self._report, self._keep)
         except BaseException as exc:  # handed to wait(); the thread must not die silently
             self.status, self.error = "failed", exc
         finally:
@@ -382,7 +397,12 @@ class SitesRun:
             self._rows.extend(rows)
             if state is not None:
                 self._states = list(state) if isinstance(state, list) else [state]
+                self._model_round = round_
             self._rounds_done = round_ + 1
+
+    def _keep(self, round_: int, state: Any) -> None:
+        with self._lock:
+            self._states, self._model_round = [state], round_
 
 
 def _row(round_: int, site: str, split: str, visit: Visit | None, scores: dict | None, connected: Any) -> dict:

@@ -138,6 +138,45 @@ def test_ensemble_is_the_mean_of_the_site_models_and_exports(squares, cluster3, 
     assert got["auroc_mean"] == pytest.approx(mine["auroc_mean"], abs=1e-9) and got["n"] == 16
 
 
+def test_incremental_trains_each_site_until_it_stops_improving_and_hands_over_the_last_sites_best(squares, cluster3):
+    run = dask_dl.fit_sites({k: _datasets(squares)[k] for k in ("A", "B")}, protocol="incremental", rounds=6,
+                            patience=1, client=cluster3, **OPTIONS)  # fmt: skip
+    h = run.history
+    trained = h[h["steps"] > 0]
+    assert list(trained["round"]) == list(range(len(trained))) and (h["event"] == "").all()
+    best = {}
+    for name in ("A", "B"):  # one epoch per round, at one site after the other, until it stops improving
+        mine = trained[trained["site"] == name]
+        auroc = h[(h["site"] == name) & h["round"].isin(mine["round"])]["auroc_mean"].to_numpy()
+        better = [k for k in range(len(auroc)) if auroc[k] > max(auroc[:k], default=-math.inf)]
+        stop = next((k for k in range(1, len(auroc)) if k not in better), None)  # patience 1: the first miss ends
+        assert len(auroc) == (stop + 1 if stop is not None else 6), (name, auroc)
+        best[name] = int(mine["round"].iloc[better[-1]])
+    n_a = int((trained["site"] == "A").sum())
+    assert trained["site"].tolist() == ["A"] * n_a + ["B"] * (len(trained) - n_a) and 0 < n_a < len(trained)
+    spec = ModelSpec(name="small_cnn", labels=("a", "b"), task="multilabel", input_size=32, kwargs={"width": 8},
+                     batch_size=8)  # fmt: skip
+    ds = dask_dl.open_dataset(squares["B"])
+    val = ds.sample.values[ds.split.values == "val"]
+
+    def scored_like(round_: int, state) -> None:  # state scores on B's validation split as round_ did
+        mine, row = score(squares["B"], val, [state], spec), h[(h["site"] == "B") & (h["round"] == round_)]
+        assert mine["loss"] == pytest.approx(row["loss"].item(), abs=1e-9), round_
+        assert mine["auroc_mean"] == pytest.approx(row["auroc_mean"].item(), abs=1e-9), round_
+
+    # the model is B's best round, not its last (which did not improve there, or this proves nothing)
+    assert run.model_round == best["B"] == run.checkpoint()["epoch"] < len(trained) - 1, (best, len(trained))
+    scored_like(best["B"], run.state())
+    # B started from A's best weights, not A's last: A alone hands over the same best, and one epoch on B from it
+    # (the seed of B's first visit) is B's first round
+    alone = dask_dl.fit_sites({"A": _datasets(squares)["A"]}, protocol="incremental", rounds=6, patience=1,
+                              client=cluster3, **OPTIONS)  # fmt: skip
+    assert alone.model_round == best["A"] < n_a - 1
+    visit = {**OPTIONS, "seed": OPTIONS["seed"] + 1000 * (n_a + 1) + 1, "warmup_steps": 0}
+    first = dask_dl.fit(ds, epochs=1, trainers=1, client=cluster3, start_state=alone.state(), **visit)
+    scored_like(n_a, first.checkpoint()["model"])
+
+
 def test_fedprox_and_export_of_a_run(squares, cluster3, tmp_path):
     run = dask_dl.fit_sites(_datasets(squares), protocol="fedprox", mu=0.1, rounds=1, client=cluster3, **OPTIONS)
     assert run.status == "finished" and run.curves.shape == (1, 4)  # A, B, C and their mean

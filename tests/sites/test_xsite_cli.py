@@ -59,7 +59,7 @@ def test_xsite_runs_a_plan(two_sites, tmp_path):
     )
     assert result.exit_code == 0, result.output
     assert "round 0: A=" in result.output and "round 1: A=" in result.output
-    assert "fedavg: finished" in result.output
+    assert "fedavg: finished" in result.output and f"wrote {out} (the model of round 1)" in result.output
     assert "received by the coordinator:" in result.output and "weights" in result.output
     assert (tmp_path / "h.csv").read_text().count("\n") == 5  # header and 2 rounds x 2 sites
 
@@ -76,7 +76,8 @@ def test_ctrl_c_stops_the_sites_prints_the_rounds_done_and_exits_130(two_sites, 
     assert "stopping the sites' trainers within a few steps ..." in lines
     assert [line for line in lines if line.endswith(" cyclic: stopped")]
     assert "received by the coordinator:" in lines
-    assert lines[-1] == f"wrote {out}"  # the model of the rounds that finished
+    last = lines[lines.index("received by the coordinator:") - 1].split()[0]  # the curves' last round
+    assert lines[-1] == f"wrote {out} (the model of round {last})"  # the model of the rounds that finished
     assert onnx.load(out).graph.input
 
 
