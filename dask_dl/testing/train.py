@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -9,7 +12,7 @@ import pandas as pd
 
 from dask_dl.data.schema import make_catalog
 
-__all__ = ["squares_collection"]
+__all__ = ["one_rank_group", "squares_collection"]
 
 
 def squares_collection(root: Path, *, n_train: int = 64, n_val: int = 32, seed: int = 0) -> pd.DataFrame:
@@ -35,3 +38,27 @@ def squares_collection(root: Path, *, n_train: int = 64, n_val: int = 32, seed: 
         rows.append(dict(image_id=path.name, path=str(path), patient_id=f"p{i}", site="A", split=split, a=a, b=b))
     frame = pd.DataFrame(rows).astype({"a": "uint8", "b": "uint8"})
     return make_catalog(frame, ["a", "b"])
+
+
+@contextmanager
+def one_rank_group() -> Iterator[None]:
+    """A real one-rank gloo process group in this process, for real DDP models in a test.
+
+    What the block made is collected before the group is destroyed. A DDP model that outlives its group ends it
+    from the C++ destructor of its reducer, which holds the GIL while it waits for gloo's threads; a gloo thread
+    that needs the GIL to let go of its last work then never ends, and the process hangs (pytorch#56297; seen
+    once in a full test run). So free every DDP model inside the block: make it in a function the block calls.
+    """
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        gc.collect()  # DDP models in reference cycles: their reducers let go of the group while it exists
+        dist.destroy_process_group()

@@ -11,7 +11,7 @@ from distributed import Client, LocalCluster, Scheduler, SpecCluster, Worker
 
 import dask_dl
 from dask_dl import ClusterError, ConfigurationError
-from dask_dl.testing.train import squares_collection
+from dask_dl.testing.train import one_rank_group, squares_collection
 from dask_dl.train.actor import TrainerSpec, TrainingActor
 from dask_dl.train.placement import place_trainers
 
@@ -165,28 +165,25 @@ def test_actor_protocol(setup_client):
     client.run(allocator.restore, workers=workers)
 
 
-def test_trainer_ddp_skips_the_per_step_buffer_broadcast_without_a_warning():
-    """DDP's broadcast of rank 0's buffers at every forward is off (they are sent before validation instead), and
-    turning it off warns nothing on any torch: 2.13 deprecates ``broadcast_buffers`` for ``forward_sync_buffers``,
-    and a warning would reach the user's terminal from every trainer."""
-    import socket
+def _ddp_step() -> object:
+    """A trainer's DDP model, made without warnings, and one training step; return its buffer switch."""
     import warnings
-
-    import torch.distributed as dist
 
     from dask_dl.models import build_model
     from dask_dl.train.actor import _ddp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            ddp = _ddp(build_model("small_cnn", num_outputs=2, width=8), device_ids=None)
-        assert getattr(ddp, "forward_sync_buffers", getattr(ddp, "broadcast_buffers", None)) is False
-        ddp.train()
-        ddp(torch.randn(4, 1, 32, 32)).sum().backward()  # a training step runs without the broadcast
-    finally:
-        dist.destroy_process_group()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ddp = _ddp(build_model("small_cnn", num_outputs=2, width=8), device_ids=None)
+    ddp.train()
+    ddp(torch.randn(4, 1, 32, 32)).sum().backward()  # a training step runs without the broadcast
+    return getattr(ddp, "forward_sync_buffers", getattr(ddp, "broadcast_buffers", None))
+
+
+def test_trainer_ddp_skips_the_per_step_buffer_broadcast_without_a_warning():
+    """DDP's broadcast of rank 0's buffers at every forward is off (they are sent before validation instead), and
+    turning it off warns nothing on any torch: 2.13 deprecates ``broadcast_buffers`` for ``forward_sync_buffers``,
+    and a warning would reach the user's terminal from every trainer."""
+    with one_rank_group():
+        switch = _ddp_step()  # its DDP model is freed when it returns, while the group exists
+    assert switch is False

@@ -12,6 +12,7 @@ import torch
 
 from dask_dl.errors import ConfigurationError
 from dask_dl.testing.compression import FakeBucket, numel, sim_onebit
+from dask_dl.testing.train import one_rank_group
 from dask_dl.train.compression import COMPRESSORS, make_compressor
 
 SHAPES = [(6, 20), (5, 3, 3, 3), (7,), (), (4, 9), (12, 5), (8, 1, 2, 2), (3, 3)]
@@ -82,24 +83,16 @@ def test_residuals_stay_by_name_across_bucket_layouts():
 
 
 @pytest.fixture
-def one_rank_group():
+def one_rank():
     """A real one-rank gloo group (torch's PowerSGD hook needs a group even alone)."""
-    import socket
-
-    import torch.distributed as dist
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+    with one_rank_group():
+        yield
 
 
 @pytest.mark.parametrize("name", COMPRESSORS.names())
 def test_warmup_steps_are_plain_and_state_dict_loads_weights_only(name, request):
     if name == "powersgd":
-        request.getfixturevalue("one_rank_group")
+        request.getfixturevalue("one_rank")
     warmup = 2
     compressor = make_compressor(name, warmup_steps=warmup)
     shapes = SHAPES[:3]  # torch's PowerSGD hook cannot take 0-d parameters

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from dask_dl.testing.compression import FakeBucket, numel
+from dask_dl.testing.train import one_rank_group
 from dask_dl.train.compression import kernels, make_compressor, plan
 from dask_dl.train.compression.plan import plan_stripes
 from dask_dl.train.compression.quantize import ColumnLayout, decode, dequantize, quantize
@@ -217,21 +218,13 @@ def test_task_table_cuts_and_shared_bytes():
 
 
 @pytest.fixture
-def one_rank_group():
+def one_rank():
     """A real one-rank gloo group, for a real DDP model."""
-    import socket
-
-    import torch.distributed as dist
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+    with one_rank_group():
+        yield
 
 
-def test_register_warms_the_kernels_up(one_rank_group, monkeypatch):
+def test_register_warms_the_kernels_up(one_rank, monkeypatch):
     """Hook construction compiles (or loads) the kernels: no training step pays numba's compile time."""
     calls = []
     warm_up = kernels.warm_up
