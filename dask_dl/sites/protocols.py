@@ -134,7 +134,7 @@ def _incremental(plan: Plan, co: Coordinator, report: Report, keep: Keep) -> str
                 return "stopped-sites-lost"
             auroc = scores.get(site.name, {}).get("auroc_mean", math.nan)
             if visit.ok and np.isfinite(auroc) and auroc > best_auroc:
-                best, best_auroc, best_round, since = state, auroc, r - 1, 0
+                best, best_auroc, best_round, since = state, auroc, r - 1, 0  # r - 1: the round just reported
             else:
                 since += 1
                 if since >= plan.patience:

@@ -366,8 +366,8 @@ class SitesRun:
         from dask_dl.sites.protocols import run_protocol
 
         try:
-            # the weights are those each round reported: a run stopped in its first round has none, not the
-            # untrained start the protocol began from
+            # the weights are those each round reported (or the round the protocol keeps): a run stopped in its
+            # first round has none, not the untrained start the protocol began from
             self.status = run_protocol(self.plan, self._co, self._report, self._keep)
         except BaseException as exc:  # handed to wait(); the thread must not die silently
             self.status, self.error = "failed", exc
