@@ -271,7 +271,7 @@ class SitesRun:
                 raise TimeoutError(f"{self.run_id} still runs after {timeout} s")
         except KeyboardInterrupt:
             self.stop()
-            self._finished.wait()
+            wait_for(self._finished)
             raise
         if self.error is not None:
             if isinstance(self.error, TrainingError):
