@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from dask_dl import config
 from dask_dl.checks import positive_int
+from dask_dl.cluster.sigint import with_preload
 from dask_dl.cluster.tls import security_from
 from dask_dl.cluster.workers import GPU_RESOURCE, add_cpu_workers
 from dask_dl.errors import ClusterError, missing_dependency
@@ -102,7 +103,7 @@ def make_cuda(
     options: dict[str, Any] = {"host": "127.0.0.1", "dashboard_address": "127.0.0.1:0"}
     if security is not None:
         options |= {"security": security, "protocol": "tls://"}
-    options |= kwargs
+    options = with_preload(options | kwargs)  # the worker processes leave Ctrl-C to the driver
     resources = dict(options.pop("resources", {}) or {}) | {GPU_RESOURCE: 1}
     cluster = LocalCUDACluster(n_workers=n_gpu, threads_per_worker=1, resources=resources, **options)
     try:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from dask_dl import config
 from dask_dl.checks import positive_int
+from dask_dl.cluster.sigint import with_preload
 from dask_dl.cluster.tls import security_from
 from dask_dl.cluster.workers import GPU_RESOURCE, add_cpu_workers
 
@@ -65,7 +66,7 @@ def make_local(
     }
     if security is not None:
         options |= {"security": security, "protocol": "tls://"}
-    options |= kwargs
+    options = with_preload(options | kwargs)  # the worker processes leave Ctrl-C to the driver
     if "host" in kwargs and "dashboard_address" not in kwargs:
         options["dashboard_address"] = f"{kwargs['host']}:0"
     if not tagged:

@@ -87,6 +87,57 @@ def test_tagged_stand_in_workers_and_check_visible(tmp_path):
             check_visible(client, missing)
 
 
+USER_PRELOAD = """
+def dask_setup(worker):
+    worker.user_preload_ran = True
+"""
+
+
+def test_local_worker_processes_leave_ctrl_c_to_the_driver(tmp_path):
+    """A terminal's Ctrl-C reaches the worker processes of the local cluster too: they ignore it, and live on."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from dask_dl.cluster.sigint import dask_setup
+
+    (tmp_path / "user_preload.py").write_text(USER_PRELOAD)
+    with (
+        dask.config.set({"distributed.worker.preload": [str(tmp_path / "user_preload.py")]}),  # kept, not replaced
+        connect(kind="local", n_workers=1, tagged_workers=1) as client,  # the tagged ones and the added CPU one
+    ):
+        pids = client.run(os.getpid)
+        assert len(pids) == 2
+        seen = client.run(
+            lambda dask_worker: (signal.getsignal(signal.SIGINT) == signal.SIG_IGN, dask_worker.user_preload_ran)
+        )
+        assert seen == {address: (True, True) for address in pids}
+        for pid in pids.values():
+            os.kill(pid, signal.SIGINT)  # what Ctrl-C in the terminal sends to the whole job
+        time.sleep(1.0)
+        assert client.run(os.getpid) == pids  # the same processes: none ended (a nanny restart changes the pid)
+    # the driver keeps Python's handler, also when a worker in one of its threads runs the preload
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    in_a_thread = threading.Thread(target=dask_setup, args=(None,))
+    in_a_thread.start()
+    in_a_thread.join()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_the_ctrl_c_preload_keeps_the_preloads_and_their_arguments_aligned():
+    from dask_dl.cluster.sigint import PRELOAD, with_preload
+
+    assert with_preload({"preload": "mine", "preload_argv": [["--x"]], "n": 1}) == {
+        "preload": ["mine", PRELOAD], "preload_argv": [["--x"], []], "n": 1,
+    }  # fmt: skip
+    assert with_preload({"preload": ["a", "b"], "preload_argv": ["--y"]})["preload_argv"] == ["--y"]  # one for all
+    with dask.config.set({"distributed.worker.preload": ["cfg"], "distributed.worker.preload-argv": [["--z"]]}):
+        assert with_preload({}) == {"preload": ["cfg", PRELOAD], "preload_argv": [["--z"], []]}
+    once = with_preload({})
+    assert with_preload(once) == once
+
+
 def test_importing_jobqueue_keeps_the_ctrl_c_handler():
     """dask_jobqueue.runner sets SIGINT to sys.exit on import; make('slurm') imports it without that effect."""
     import subprocess
