@@ -18,7 +18,7 @@ from typing import Any
 import click
 
 from dask_dl.errors import DaskDLError
-from dask_dl.interrupt import caught_interrupt
+from dask_dl.interrupt import Interrupted, caught_interrupt
 from dask_dl.models import MODELS
 from dask_dl.registry import Registry
 from dask_dl.train.compressors import COMPRESSORS
@@ -30,12 +30,17 @@ from dask_dl.train.tuning import SCHEDULES
 class _Group(click.Group):
     """A click group that turns :class:`DaskDLError` into a one-line message and exit status 1.
 
-    Any other exception is a bug and keeps its traceback; ``--debug`` shows the traceback of every error.
+    Ctrl-C ends a command with status 130, as shells report it, and with the message of an
+    :class:`~dask_dl.interrupt.Interrupted` (what was kept, how to go on) instead of click's "Aborted!". Any
+    other exception is a bug and keeps its traceback; ``--debug`` shows the traceback of every error.
     """
 
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
+        except KeyboardInterrupt as exc:
+            click.echo(str(exc) if isinstance(exc, Interrupted) else "stopped by Ctrl-C", err=True)
+            sys.exit(130)
         except DaskDLError as exc:
             if ctx.params.get("debug"):
                 raise

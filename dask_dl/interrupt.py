@@ -18,6 +18,13 @@ from collections.abc import Iterator
 from typing import Any
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C stopped a dask_dl job; the message says what it kept and how to go on (``dask-dl`` prints it alone).
+
+    A KeyboardInterrupt, so that whatever stops on Ctrl-C stops on it too, and ``except Exception`` does not catch it.
+    """
+
+
 class Interrupt:
     """Whether Ctrl-C was pressed since :func:`caught_interrupt` began; :meth:`check` raises it in the loop."""
 

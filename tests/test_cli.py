@@ -15,6 +15,7 @@ from click.testing import CliRunner
 
 from dask_dl.cli import cli
 from dask_dl.errors import CheckpointError
+from dask_dl.interrupt import Interrupted
 from dask_dl.testing.data import write_store
 from dask_dl.testing.interrupt import ctrl_c_in_a_finalizer
 
@@ -93,3 +94,24 @@ def test_bugs_keep_their_traceback(monkeypatch, store):
     result = CliRunner().invoke(cli, ["summary", store])
     assert result.exit_code == 1 and isinstance(result.exception, ZeroDivisionError)
     assert not result.output.startswith("error: ")
+
+
+@pytest.mark.parametrize(
+    ("raised", "said"),
+    [
+        (KeyboardInterrupt(), "stopped by Ctrl-C"),
+        (Interrupted("ingest into 's.zarr' stopped by Ctrl-C with 3 of 8 shards written; ..."),
+         "ingest into 's.zarr' stopped by Ctrl-C with 3 of 8 shards written; ..."),
+    ],
+)  # fmt: skip
+def test_ctrl_c_ends_any_command_with_130_and_what_it_kept(monkeypatch, store, raised, said):
+    """Status 130, as shells report Ctrl-C (click alone says "Aborted!" and exits with 1), with --debug too."""
+    import dask_dl.data.dataset
+
+    def pressed(*args, **kwargs):
+        raise raised
+
+    monkeypatch.setattr(dask_dl.data.dataset, "summary", pressed)
+    for debug in ([], ["--debug"]):
+        result = CliRunner().invoke(cli, [*debug, "summary", store])
+        assert (result.exit_code, result.output) == (130, said + "\n")

@@ -49,6 +49,7 @@ from dask_dl.data.rejects import check_share
 from dask_dl.data.schema import labels_of, task_of, validate_catalog
 from dask_dl.data.store import StoreFiles, StoreLayout, lost_shards
 from dask_dl.errors import CatalogError, ConfigurationError, StoreError, StoreNotFoundError
+from dask_dl.interrupt import Interrupted, caught_interrupt
 
 if TYPE_CHECKING:  # pragma: no cover
     from distributed import Client
@@ -229,6 +230,13 @@ def ingest(
             client_ = get_client(client)
             try:
                 tables = _run(client_, jobs, url, layout, options, reading, progress=progress)
+            except KeyboardInterrupt:
+                written, total = len(_finished_shards(files)), layout.n_shards
+                rest = f"write the other {total - written}" if written < total else "mark the store complete"
+                raise Interrupted(
+                    f"ingest into {url!r} stopped by Ctrl-C with {written} of {total} shards written; run the "
+                    f"same ingest again to {rest} (it keeps the written shards)"
+                ) from None
             finally:
                 if client is None:
                     close_client(client_)
@@ -518,12 +526,16 @@ def _run(
     *,
     progress: bool,
 ) -> list[pd.DataFrame]:
-    from distributed import as_completed
+    """Write the shards of ``jobs`` on the cluster's CPU workers; return their status tables.
+
+    On Ctrl-C the shards not started are cancelled and the ones being written are waited for (a second Ctrl-C
+    leaves them), so that no task writes into the store once the lease is given back; KeyboardInterrupt follows.
+    """
     from distributed import progress as progress_bar
 
     from dask_dl.cluster.workers import cpu_workers
 
-    run = uuid.uuid4().hex
+    prefix = f"ingest-shard-{uuid.uuid4().hex}-"
     futures = client.map(
         _ingest_shard,
         jobs,
@@ -531,21 +543,66 @@ def _run(
         layout=layout.to_dict(),
         min_size=options["min_size"],
         **reading,
-        key=[f"ingest-shard-{run}-{job['shard']}" for job in jobs],
+        key=[f"{prefix}{job['shard']}" for job in jobs],
         workers=cpu_workers(client),  # on a cluster with GPU workers, leave them to the trainers
     )
     try:
-        if progress:
+        if progress:  # the bar blocks; Python's own handler raises Ctrl-C in its wait
             progress_bar(futures)
             return client.gather(futures)
-        tables, step = [], max(1, len(futures) // 10)
-        for done, future in enumerate(as_completed(futures), 1):
-            tables.append(future.result())
-            if done % step == 0 or done == len(futures):
-                logger.info("ingest %s: %d/%d shards written", url, done, len(futures))
-        return tables
+        return _gather_logged(futures, url)
+    except KeyboardInterrupt:
+        client.cancel(futures)
+        _wait_for_running(client, prefix)
+        raise
     finally:
         client.cancel(futures)
+
+
+def _gather_logged(futures: list[Any], url: str) -> list[pd.DataFrame]:
+    """The futures' results as they finish, with a log line per tenth; Ctrl-C is checked between polls."""
+    tables: list[pd.DataFrame] = []
+    pending, step = list(futures), max(1, len(futures) // 10)
+    with caught_interrupt() as interrupt:  # never lost in a finalizer (dask_dl.interrupt)
+        while pending:
+            interrupt.check()
+            waiting = []
+            for future in pending:
+                if not future.done():
+                    waiting.append(future)
+                    continue
+                tables.append(future.result())  # a failed shard raises here, as it did in the task
+                if len(tables) % step == 0 or len(tables) == len(futures):
+                    logger.info("ingest %s: %d/%d shards written", url, len(tables), len(futures))
+            if len(waiting) == len(pending):
+                time.sleep(0.1)
+            pending = waiting
+    return tables
+
+
+def _running_keys(prefix: str, dask_worker: Any = None) -> list[str]:
+    """On a worker: the keys starting with ``prefix`` that a thread still runs (cancelled ones included)."""
+    return [ts.key for ts in dask_worker.state.executing if str(ts.key).startswith(prefix)]
+
+
+def _wait_for_running(client: Client, prefix: str) -> None:
+    """Wait until no worker runs a task whose key starts with ``prefix``; a second Ctrl-C stops waiting."""
+    told = False
+    with caught_interrupt() as interrupt:
+        while True:
+            per_worker = client.run(_running_keys, prefix, on_error="return")  # a lost worker runs nothing
+            running = sum(len(keys) for keys in per_worker.values() if isinstance(keys, list))
+            if not running:
+                return
+            if not told:
+                logger.warning(
+                    "ingest stopping: waiting for the %d shard(s) being written to finish (Ctrl-C again to leave "
+                    "them; the next ingest rewrites them)",
+                    running,
+                )
+                told = True
+            interrupt.check()
+            time.sleep(0.2)
 
 
 def _all_status(files: StoreFiles, layout: StoreLayout, *, new: list[pd.DataFrame]) -> pd.DataFrame:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.server
 import json
 import logging
 import os
@@ -10,6 +11,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -394,6 +396,24 @@ KILLED_RUN = textwrap.dedent(
 )
 
 
+def wait_until_stuck(process: subprocess.Popen, status: Path) -> None:
+    """Wait until an ingest whose two hung images keep both workers busy has written every shard it can."""
+    count, stable_since, deadline = -1, time.monotonic(), time.monotonic() + 120
+    while time.monotonic() < deadline:
+        now = len(list(status.glob("*.json"))) if status.exists() else 0
+        if now != count:
+            count, stable_since = now, time.monotonic()
+        elif count > 0 and time.monotonic() - stable_since > 3:
+            return
+        assert process.poll() is None, "the run finished although two of its images hang"
+        time.sleep(0.2)
+    pytest.fail(f"the run never settled ({count} status files)")
+
+
+def shards_done(status: Path) -> set[int]:
+    return {int(p.stem.split("-")[1]) for p in status.glob("*.json")}
+
+
 def test_resume_after_kill_writes_only_missing_shards(cluster_client, tmp_path, request):
     catalog = make_collection(tmp_path / "images", n=48, bad={13: "garbage"})  # 12 shards of 4 images
     # Rows 9 and 21 (shards 2 and 5) are URLs of a server that accepts connections and never answers, like a hung
@@ -417,21 +437,11 @@ def test_resume_after_kill_writes_only_missing_shards(cluster_client, tmp_path, 
         stderr=subprocess.DEVNULL,
     )
     try:
-        count, stable_since, deadline = -1, time.monotonic(), time.monotonic() + 120
-        while time.monotonic() < deadline:
-            now = len(list(status.glob("*.json"))) if status.exists() else 0
-            if now != count:
-                count, stable_since = now, time.monotonic()
-            elif count > 0 and time.monotonic() - stable_since > 3:
-                break
-            assert process.poll() is None, "the run finished although two of its images hang"
-            time.sleep(0.2)
-        else:
-            pytest.fail(f"the killed run never settled ({count} status files)")
+        wait_until_stuck(process, status)
     finally:
         os.killpg(process.pid, signal.SIGKILL)  # the driver and its LocalCluster's worker processes
         process.wait()
-    done = {int(p.stem.split("-")[1]) for p in status.glob("*.json")}
+    done = shards_done(status)
     assert 0 < len(done) < 12 and not done & {2, 5}
     assert zarr.open_group(store, mode="r").attrs["dask_dl"]["complete"] is False
     with pytest.raises(StoreError, match="(?i)run ingest again to resume"):
@@ -460,6 +470,104 @@ def test_resume_after_kill_writes_only_missing_shards(cluster_client, tmp_path, 
     assert result.rejects["row"].tolist() == [13]
     np.testing.assert_array_equal(dask_dl.open_dataset(store).image.values, dask_dl.open_dataset(clean).image.values)
     assert json.loads((store / "zarr.json").read_text())["attributes"]["dask_dl"]["complete"] is True
+
+
+KILLED_AT_CLOSE = "distributed.nanny - WARNING - Worker process still alive after 4.0 seconds, killing"
+
+
+class GatedImages(http.server.ThreadingHTTPServer):
+    """Serves ``/<row>.png`` with the bytes of ``files[row]`` once ``gates[row]`` is set: a slow network mount."""
+
+    daemon_threads = True
+
+    def __init__(self, files: dict[int, Path]) -> None:
+        self.files = files
+        self.gates = {row: threading.Event() for row in files}
+        super().__init__(("127.0.0.1", 0), _GatedHandler)
+
+    def url(self, row: int) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}/{row}.png"
+
+
+class _GatedHandler(http.server.BaseHTTPRequestHandler):
+    def do_HEAD(self) -> None:
+        self._answer(body=False)
+
+    def do_GET(self) -> None:
+        self._answer(body=True)
+
+    def _answer(self, body: bool) -> None:
+        row = int(self.path.strip("/").split(".")[0])
+        while not self.server.gates[row].wait(0.2):
+            if getattr(self.server, "_BaseServer__shutdown_request", False):
+                return
+        data = self.server.files[row].read_bytes()
+        self.send_response(200)
+        self.send_header("Content-Type", "image/png")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if body:
+            self.wfile.write(data)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def test_ctrl_c_in_the_terminal_stops_ingest_after_the_shards_being_written(cluster_client, tmp_path, request):
+    """Ctrl-C as a terminal sends it (to the command and its local cluster's workers): the shards not started are
+    cancelled, the ones being written finish (a second Ctrl-C leaves them), the command says what it kept and exits
+    with 130, and the next ingest writes the rest."""
+    catalog = make_collection(tmp_path / "images", n=48)  # 12 shards of 4 images
+    served = GatedImages({9: Path(catalog.loc[9, "path"]), 21: Path(catalog.loc[21, "path"])})  # shards 2 and 5
+    threading.Thread(target=served.serve_forever, daemon=True).start()
+    request.addfinalizer(served.server_close)
+    request.addfinalizer(served.shutdown)
+    remote = catalog.copy()
+    for row in served.files:
+        remote.loc[row, "path"] = served.url(row)
+    write_catalog(remote, tmp_path / "catalog.parquet")
+    store = tmp_path / "stopped.zarr"
+    status, output = store / "_dask_dl" / "status", tmp_path / "output.txt"
+    env = {**os.environ, "DASK_DASK_DL__INGEST__ALLOWED_SCHEMES": '["file", "http"]'}
+    command = [sys.executable, "-m", "dask_dl.cli", "ingest", str(tmp_path / "catalog.parquet"), str(store),
+               "--size", "32", "--chunk", "2", "--shard", "2", "--workers", "2"]  # fmt: skip
+    with output.open("w") as out:
+        process = subprocess.Popen(command, start_new_session=True, stdout=out, stderr=subprocess.STDOUT, env=env)
+    request.addfinalizer(lambda: process.poll() is None and os.killpg(process.pid, signal.SIGKILL))
+    wait_until_stuck(process, status)
+    before = shards_done(status)
+    assert before and not before & {2, 5}
+
+    os.killpg(process.pid, signal.SIGINT)  # Ctrl-C: the whole job, as a terminal sends it
+    waiting = "ingest stopping: waiting for the 2 shard(s) being written to finish (Ctrl-C again to leave them; the next ingest rewrites them)"  # noqa: E501
+    deadline = time.monotonic() + 60
+    while waiting not in output.read_text():
+        assert process.poll() is None and time.monotonic() < deadline, output.read_text()
+        time.sleep(0.1)
+    served.gates[9].set()  # shard 2's image arrives: its task writes the shard although the ingest was stopped
+    while 2 not in shards_done(status):
+        assert process.poll() is None and time.monotonic() < deadline, output.read_text()
+        time.sleep(0.1)
+    time.sleep(0.5)
+    assert process.poll() is None  # still waiting for shard 5
+    os.killpg(process.pid, signal.SIGINT)  # the second Ctrl-C leaves shard 5 hanging
+    assert process.wait(timeout=60) == 130
+    done = shards_done(status)
+    assert done == before | {2}
+    # the worker still reading shard 5's image cannot close, and the cluster's nanny ends its process: it says so
+    lines = [line for line in output.read_text().splitlines() if not line.endswith(KILLED_AT_CLOSE)]
+    assert lines == [
+        waiting,
+        f"ingest into '{store}' stopped by Ctrl-C with {len(done)} of 12 shards written; run the same ingest again "
+        f"to write the other {12 - len(done)} (it keeps the written shards)",
+    ]  # and nothing else: no worker's traceback, no cancelled task's warning, no "Aborted!"
+    assert not (store / "_dask_dl" / "lease.json").exists()
+
+    served.gates[21].set()
+    with dask.config.set({"dask-dl.ingest.allowed-schemes": ["file", "http"]}):
+        result = dask_dl.ingest(remote, store, size=32, chunk=2, shard=2, client=cluster_client, progress=False)
+    assert (result.shards_written, result.shards_skipped, result.n_rejected) == (12 - len(done), len(done), 0)
+    assert shards_done(status) == set(range(12))
 
 
 # ---- one writer per store (issue 11) ----------------------------------------------------------------------------
