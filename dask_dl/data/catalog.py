@@ -71,6 +71,12 @@ def _detect(source: Path) -> str:
     others = [p for p in files if p.suffix.lower() in IMAGE_EXTENSIONS and not is_dicom_file(str(p))]
     if dicoms and not others:
         return "dicom"
+    if others and [p.name for p in visible_dirs(source)] == ["images"]:  # NIH's layout without its table
+        raise CatalogError(
+            f"{str(source)!r} has an images/ folder and no Data_Entry_2017.csv (nor _v2020): an NIH root without its "
+            "table, from a synthesis that did not finish (dask-dl synth and the demo write it last) or a copy that "
+            "left it out. Run the synthesis again, or copy NIH's Data_Entry_2017.csv next to images/"
+        )
     if others and any(p.parent != source for p in others):
         return "folders"
     return ""

@@ -15,6 +15,7 @@ files are byte-identical whether the blocks run in this process or as tasks on a
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
 import os
@@ -399,22 +400,37 @@ def _plan(
     return table
 
 
-def _write_tables(table: pd.DataFrame) -> None:
-    """Write ``Data_Entry_2017.csv`` and the two split lists of every site root."""
-    for site_root, frame in table.groupby("site_root", sort=False):
+_TABLES = ("Data_Entry_2017.csv", "train_val_list.txt", "test_list.txt", "BBox_List_2017.csv")
+
+
+def _clear_tables(table: pd.DataFrame) -> None:
+    """Make every site root's image folder and delete its tables, which an earlier synthesis may have left.
+
+    The tables are written last, once every image is: a synthesis stopped on the way (Ctrl-C, a lost worker)
+    leaves a root without ``Data_Entry_2017.csv``, which no reader takes for a collection, instead of a table that
+    lists images not written (or written by the earlier synthesis).
+    """
+    for site_root in table["site_root"].unique():
         os.makedirs(os.path.join(site_root, "images"), exist_ok=True)
+        for name in _TABLES:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(site_root, name))
+
+
+def _write_tables(table: pd.DataFrame) -> None:
+    """Write the two split lists, then ``Data_Entry_2017.csv``, of every site root (after its images)."""
+    for site_root, frame in table.groupby("site_root", sort=False):
+        for split, fn in (("train_val", "train_val_list.txt"), ("test", "test_list.txt")):
+            ids = sorted(frame.loc[frame["split"] == split, "image_id"])
+            with open(os.path.join(site_root, fn), "w", newline="") as f:
+                f.write("".join(i + "\n" for i in ids))
         lines = [NIH_HEADER]
         for row in frame.itertuples(index=False):
             lines.append(
                 f"{row.image_id},{row.finding_labels},{row.follow_up},{row.patient},{row.age},{row.sex},"
                 f"{row.view},{row.orig_width},{row.orig_height},{row.spacing_x:g},{row.spacing_y:g},"
             )
-        with open(os.path.join(site_root, "Data_Entry_2017.csv"), "w", newline="") as f:
-            f.write("\n".join(lines) + "\n")
-        for split, fn in (("train_val", "train_val_list.txt"), ("test", "test_list.txt")):
-            ids = sorted(frame.loc[frame["split"] == split, "image_id"])
-            with open(os.path.join(site_root, fn), "w", newline="") as f:
-                f.write("".join(i + "\n" for i in ids))
+        _write_whole(os.path.join(site_root, "Data_Entry_2017.csv"), ("\n".join(lines) + "\n").encode())
 
 
 _BLOCK_COLUMNS = ("path", "view", "gain", "gamma", "noise", "rgba", "corrupt_kind", *NIH_LABELS)
@@ -472,8 +488,20 @@ def _save_png(path: str, pixels: np.ndarray, *, rgba: bool, corrupt: str, seed: 
     elif corrupt == "garbage":
         rng = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(*key, 99)))
         data = b"garbage\x00" + rng.bytes(int(rng.integers(100, 2000)))
-    with open(path, "wb") as f:
-        f.write(data)
+    _write_whole(path, data)
+
+
+def _write_whole(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` under a temporary name, then rename: a stopped write leaves no half a file."""
+    partial = f"{path}.{os.getpid()}.partial"
+    try:
+        with open(partial, "wb") as f:
+            f.write(data)
+        os.replace(partial, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(partial)
+        raise
 
 
 def synthesize(
@@ -504,7 +532,8 @@ def synthesize(
     Parameters
     ----------
     root
-        Directory to write into (created if needed; files already there are overwritten).
+        Directory to write into (created if needed; files already there are overwritten). The tables are
+        written last, after every image: a synthesis stopped on the way leaves no ``Data_Entry_2017.csv``.
     n_images
         Number of images, over all sites together.
     size
@@ -565,10 +594,11 @@ def synthesize(
         root, n_images, seed=seed, n_patients=n_patients, label_source=label_source, sites=names,
         rgba_fraction=rgba_fraction, corrupt_fraction=corrupt_fraction,
     )  # fmt: skip
-    _write_tables(table)
+    _clear_tables(table)  # a table says its collection is complete: there is none until every image is written
     blocks = [table.iloc[start : start + _BLOCK][list(_BLOCK_COLUMNS)] for start in range(0, len(table), _BLOCK)]
     boxes = _run_blocks(blocks, size=size, seed=seed, client=client, progress=progress)
     _write_boxes(table, boxes)
+    _write_tables(table)
     return _result(table)
 
 

@@ -84,6 +84,59 @@ def test_parallel_on_a_cluster_equals_serial(client, tmp_path):
     )
 
 
+TABLES = ["BBox_List_2017.csv", "Data_Entry_2017.csv", "test_list.txt", "train_val_list.txt"]
+
+
+def test_a_stopped_synthesis_leaves_no_table_and_running_it_again_writes_it_whole(tmp_path, monkeypatch):
+    """The tables are written last: a root with a table is complete, also over an earlier synthesis."""
+    import dask_dl
+    from dask_dl.data import synthetic
+
+    root = tmp_path / "root"
+    synthesize(root, n_images=100, size=64, seed=1)  # an earlier, complete collection
+    write_block = synthetic._write_block
+
+    def ctrl_c_at_block_2(rows, *, size, seed, block):
+        if block == 2:
+            raise KeyboardInterrupt  # what Ctrl-C raises in the loop over blocks
+        return write_block(rows, size=size, seed=seed, block=block)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(synthetic, "_write_block", ctrl_c_at_block_2)
+        with pytest.raises(KeyboardInterrupt):
+            synthesize(root, n_images=300, size=64, seed=2)
+    assert sorted(p.name for p in root.iterdir()) == ["images"]  # the earlier tables are gone, no new one
+    assert not list(root.rglob("*.partial"))
+    with pytest.raises(CatalogError, match=r"has an images/ folder and no Data_Entry_2017.csv .*Run the synthesis "):
+        dask_dl.read_catalog(root)  # not a class-folder collection with one class, "images"
+
+    table = synthesize(root, n_images=300, size=64, seed=2)
+    fresh = tmp_path / "fresh"
+    synthesize(fresh, n_images=300, size=64, seed=2)
+    written = _hashes(root)
+    assert {name: written[name] for name in _hashes(fresh)} == _hashes(fresh)  # what it lists, as a fresh one
+    assert sorted(p.name for p in root.iterdir()) == sorted([*TABLES, "images"])
+    assert len(dask_dl.read_catalog(root)) == len(table) == 300
+
+
+def test_an_image_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    from dask_dl.data import synthetic
+
+    path = tmp_path / "00000001_000.png"
+    path.write_bytes(b"an earlier image")
+
+    def stopped(source, target):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(synthetic.os, "replace", stopped)
+        with pytest.raises(KeyboardInterrupt):
+            synthetic._write_whole(str(path), b"\x89PNG new bytes")
+    assert path.read_bytes() == b"an earlier image" and sorted(tmp_path.iterdir()) == [path]
+    synthetic._write_whole(str(path), b"\x89PNG new bytes")
+    assert path.read_bytes() == b"\x89PNG new bytes" and sorted(tmp_path.iterdir()) == [path]
+
+
 def test_table_is_the_2017_nih_form(tmp_path):
     table = synthesize(tmp_path, n_images=120, size=64, seed=1)
     lines = (tmp_path / "Data_Entry_2017.csv").read_text().split("\n")
