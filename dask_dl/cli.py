@@ -600,25 +600,22 @@ def demo(out, images, size, epochs, model, trainers, compression, batch_size, da
     """Run the whole story on a local cluster: synthesize, ingest, train, evaluate, export, score, report.
 
     Everything is written under OUT (default ./dask-dl-demo): the raw collection, the Zarr store, checkpoints,
-    the ONNX model and the test-split scores.
+    the ONNX model and the test-split scores. Stopped (Ctrl-C) and run again, it keeps the collection and the
+    store written so far and trains anew.
     """
     from dask_dl.demo import run_demo
 
-    report = run_demo(
-        out,
-        images=images,
-        size=size,
-        epochs=epochs,
-        model=model,
-        trainers=trainers,
-        compression=compression,
-        batch_size=batch_size,
-        data=data,
-        seed=seed,
-        scheduler=scheduler,
-        workers=workers,
-        view="log" if quiet else "auto",
-    )
+    try:
+        report = run_demo(
+            out, images=images, size=size, epochs=epochs, model=model, trainers=trainers, compression=compression,
+            batch_size=batch_size, data=data, seed=seed, scheduler=scheduler, workers=workers,
+            view="log" if quiet else "auto",
+        )  # fmt: skip
+    except KeyboardInterrupt:
+        raise Interrupted(
+            f"demo stopped by Ctrl-C; run the same command again to go on: it keeps the collection and the store "
+            f"written so far under {out}, and trains anew"
+        ) from None
     click.echo(str(report))
 
 

@@ -115,3 +115,18 @@ def test_ctrl_c_ends_any_command_with_130_and_what_it_kept(monkeypatch, store, r
     for debug in ([], ["--debug"]):
         result = CliRunner().invoke(cli, [*debug, "summary", store])
         assert (result.exit_code, result.output) == (130, said + "\n")
+
+
+def test_a_stopped_demo_says_that_running_it_again_goes_on(monkeypatch, tmp_path):
+    import dask_dl.demo
+
+    def pressed(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(dask_dl.demo, "run_demo", pressed)
+    result = CliRunner().invoke(cli, ["demo", str(tmp_path / "demo")])
+    assert (result.exit_code, result.output) == (
+        130,
+        "demo stopped by Ctrl-C; run the same command again to go on: it keeps the collection and the store written "
+        f"so far under {tmp_path / 'demo'}, and trains anew\n",
+    )
