@@ -668,7 +668,8 @@ class TrainingActor:
             if report["stopped"]:  # every rank stopped at the same step (train_epoch's flags)
                 if self.rank == 0:
                     seconds = time.perf_counter() - started
-                    publish(epoch_row(epoch, trained, None, seconds=seconds, event="stopped", **common))
+                    row = epoch_row(epoch, trained, None, seconds=seconds, event="stopped", **common)
+                    publish({**row, **report["lrs"]})  # the learning rate it stopped at, not NaN
                 return {"status": "stopped", "rows": published}
             scored = self._gather_to_root(self.validate(epoch))
             row = None

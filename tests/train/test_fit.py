@@ -262,6 +262,7 @@ def test_stop_frees_workers_and_fit_again(store, cluster_client):
     assert run.status == "stopped"
     assert set(run.history["event"]) <= {"", "stopped"}
     assert len(run.history) < 500
+    assert (run.history["lr"] == run.history["lr"].iloc[0]).all()  # the stopped epoch's row too (it was NaN)
     assert run.checkpoint()["epoch"] == int(run.history.query("event != 'stopped'")["epoch"].max())
     # process groups left, actors released: the cluster is free for the next run
     assert in_process_group(cluster_client) == [False, False]
