@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import re
+import sys
 import time
 import uuid
 import warnings
@@ -270,8 +271,6 @@ def read_rejects(store: str | os.PathLike) -> pd.DataFrame:
 
 
 def _interactive() -> bool:
-    import sys
-
     return sys.stdout.isatty() or "ipykernel" in sys.modules
 
 
@@ -552,6 +551,8 @@ def _run(
             return client.gather(futures)
         return _gather_logged(futures, url)
     except KeyboardInterrupt:
+        if progress and sys.stdout.isatty():
+            print(flush=True)  # end the bar's line: what follows starts on a line of its own
         client.cancel(futures)
         _wait_for_running(client, prefix)
         raise
