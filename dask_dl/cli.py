@@ -652,6 +652,10 @@ def explain_command(
     if os.path.exists(out) and not overwrite:
         raise StoreError(f"{out!r} exists already; pass --overwrite to replace it")
     ds = open_dataset(store, split=split)
+    if boxes is not None:  # a mistake in the box table is told before the maps are computed
+        from dask_dl.data.boxes import read_boxes
+
+        boxes = read_boxes(boxes, size=ds, image_size=image_size)
     chosen = [label.strip() for label in labels.split(",")] if labels else None
     maps = explain(ds, model, labels=chosen, method=method, dtype=dtype)
     client = get_client(scheduler=scheduler, n_workers=workers)
@@ -662,7 +666,7 @@ def explain_command(
             import xarray as xr
 
             written = xr.open_zarr(out, consolidated=False)["explanation"]
-            table = localization(written, boxes, image_size=image_size)
+            table = localization(written, boxes)  # in the maps' pixels: read above
             click.echo(table.round(3).to_string())
     finally:
         if scheduler is not None:

@@ -190,6 +190,9 @@ def test_cli_writes_maps_and_prints_localization(collection, cluster_client, tmp
     args = ["explain", collection["store"], str(checkpoint), "--labels", "Effusion", "--out", str(out), "--split",
             "test", "--scheduler", address, "--boxes", str(collection["root"] / "raw" / "BBox_List_2017.csv"),
             "--image-size", str(SOURCE_SIZE)]  # fmt: skip
+    result = CliRunner().invoke(cli, args[:-2])  # without --image-size: NIH's frame, where these boxes are tiny
+    assert result.exit_code == 1 and "Pass image_size=" in result.output and "--image-size" in result.output
+    assert not out.exists()  # told before the maps were computed
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 0, result.output
     assert "IoBB 0.1" in result.output and "Effusion" in result.output

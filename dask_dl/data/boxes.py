@@ -210,6 +210,8 @@ def read_boxes(
     frame = _clean(frame, NIH_BOX_LABELS if label_map is None and nih else (label_map or {}))
     target = _target_size(size)
     frame, frames = _frames(frame, image_size, catalog, nih)
+    if target is not None and nih and image_size is None and catalog is None:  # the assumed frame would scale them
+        _check_nih_frame(frame, source)
     if target is not None:
         if frames is None:
             raise ConfigurationError(
@@ -220,6 +222,30 @@ def read_boxes(
         frame = _scale(frame, frames, target)
     frame.attrs = {"size": target if target is not None else (None if frames is None else _common_side(frames))}
     return frame
+
+
+#: Fewer boxes than this may all lie in one corner of NIH's frame by chance; more cannot (lungs fill the image).
+_CORNER_BOXES = 20
+
+
+def _check_nih_frame(frame: pd.DataFrame, source: Any) -> None:
+    """Refuse an NIH-form table whose boxes all lie in the top-left quarter of the 1024-pixel frame assumed for it.
+
+    That is the mark of boxes drawn on smaller images, such as a synthetic collection's (in the ``size`` given to
+    :func:`~dask_dl.data.synthetic.synthesize`): scaled from 1024 pixels they would shrink into one corner, and
+    every localization score would be 0 without any error. Passing ``image_size=`` skips this check.
+    """
+    if len(frame) < _CORNER_BOXES:
+        return
+    extent = float(max((frame["x"] + frame["w"]).max(), (frame["y"] + frame["h"]).max()))
+    if extent <= NIH_IMAGE_SIZE / 2:
+        name = "the box table" if isinstance(source, pd.DataFrame) else repr(os.fspath(source))
+        raise DatasetError(
+            f"all {len(frame)} boxes of {name} end within {extent:g} pixels of the top-left corner of the "
+            f"{NIH_IMAGE_SIZE} x {NIH_IMAGE_SIZE} frame assumed for NIH's form: they were drawn on smaller images "
+            "(a synthetic collection's boxes are in the size given to synthesize). Pass image_size=<the side of "
+            "those images> (dask-dl explain --image-size), or image_size=1024 if they are NIH's"
+        )
 
 
 def _common_side(frames: np.ndarray) -> int | None:

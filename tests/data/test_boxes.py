@@ -93,6 +93,27 @@ def test_synthesize_writes_nih_box_table(tmp_path):
     assert drawn == set(zip(boxes["image_id"], boxes["finding"], strict=True))
 
 
+def test_boxes_of_smaller_images_are_not_scaled_as_nih_pixels_without_a_word(tmp_path, shared_data):
+    """A synthetic collection's NIH-form table is in its own size; scaled from NIH's 1024 it would score 0."""
+    dask_dl.synthesize(tmp_path, n_images=120, size=128, seed=4)
+    path = tmp_path / "BBox_List_2017.csv"
+    raw = read_boxes(path)  # no scaling asked: no frame needed
+    extent = max((raw["x"] + raw["w"]).max(), (raw["y"] + raw["h"]).max())
+    assert len(raw) >= 20 and extent <= 128
+    said = rf"all {len(raw)} boxes of '{path}' end within {extent:g} pixels of the top-left corner of the 1024 x 1024 "
+    with pytest.raises(DatasetError, match=said + r"frame .* Pass image_size=<the side of those images>"):
+        read_boxes(path, size=64)
+    halved = read_boxes(path, size=64, image_size=128)
+    np.testing.assert_allclose(halved[["x", "y", "w", "h"]].to_numpy(), raw[["x", "y", "w", "h"]].to_numpy() / 2)
+    assert len(read_boxes(path, size=64, image_size=1024)) == len(raw)  # said on purpose: taken as NIH's pixels
+    few = tmp_path / "few.csv"  # a few boxes may well sit in one corner of NIH's images
+    few.write_text("\n".join(path.read_text().splitlines()[:20]) + "\n")
+    np.testing.assert_allclose(read_boxes(few, size=64)[["x", "w"]].to_numpy(), raw[["x", "w"]].head(19) / 16)
+    nih = shared_data / "nih" / "BBox_List_2017.csv.gz"
+    if nih.exists():  # NIH's own boxes cover the whole frame
+        assert len(read_boxes(nih, size=64)) == 984
+
+
 def test_boxes_attach_to_a_dataset_by_image_id(tmp_path, cluster_client):
     dask_dl.synthesize(tmp_path / "raw", n_images=40, size=64, seed=3)
     catalog = dask_dl.read_catalog(tmp_path / "raw")
