@@ -211,7 +211,12 @@ class _LayoutChoice(click.Choice):
     help="DICOM only: labels table keyed by SOP Instance UID, file name or path (first column), with "
     "'Finding Labels' or one 0/1 column per label.",
 )  # fmt: skip
-def catalog(source, out, layout, site, seed, val_fraction, test_fraction, labels_csv) -> None:
+@click.option(
+    "--id-from", type=click.Choice(["uid", "path"]), default=None,
+    help="DICOM only: name images by SOP Instance UID (default) or by path under SOURCE (for archives where UIDs "
+    "repeat).",
+)  # fmt: skip
+def catalog(source, out, layout, site, seed, val_fraction, test_fraction, labels_csv, id_from) -> None:
     """Read the collection at SOURCE into a catalog; print image counts per split and per label.
 
     SOURCE is an NIH ChestX-ray14 folder (Data_Entry_2017*.csv[.gz], images/), a folder of DICOM files,
@@ -221,7 +226,7 @@ def catalog(source, out, layout, site, seed, val_fraction, test_fraction, labels
     from dask_dl.data.schema import labels_of, write_catalog
 
     options = {"site": site, "seed": seed, "val_fraction": val_fraction, "test_fraction": test_fraction}
-    options["labels_csv"] = labels_csv
+    options |= {"labels_csv": labels_csv, "id_from": id_from}
     table = read_catalog(source, layout=layout, **{k: v for k, v in options.items() if v is not None})
     splits = [s for s in ("train", "val", "test") if (table["split"] == s).any()]
     counts = table.groupby("split")[labels_of(table)].sum().T.reindex(columns=splits)

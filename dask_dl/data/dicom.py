@@ -444,14 +444,16 @@ def read_dicom(
         no_uid = frame["sop_uid"] == ""
         if no_uid.any():
             raise CatalogError(
-                f"{relative[no_uid].iloc[0]!r} has no SOP Instance UID; pass id_from='path' to name images by path"
+                f"{relative[no_uid].iloc[0]!r} has no SOP Instance UID; pass id_from='path' (dask-dl catalog "
+                "--id-from path) to name images by path"
             )
         dup = frame["sop_uid"].duplicated(keep=False)
         if dup.any():
             uid = frame.loc[dup, "sop_uid"].iloc[0]
             raise CatalogError(
                 f"the files {list(relative[frame['sop_uid'] == uid])} share the SOP Instance UID {uid!r}; "
-                "image ids must be unique: remove the copies, or pass id_from='path' to name images by path"
+                "image ids must be unique: remove the copies, or pass id_from='path' (dask-dl catalog --id-from path "
+                "-o catalog.parquet, then ingest that) to name images by path"
             )
         frame["image_id"] = frame["sop_uid"]
     else:

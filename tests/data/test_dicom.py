@@ -73,7 +73,7 @@ def test_real_headers(shared_data):
     }
 
 
-def test_real_folder_shares_one_uid(shared_data):
+def test_real_folder_shares_one_uid(shared_data, tmp_path):
     # Both real files carry the same SOP Instance UID: ids by UID would collide, and the error says what to do.
     with pytest.raises(CatalogError, match="share the SOP Instance UID.*id_from='path'") as info:
         read_dicom(shared_data / "dicom")
@@ -84,6 +84,17 @@ def test_real_folder_shares_one_uid(shared_data):
     assert set(catalog["site"]) == {"NIH-dicom"}
     assert catalog["patient_id"].nunique() == 1 and catalog["split"].nunique() == 1
     assert list(catalog["age"]) == [62.0, 62.0] and list(catalog["orig_width"]) == [1024, 1024]
+    # the fix the error gives a shell user works from the shell
+    from click.testing import CliRunner
+
+    from dask_dl.cli import cli
+
+    refused = CliRunner().invoke(cli, ["catalog", str(shared_data / "dicom")])
+    assert refused.exit_code == 1 and "dask-dl catalog --id-from path -o catalog.parquet" in refused.output
+    out = tmp_path / "catalog.parquet"
+    done = CliRunner().invoke(cli, ["catalog", str(shared_data / "dicom"), "--id-from", "path", "-o", str(out)])
+    assert done.exit_code == 0, done.output
+    assert sorted(pd.read_parquet(out)["image_id"]) == sorted([MONO1, MONO2])
 
 
 # ---- pixel pipeline on files written here -----------------------------------------------------------------
