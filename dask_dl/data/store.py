@@ -204,6 +204,23 @@ class StoreLayout:
 # ---- files beside the arrays (fsspec, no zarr internals) ---------------------------------------------------
 
 
+def write_whole(path: str, data: bytes) -> None:
+    """Write ``data`` to the local file ``path`` under a temporary name, then rename it into place.
+
+    A reader never sees half a file: a write stopped on the way (Ctrl-C, a kill, a full disk) leaves the previous
+    file, or none, and no temporary file (a full disk's half file is never a look-alike of a finished one).
+    """
+    temporary = f"{path}.{uuid.uuid4().hex}.partial"
+    try:
+        with open(temporary, "wb") as f:
+            f.write(data)
+        os.replace(temporary, path)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+        raise
+
+
 class StoreFiles:
     """The files of a store at ``url`` (local path or fsspec URL), read and written with fsspec.
 
@@ -250,15 +267,7 @@ class StoreFiles:
         if not self.local:
             self.fs.pipe_file(target, data)
             return
-        temporary = f"{target}.{uuid.uuid4().hex}.partial"
-        try:
-            with open(temporary, "wb") as f:
-                f.write(data)
-            os.replace(temporary, target)
-        except BaseException:
-            if os.path.exists(temporary):  # a full disk leaves half a file: never a status file's look-alike
-                os.remove(temporary)
-            raise
+        write_whole(target, data)
 
     def delete(self, key: str) -> None:
         if self.fs.exists(self.path(key)):  # a missing file is what was asked for

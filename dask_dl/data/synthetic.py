@@ -32,6 +32,7 @@ from dask_dl.data.labels import NO_FINDING
 from dask_dl.data.nih import NIH_HEADER
 from dask_dl.data.radiograph import draw_with_boxes
 from dask_dl.data.schema import NIH_LABELS
+from dask_dl.data.store import write_whole
 from dask_dl.data.swatches import make_collection
 from dask_dl.errors import CatalogError, ConfigurationError, StoreNotFoundError
 
@@ -430,7 +431,7 @@ def _write_tables(table: pd.DataFrame) -> None:
                 f"{row.image_id},{row.finding_labels},{row.follow_up},{row.patient},{row.age},{row.sex},"
                 f"{row.view},{row.orig_width},{row.orig_height},{row.spacing_x:g},{row.spacing_y:g},"
             )
-        _write_whole(os.path.join(site_root, "Data_Entry_2017.csv"), ("\n".join(lines) + "\n").encode())
+        write_whole(os.path.join(site_root, "Data_Entry_2017.csv"), ("\n".join(lines) + "\n").encode())
 
 
 _BLOCK_COLUMNS = ("path", "view", "gain", "gamma", "noise", "rgba", "corrupt_kind", *NIH_LABELS)
@@ -488,20 +489,7 @@ def _save_png(path: str, pixels: np.ndarray, *, rgba: bool, corrupt: str, seed: 
     elif corrupt == "garbage":
         rng = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(*key, 99)))
         data = b"garbage\x00" + rng.bytes(int(rng.integers(100, 2000)))
-    _write_whole(path, data)
-
-
-def _write_whole(path: str, data: bytes) -> None:
-    """Write ``data`` to ``path`` under a temporary name, then rename: a stopped write leaves no half a file."""
-    partial = f"{path}.{os.getpid()}.partial"
-    try:
-        with open(partial, "wb") as f:
-            f.write(data)
-        os.replace(partial, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(partial)
-        raise
+    write_whole(path, data)
 
 
 def synthesize(

@@ -120,7 +120,8 @@ def test_a_stopped_synthesis_leaves_no_table_and_running_it_again_writes_it_whol
 
 
 def test_an_image_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
-    from dask_dl.data import synthetic
+    """Synthesis (and the store's own files) write through store.write_whole: a stopped write leaves the old file."""
+    from dask_dl.data import store
 
     path = tmp_path / "00000001_000.png"
     path.write_bytes(b"an earlier image")
@@ -129,11 +130,11 @@ def test_an_image_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
         raise KeyboardInterrupt
 
     with monkeypatch.context() as patch:
-        patch.setattr(synthetic.os, "replace", stopped)
+        patch.setattr(store.os, "replace", stopped)
         with pytest.raises(KeyboardInterrupt):
-            synthetic._write_whole(str(path), b"\x89PNG new bytes")
+            store.write_whole(str(path), b"\x89PNG new bytes")
     assert path.read_bytes() == b"an earlier image" and sorted(tmp_path.iterdir()) == [path]
-    synthetic._write_whole(str(path), b"\x89PNG new bytes")
+    store.write_whole(str(path), b"\x89PNG new bytes")
     assert path.read_bytes() == b"\x89PNG new bytes" and sorted(tmp_path.iterdir()) == [path]
 
 
