@@ -6,6 +6,9 @@ the allocation makes the collector free garbage and run its ``__del__`` methods 
 and an exception raised in one is printed as "Exception ignored in ..." and lost; the run goes on as if the user had
 not pressed Ctrl-C. A handler that only notes the press cannot be lost that way: the loop raises KeyboardInterrupt
 itself at its next check.
+
+A job that Ctrl-C stops part way (an ingest, a synthesis, the demo) raises :class:`Interrupted`, whose message says
+what it kept and how to go on; ``dask-dl`` prints that message and exits with status 130.
 """
 
 from __future__ import annotations

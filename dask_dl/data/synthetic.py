@@ -35,6 +35,7 @@ from dask_dl.data.schema import NIH_LABELS
 from dask_dl.data.store import write_whole
 from dask_dl.data.swatches import make_collection
 from dask_dl.errors import CatalogError, ConfigurationError, StoreNotFoundError
+from dask_dl.interrupt import Interrupted
 
 if TYPE_CHECKING:  # pragma: no cover
     from distributed import Client
@@ -584,7 +585,13 @@ def synthesize(
     )  # fmt: skip
     _clear_tables(table)  # a table says its collection is complete: there is none until every image is written
     blocks = [table.iloc[start : start + _BLOCK][list(_BLOCK_COLUMNS)] for start in range(0, len(table), _BLOCK)]
-    boxes = _run_blocks(blocks, size=size, seed=seed, client=client, progress=progress)
+    try:
+        boxes = _run_blocks(blocks, size=size, seed=seed, client=client, progress=progress)
+    except KeyboardInterrupt:
+        raise Interrupted(
+            f"synthesis into {root!r} stopped by Ctrl-C before its tables were written (they come last, so the "
+            "images written so far are no collection); run the same synthesis again to write it"
+        ) from None
     _write_boxes(table, boxes)
     _write_tables(table)
     return _result(table)

@@ -103,7 +103,8 @@ def test_a_stopped_synthesis_leaves_no_table_and_running_it_again_writes_it_whol
 
     with monkeypatch.context() as patch:
         patch.setattr(synthetic, "_write_block", ctrl_c_at_block_2)
-        with pytest.raises(KeyboardInterrupt):
+        with pytest.raises(KeyboardInterrupt, match=r"synthesis into '.*root' stopped by Ctrl-C before its tables "
+                           r"were written .* run the same synthesis again to write it"):  # fmt: skip
             synthesize(root, n_images=300, size=64, seed=2)
     assert sorted(p.name for p in root.iterdir()) == ["images"]  # the earlier tables are gone, no new one
     assert not list(root.rglob("*.partial"))
