@@ -605,8 +605,8 @@ def demo(out, images, size, epochs, model, trainers, compression, batch_size, da
     """Run the whole story on a local cluster: synthesize, ingest, train, evaluate, export, score, report.
 
     Everything is written under OUT (default ./dask-dl-demo): the raw collection, the Zarr store, checkpoints,
-    the ONNX model and the test-split scores. Stopped (Ctrl-C) and run again, it keeps the collection and the
-    store written so far and trains anew.
+    the ONNX model and the test-split scores. Stopped (Ctrl-C) and run again, it keeps what it finished (the
+    synthetic collection, the shards of the store) and trains anew.
     """
     from dask_dl.demo import run_demo
 
@@ -618,8 +618,8 @@ def demo(out, images, size, epochs, model, trainers, compression, batch_size, da
         )  # fmt: skip
     except KeyboardInterrupt:
         raise Interrupted(
-            f"demo stopped by Ctrl-C; run the same command again to go on: it keeps the collection and the store "
-            f"written so far under {out}, and trains anew"
+            f"demo stopped by Ctrl-C; run the same command again to go on: it keeps what it finished under {out} "
+            "(the synthetic collection, the shards of the store) and trains anew"
         ) from None
     click.echo(str(report))
 

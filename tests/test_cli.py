@@ -127,6 +127,6 @@ def test_a_stopped_demo_says_that_running_it_again_goes_on(monkeypatch, tmp_path
     result = CliRunner().invoke(cli, ["demo", str(tmp_path / "demo")])
     assert (result.exit_code, result.output) == (
         130,
-        "demo stopped by Ctrl-C; run the same command again to go on: it keeps the collection and the store written "
-        f"so far under {tmp_path / 'demo'}, and trains anew\n",
+        f"demo stopped by Ctrl-C; run the same command again to go on: it keeps what it finished under "
+        f"{tmp_path / 'demo'} (the synthetic collection, the shards of the store) and trains anew\n",
     )
