@@ -60,7 +60,8 @@ def _detect(source: Path) -> str:
         return ""
     if find_table(CollectionRoot(source)) is not None:
         return "nih"
-    sites = [p.name for p in visible_dirs(source) if find_table(CollectionRoot(p)) is not None]
+    folders = visible_dirs(source)
+    sites = [p.name for p in folders if find_table(CollectionRoot(p)) is not None]
     if sites:
         raise CatalogError(
             f"{str(source)!r} holds NIH collections in {sites[:10]}, one per site; read each on its own, e.g. "
@@ -71,7 +72,7 @@ def _detect(source: Path) -> str:
     others = [p for p in files if p.suffix.lower() in IMAGE_EXTENSIONS and not is_dicom_file(str(p))]
     if dicoms and not others:
         return "dicom"
-    if others and [p.name for p in visible_dirs(source)] == ["images"]:  # NIH's layout without its table
+    if others and [p.name for p in folders] == ["images"]:  # NIH's layout without its table
         raise CatalogError(
             f"{str(source)!r} has an images/ folder and no Data_Entry_2017.csv (nor _v2020): an NIH root without its "
             "table, from a synthesis that did not finish (dask-dl synth and the demo write it last) or a copy that "

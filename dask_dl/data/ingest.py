@@ -553,11 +553,11 @@ def _run(
     except KeyboardInterrupt:
         if progress and sys.stdout.isatty():
             print(flush=True)  # end the bar's line: what follows starts on a line of its own
-        client.cancel(futures)
+        client.cancel(futures)  # the shards not started; the running ones finish under the lease
         _wait_for_running(client, prefix)
         raise
     finally:
-        client.cancel(futures)
+        client.cancel(futures)  # after a failed shard, the others are not wanted
 
 
 def _gather_logged(futures: list[Any], url: str) -> list[pd.DataFrame]:
