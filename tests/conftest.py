@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 import pytest
 
-# Importing dask_gateway or dask_jobqueue writes their default yaml into the dask config folder (~/.config/dask):
-# tests point DASK_CONFIG at a folder of their own before dask is imported.
-os.environ.setdefault("DASK_CONFIG", tempfile.mkdtemp(prefix="dask-dl-tests-dask-config-"))
+# The repository's conftest.py has pointed TMPDIR and DASK_CONFIG at the run's own folder before dask is imported.
 
 # Registers dask_dl's config defaults before distributed.utils_test snapshots dask.config: its fixtures reset the
 # config to that snapshot, which would otherwise lack the "dask-dl" key.
