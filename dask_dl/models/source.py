@@ -199,7 +199,12 @@ def build_from_checkpoint(checkpoint: dict[str, Any], *, model: Any = None) -> n
     else:
         source = source_of_checkpoint(checkpoint)
         if source.kind in ("module", "factory") and source.path is None:
-            how = "passed by value (fit(model=Net(...)))" if source.kind == "module" else "made by a local function"
+            if source.kind == "module":
+                how = "passed by value (fit(model=Net(...)))"
+            elif source.name.startswith("__main__."):
+                how = "made by a function of your script or notebook (__main__), which the workers cannot import"
+            else:
+                how = "made by a function without an import path (a local function or a lambda)"
             raise TrainingError(
                 f"the checkpoint holds the weights of the user model {source.name!r}, {how}: rebuilding it needs your "
                 "code. Pass the model again: export_onnx(checkpoint, path, model=...), or build it and call "

@@ -96,6 +96,20 @@ def test_torchvision_model_is_adapted_to_channels_and_labels():
     check_fits(net, name="torchvision:resnet18", in_channels=1, input_size=32, labels=("a", "b"))
 
 
+def test_a_checkpoint_of_user_code_says_why_it_needs_that_code_again():
+    def saved(kind, name):
+        return {"labels": ["a"], "model_source": {"kind": kind, "name": name, "kwargs": {}, "path": None}}
+
+    why = {
+        ("module", "x.Net"): r"passed by value \(fit\(model=Net\(\.\.\.\)\)\)",
+        ("factory", "__main__.big_net"): r"made by a function of your script or notebook \(__main__\), which the workers",
+        ("factory", "x.make.<locals>.net"): r"made by a function without an import path \(a local function or a lambda\)",
+    }
+    for (kind, name), reason in why.items():
+        with pytest.raises(TrainingError, match=rf"user model '{name}', {reason}.*Pass the model again"):
+            build_from_checkpoint(saved(kind, name))
+
+
 def test_adapt_first_conv_and_head_name():
     net = nets.resnet18(5, in_channels=3)
     adapt_first_conv(net, 1)
