@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -54,6 +55,11 @@ class _Group(click.Group):
 @click.option("--debug", is_flag=True, default=False, help="Show the full traceback of every error, expected or not.")
 def cli(debug: bool) -> None:
     """Dask-native deep learning on big image collections: ingest, train, export, predict."""
+    here = os.getcwd()
+    if not {"", here} & set(sys.path):
+        # your models (--model module:function, and checkpoints of them) import from the current folder, as with
+        # `python -m`; appended, so that nothing installed is shadowed; a local cluster's workers get this path
+        sys.path.append(here)
 
 
 def scheduler_option(f):
@@ -123,18 +129,53 @@ def cluster_options(f):
     )(f)  # fmt: skip
 
 
+class _ModelName(click.Choice):
+    """A registry model (the choices, completed by the shell), or ``torchvision:NAME``, ``timm:NAME`` or the
+    import path ``module:function`` of the user's own (checked by ``fit``, which says what is wrong)."""
+
+    def get_metavar(self, param, *args, **kwargs):
+        return "[" + "|".join(self.choices) + "|torchvision:NAME|timm:NAME|MODULE:FUNCTION]"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, str) and ":" in value:
+            return value
+        try:
+            return super().convert(value, param, ctx)
+        except click.BadParameter:
+            self.fail(
+                f"{value!r} is no model: name one of {', '.join(self.choices)}, or give torchvision:NAME, timm:NAME "
+                "or the import path module:function of a function returning your network",
+                param, ctx,
+            )  # fmt: skip
+
+
+def model_option(*names: str):
+    """``--model``: the registry's names and help lines, plus the other forms ``fit(model=...)`` takes by name."""
+    return registry_option(
+        *names, registry=MODELS, what="Model", type=_ModelName(MODELS.names()),
+        more=" Or torchvision:NAME, timm:NAME, or module:function: a function of yours returning the network (it"
+        " gets num_outputs and in_channels when it takes them), importable from the current folder or PYTHONPATH.",
+    )  # fmt: skip
+
+
 quiet_option = click.option("--quiet", "-q", is_flag=True, help="No progress bar: log lines only (batch jobs).")
 
 
-def registry_option(*names: str, registry: Registry, what: str, default: str | None = None):
-    """An option whose choices and help are the names and help lines of ``registry`` (not a copied list)."""
+def registry_option(
+    *names: str, registry: Registry, what: str, default: str | None = None, type: click.Choice | None = None,
+    more: str = "",
+):  # fmt: skip
+    """An option whose choices and help are the names and help lines of ``registry`` (not a copied list).
+
+    ``type`` replaces the plain choice of those names (a choice that also takes other forms, said in ``more``).
+    """
     lines = "; ".join(f"{name}: {text}" if text else name for name, text in registry.help().items())
     default_text = f" Default: {default}." if default is not None else " Default from config."
     return click.option(
         *names,
-        type=click.Choice(registry.names()),
+        type=type or click.Choice(registry.names()),
         default=default,
-        help=f"{what} ({lines}).{default_text}",
+        help=f"{what} ({lines}).{more}{default_text}",
     )
 
 
@@ -377,7 +418,7 @@ def check_command(store) -> None:
 
 @cli.command("train")
 @click.argument("store")
-@registry_option("--model", "-m", registry=MODELS, what="Model")
+@model_option("--model", "-m")
 @click.option("--epochs", "-e", type=int, default=None, help="Epochs in all (a resumed run continues up to it).")
 @click.option("--batch-size", "-b", type=int, default=None, help="Images per step on each trainer.")
 @click.option("--trainers", "-t", type=int, default=None, help="Data-parallel trainers, one per worker.")
@@ -532,7 +573,6 @@ def export_command(checkpoint, out, overwrite, opset) -> None:
 @scheduler_option
 def predict_command(store, model, out, split, batch_size, overwrite, on, scheduler, workers) -> None:
     """Score the images of STORE (from dask-dl ingest) with MODEL (.onnx); print AUROC per label when known."""
-    import os
 
     import numpy as np
 
@@ -646,7 +686,6 @@ def explain_command(
     store, model, labels, out, method, split, dtype, boxes, image_size, overwrite, scheduler, workers
 ) -> None:
     """Explain MODEL's findings on the images of STORE and write the maps to a Zarr store."""
-    import os
 
     from dask_dl.cluster import close_client, get_client
     from dask_dl.data.dataset import open_dataset

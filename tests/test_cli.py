@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import onnx
 import pytest
@@ -129,4 +132,50 @@ def test_a_stopped_demo_says_that_running_it_again_goes_on(monkeypatch, tmp_path
         130,
         f"demo stopped by Ctrl-C; run the same command again to go on: it keeps what it finished under "
         f"{tmp_path / 'demo'} (the synthetic collection, the shards of the store) and trains anew\n",
+    )
+
+
+def test_train_and_export_a_model_of_your_own_from_the_current_folder(store, tmp_path):
+    """``dask-dl train -m mymodels:build`` in the folder of mymodels.py, as `python -m` would import it: the local
+    cluster's worker processes import it too, and ``dask-dl export`` rebuilds the model from the checkpoint."""
+    dask_dl = Path(sys.executable).with_name("dask-dl")  # the installed command: its sys.path lacks the folder
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "mymodels.py").write_text(
+        "from dask_dl.testing.models import TinyNet\n\n\n"
+        "def build(num_outputs):\n"
+        "    return TinyNet(num_outputs, width=3)\n"
+    )
+
+    def run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+        return subprocess.run([str(dask_dl), *args], cwd=cwd, capture_output=True, text=True, timeout=240)
+
+    trained = run("train", store, "-m", "mymodels:build", "-e", "1", "-b", "4", "-t", "2", "-w", "2", "-q",
+                  "--checkpoint-dir", "ck", cwd=work)  # fmt: skip
+    assert trained.returncode == 0, trained.stderr
+    assert trained.stdout.strip().splitlines()[-1].endswith(": finished"), trained.stdout
+    checkpoint = torch.load(work / "ck" / "epoch-0000.pt", weights_only=True)
+    assert checkpoint["model_source"]["path"] == "mymodels:build"
+    assert checkpoint["model"]["conv1.weight"].shape[0] == 3
+
+    exported = run("export", "ck", "m.onnx", cwd=work)
+    assert exported.returncode == 0 and exported.stdout.startswith("wrote m.onnx: mymodels:build, 32 px"), exported
+
+    elsewhere = run("export", str(work / "ck"), str(tmp_path / "m.onnx"), cwd=tmp_path)
+    assert (elsewhere.returncode, elsewhere.stdout) == (1, ""), elsewhere
+    assert elsewhere.stderr == (
+        "error: the model is built by 'mymodels:build', which does not import here (ModuleNotFoundError: No module "
+        "named 'mymodels'): run where it imports (from the module's folder, or with it on PYTHONPATH or installed), "
+        "or pass the model again (export_onnx(checkpoint, path, model=...))\n"
+    )
+
+
+def test_model_option_takes_names_and_import_paths():
+    result = CliRunner().invoke(cli, ["train", "s.zarr", "-m", "resnet1"])
+    assert result.exit_code == 2
+    assert "'resnet1' is no model: name one of small_cnn, alexnet, resnet18" in result.output
+    assert "or give torchvision:NAME, timm:NAME or the import path module:function" in result.output
+    help_text = " ".join(CliRunner().invoke(cli, ["train", "--help"]).output.split())
+    assert "--model [small_cnn|alexnet|resnet18|resnet50|densenet121|torchvision:NAME|timm:NAME|MODULE:FUNCTION]" in (
+        help_text
     )

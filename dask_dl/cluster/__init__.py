@@ -17,6 +17,7 @@ with TLS (``security=True`` or :func:`tls_files`).
 from __future__ import annotations
 
 from dask_dl.cluster.client import close_client, connect, get_client
+from dask_dl.cluster.code import check_importable
 from dask_dl.cluster.make import KINDS, make, wait_for_workers
 from dask_dl.cluster.storage import check_visible, set_storage_options
 from dask_dl.cluster.tls import security_from, tls_files
@@ -27,6 +28,7 @@ __all__ = [
     "KINDS",
     "WORKER_KINDS",
     "add_cpu_workers",
+    "check_importable",
     "check_visible",
     "close_client",
     "connect",

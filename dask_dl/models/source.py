@@ -10,7 +10,8 @@ kind           ``model=``                                   rebuilt from a check
 ``registry``   ``"small_cnn"`` (:func:`dask_dl.list_models`)  the name and ``model_kwargs``
 ``torchvision`` ``"torchvision:resnet50"``                   the name (``weights=None``: nothing downloads)
 ``timm``       ``"timm:convnext_tiny"``                     the name (``pretrained=False``)
-``factory``    a callable returning an ``nn.Module``        its import path ``module:qualname`` when it has one
+``factory``    a callable returning an ``nn.Module``, or    its import path ``module:qualname`` when it has one
+               its import path ``"module:function"``
 ``module``     an ``nn.Module`` (shipped by value)          the user's code only: pass ``model=`` the module again
 =============  ===========================================  ========================================================
 
@@ -41,6 +42,7 @@ __all__ = [
     "check_fits",
     "first_conv_name",
     "head_name",
+    "import_path",
     "model_source",
 ]
 
@@ -90,7 +92,7 @@ class ModelSource:
             )  # fmt: skip
         if self.kind == "module":
             return copy.deepcopy(self.target)
-        factory = self.target if self.target is not None else _load_path(self.path)
+        factory = self.target if self.target is not None else self._import()
         built = factory(**_factory_arguments(factory, num_outputs, in_channels), **self.kwargs)
         if not isinstance(built, nn.Module):
             raise ConfigurationError(
@@ -98,6 +100,37 @@ class ModelSource:
                 "pass model= a function that returns the network"
             )
         return built
+
+    def modules(self) -> tuple[str, ...]:
+        """The modules a worker imports to build this model: torchvision or timm, or the user's module that the
+        factory, the module's class or a registered builder is pickled from by reference (none for ``__main__``)."""
+        if self.kind in _PREFIXES:
+            return (self.kind,)
+        if self.kind == "factory":
+            owner = self.path
+        elif self.kind == "module":
+            owner = import_path(type(self.target))
+        else:
+            owner = self.target if isinstance(self.target, str) else import_path(self.target)
+        if owner is None:
+            return ()
+        module = owner.partition(":")[0]
+        import cloudpickle
+
+        by_value = cloudpickle.list_registry_pickle_by_value()  # cloudpickle.register_pickle_by_value(module)
+        return () if any(module == m or module.startswith(m + ".") for m in by_value) else (module,)
+
+    def _import(self) -> Any:
+        """The factory at ``path`` (a checkpoint's model), or a TrainingError saying where it must import."""
+        try:
+            return _load_path(self.path)
+        except (ImportError, AttributeError) as e:
+            raise TrainingError(
+                f"the model {'' if self.name == self.path else repr(self.name) + ' '}is built by {self.path!r}, "
+                "which does not import here "
+                f"({type(e).__name__}: {e}): run where it imports (from the module's folder, or with it on "
+                "PYTHONPATH or installed), or pass the model again (export_onnx(checkpoint, path, model=...))"
+            ) from e
 
     def to_dict(self) -> dict[str, Any]:
         """What a checkpoint stores: ``kind``, ``name``, ``kwargs`` and ``path`` (plain data)."""
@@ -110,7 +143,9 @@ def model_source(model: Any, model_kwargs: dict[str, Any] | None = None) -> Mode
     Parameters
     ----------
     model
-        A registry name, ``"torchvision:NAME"``, ``"timm:NAME"``, a ``torch.nn.Module`` or a callable returning one.
+        A registry name, ``"torchvision:NAME"``, ``"timm:NAME"``, the import path ``"module:function"`` of a
+        function returning a module (imported here and on every trainer), a ``torch.nn.Module`` or a callable
+        returning one.
     model_kwargs
         Options of a registry model, torchvision/timm builder keywords, or extra keywords of a factory.
 
@@ -134,6 +169,8 @@ def model_source(model: Any, model_kwargs: dict[str, Any] | None = None) -> Mode
             if importlib.util.find_spec(prefix) is None:
                 raise missing_dependency(prefix, prefix, f"model={model!r}")
             return ModelSource(prefix, model, kwargs)
+        if sep:
+            return _source_of_path(model, kwargs)
         from dask_dl.models import MODELS, model_options
 
         entry = MODELS.entry(model)  # unknown names: the registry's error, listing them
@@ -142,7 +179,7 @@ def model_source(model: Any, model_kwargs: dict[str, Any] | None = None) -> Mode
             raise ConfigurationError(
                 f"model {model!r} has no option(s) {unknown}; its options are {list(model_options(model)) or 'none'}"
             )
-        path = entry.target if isinstance(entry.target, str) else _import_path(entry.target)
+        path = entry.target if isinstance(entry.target, str) else import_path(entry.target)
         return ModelSource("registry", model, kwargs, target=entry.target, path=path)
     is_module = not isinstance(model, type) and hasattr(model, "state_dict") and hasattr(model, "parameters")
     if is_module and callable(model):  # an nn.Module (a class of one is a factory)
@@ -153,7 +190,7 @@ def model_source(model: Any, model_kwargs: dict[str, Any] | None = None) -> Mode
             )
         return ModelSource("module", _qualname(type(model)), {}, target=model)
     if callable(model):
-        path = _import_path(model)
+        path = import_path(model)
         return ModelSource("factory", path or _qualname(model), kwargs, target=model, path=path)
     raise ConfigurationError(
         f"model must be a name (e.g. 'small_cnn' or 'torchvision:resnet50'), a torch.nn.Module or a function "
@@ -330,7 +367,7 @@ def _qualname(obj: Any) -> str:
     return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', type(obj).__name__)}"
 
 
-def _import_path(obj: Any) -> str | None:
+def import_path(obj: Any) -> str | None:
     """``module:qualname`` when importing that gives back ``obj`` itself, else None (locals, lambdas, __main__)."""
     module, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
     if not module or not qualname or module == "__main__" or "<" in qualname:
@@ -340,6 +377,40 @@ def _import_path(obj: Any) -> str | None:
         return path if _load_path(path) is obj else None
     except (ImportError, AttributeError):
         return None
+
+
+def _source_of_path(path: str, kwargs: dict[str, Any]) -> ModelSource:
+    """``model="module:function"``: what that path imports (a factory, a module class, or a module), on the driver.
+
+    The trainers' workers must import the same module (a local cluster's worker processes get the driver's path).
+    """
+    module, _, qualname = path.partition(":")
+    if (
+        not module
+        or not qualname
+        or not all(part.isidentifier() for part in [*module.split("."), *qualname.split(".")])
+    ):
+        raise ConfigurationError(
+            f"model={path!r} is no import path; pass 'module:function' (a function returning the network, e.g. "
+            f"'mymodels:build_net'), 'torchvision:NAME', 'timm:NAME' or a registry name (dask_dl.list_models())"
+        )
+    try:
+        target = _load_path(path)
+    except ImportError as e:
+        raise ConfigurationError(
+            f"model={path!r}: importing {module!r} failed ({type(e).__name__}: {e}); the module must import where "
+            "dask-dl runs and on every trainer's worker: run from its folder, put it on PYTHONPATH, or install it"
+        ) from e
+    except AttributeError:
+        raise ConfigurationError(f"model={path!r}: module {module!r} has no {qualname!r}") from None
+    if not callable(target):
+        raise ConfigurationError(
+            f"model={path!r} is a {type(target).__name__}, not a function returning a torch.nn.Module (or a module)"
+        )
+    source = model_source(target, kwargs)
+    if source.kind == "factory" and source.path is None:  # e.g. a functools.partial: no qualname of its own
+        return ModelSource("factory", path, kwargs, target=target, path=path)
+    return source
 
 
 def _load_path(path: str | None) -> Any:

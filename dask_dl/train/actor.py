@@ -47,7 +47,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dask_dl import allocator
 from dask_dl.checkpoint import load_checkpoint
-from dask_dl.errors import ClusterError, TrainingError
+from dask_dl.errors import ClusterError, ConfigurationError, TrainingError
 from dask_dl.train import profiler
 from dask_dl.train.buffers import broadcast_buffers
 from dask_dl.train.checkpoint import rng_state, set_rng_state, to_cpu
@@ -226,16 +226,18 @@ class TrainingActor:
         return f"tcp://{host}:{port}"
 
     def setup(
-        self, spec: TrainerSpec, *, init_method: str, rank: int, world_size: int, checkpoint: Any = None
+        self, spec: TrainerSpec | bytes, *, init_method: str, rank: int, world_size: int, checkpoint: Any = None
     ) -> dict[str, Any]:
         """Join the process group, build model, DDP, compressor, optimizer and loaders; load a checkpoint.
 
-        ``checkpoint`` (a path or a checkpoint dict; a restart's) replaces ``spec.resume_from``; it may be of another
-        world size (:mod:`dask_dl.train.resume`).
+        ``spec`` comes pickled (distributed's pickle) from the driver, so that failing to unpickle it is this call's
+        error. ``checkpoint`` (a path or a checkpoint dict; a restart's) replaces ``spec.resume_from``; it may be of
+        another world size (:mod:`dask_dl.train.resume`).
         """
         from distributed import get_worker
 
         worker = get_worker()
+        spec = _unpickle_spec(spec, worker.address)
         _claim_process_group(worker, wait_s=min(float(spec.timeout_s), _CLAIM_WAIT_S))
         try:
             return self._setup(
@@ -817,6 +819,22 @@ logger = logging.getLogger("dask_dl.train")
 _GROUP_OWNER: weakref.ref | None = None  # the actor whose process group this worker process is in
 _WATCH_S = 1.0  # how often a running trainer checks that its actor is still wanted (its client still there)
 _CLAIM_WAIT_S = 10.0  # how long setup waits for a failed run's trainer to leave its group before judging it stale
+
+
+def _unpickle_spec(spec: TrainerSpec | bytes, address: str) -> TrainerSpec:
+    """The run's spec from the driver's pickle, or a ConfigurationError naming the module this worker lacks."""
+    if not isinstance(spec, bytes):
+        return spec
+    from distributed.protocol import pickle
+
+    try:
+        return pickle.loads(spec)
+    except Exception as exc:
+        raise ConfigurationError(
+            f"worker {address} cannot load the run's model and options: {type(exc).__name__}: {exc}. The model or "
+            "loss comes from a module that does not import there (or imports one that does not): install it where "
+            "the workers run, or send it to them from Python before the run (client.upload_file)"
+        ) from None
 
 
 def _raise_for_the_driver(exc: BaseException) -> NoReturn:

@@ -27,6 +27,8 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
+from distributed.protocol import pickle
+
 from dask_dl.errors import CheckpointError, ConfigurationError, TrainingError
 from dask_dl.train.aggregate import worker_hour_price
 from dask_dl.train.placement import busy_workers
@@ -285,10 +287,13 @@ class Driver:
         if self.stop_requested.is_set():  # stop() came before the actors existed
             self.stop()
         init_method = self._actors[0].free_address().result()
+        # pickled here: a worker that cannot unpickle it (a module of the user's model it cannot import) raises in
+        # setup, where an argument distributed fails to unpickle would leave the call unanswered for good
+        spec = pickle.dumps(self.spec)
         # all ranks must call init_process_group at once: start every setup before awaiting any
         infos = self._gather(
             [
-                a.setup(self.spec, init_method=init_method, rank=r, world_size=n, checkpoint=checkpoint)
+                a.setup(spec, init_method=init_method, rank=r, world_size=n, checkpoint=checkpoint)
                 for r, a in enumerate(self._actors)
             ]  # fmt: skip
         )

@@ -236,7 +236,7 @@ def fit(
     >>> run = fit(ds, model="resnet18", epochs=10, trainers=2, compression="onebit", wait=False)  # doctest: +SKIP
     >>> run.history[["epoch", "train_loss", "val_auroc_mean"]]  # doctest: +SKIP
     """
-    from dask_dl.cluster import check_visible, close_client, get_client
+    from dask_dl.cluster import check_importable, check_visible, close_client, get_client
 
     options = check_run(
         dataset, model=model, epochs=epochs, batch_size=batch_size, trainers=trainers, compression=compression,
@@ -272,6 +272,7 @@ def fit(
         workers_allowed = None if workers is None else tuple(workers)
         workers = place_trainers(client, options.trainers, among=workers_allowed)
         check_visible(client, options.store, workers=workers)  # the trainers open the store themselves
+        check_importable(client, _modules_needed(options), workers=workers)  # and import the user's modules
         run = TrainingRun(
             client, options, workers=workers, history=history, resume_from=resume_from, owns_client=owns_client,
             start_state=start_state, weights_only=weights_only, among=workers_allowed,
@@ -288,6 +289,17 @@ def fit(
     if wait:
         run.wait()
     return run
+
+
+def _modules_needed(options: RunOptions) -> dict[str, str]:
+    """``{module: what needs it}`` for the modules the trainers import to unpickle the model and the loss."""
+    from dask_dl.models.source import import_path
+
+    needs = {name: f"model {options.model_source.name!r}" for name in options.model_source.modules()}
+    path = import_path(options.loss) if callable(options.loss) else None
+    if path is not None:
+        needs.setdefault(path.partition(":")[0], f"loss {path!r}")
+    return needs
 
 
 class TrainingRun:

@@ -7,7 +7,10 @@ split (micro-batches) give the same weights.
 
 from __future__ import annotations
 
+import re
 import sys
+import textwrap
+import uuid
 
 import cloudpickle
 import numpy as np
@@ -16,7 +19,7 @@ import torch
 from torch import nn
 
 import dask_dl
-from dask_dl import ConfigurationError, ExportError, MissingDependencyError, TrainingError
+from dask_dl import ClusterError, ConfigurationError, ExportError, MissingDependencyError, TrainingError
 from dask_dl.checkpoint import load_checkpoint
 from dask_dl.models import nets
 from dask_dl.models.source import adapt_first_conv, build_from_checkpoint, check_fits, head_name, model_source
@@ -72,9 +75,30 @@ def test_model_source_kinds():
     assert built(torch.zeros(1, 2, 32, 32)).shape == (1, 3) and built.conv1.out_channels == 2
 
 
+def test_model_source_of_an_import_path_and_the_modules_the_workers_import():
+    by_path = model_source("dask_dl.testing.models:tiny_net", {"width": 2})
+    assert (by_path.kind, by_path.name, by_path.path) == ("factory", "dask_dl.testing.models:tiny_net", by_path.name)
+    assert by_path.build(num_outputs=3, in_channels=1).conv1.out_channels == 2
+    assert model_source("dask_dl.testing.models:TinyNet").path == "dask_dl.testing.models:TinyNet"
+    assert by_path.modules() == ("dask_dl.testing.models",)
+    assert model_source(TinyNet(2)).modules() == ("dask_dl.testing.models",)  # its class travels by reference
+    assert model_source(NotebookNet()).modules() == ()  # this module is registered to travel by value
+    assert model_source(lambda: NotebookNet()).modules() == ()
+    assert model_source("small_cnn").modules() == ("dask_dl.models.nets",)
+
+
 def test_model_source_errors():
     with pytest.raises(ConfigurationError, match="unknown model 'nope'"):
         model_source("nope")
+    for bad in ("mymodels:", ":build", "my models:build", "mymodels:make.<locals>.build"):
+        with pytest.raises(ConfigurationError, match=rf"model='{re.escape(bad)}' is no import path; pass 'module:"):
+            model_source(bad)
+    with pytest.raises(ConfigurationError, match=r"importing 'no_such_module_x' failed \(ModuleNotFoundError: No "):
+        model_source("no_such_module_x:build")
+    with pytest.raises(ConfigurationError, match=r"module 'dask_dl.testing.models' has no 'nothing'"):
+        model_source("dask_dl.testing.models:nothing")
+    with pytest.raises(ConfigurationError, match=r"'dask_dl.testing.models:__name__' is a str, not a function"):
+        model_source("dask_dl.testing.models:__name__")
     with pytest.raises(ConfigurationError, match=r"model_kwargs=\{'width': 8\} cannot apply to a model passed as"):
         model_source(NotebookNet(), {"width": 8})
     with pytest.raises(ConfigurationError, match="model must be a name"):
@@ -171,6 +195,84 @@ def test_a_model_that_does_not_fit_fails_before_training(store, cluster_client):
 
     with pytest.raises(ConfigurationError, match=r"batch of shape \(2, 1, 32, 32\).*first layer must take 1"):
         fit(store, cluster_client, model=colour_net)  # a factory: checked on the trainers, before any epoch
+
+
+def test_a_module_the_workers_cannot_import_is_refused_before_training_then_sent(store, cluster_client, tmp_path,
+                                                                                   monkeypatch):  # fmt: skip
+    """A model or loss from the user's own module travels by reference: each trainer imports the module. Before,
+    a worker without it failed the run inside distributed, with its tracebacks and no word of the fix."""
+    name = f"mymodels_{uuid.uuid4().hex[:8]}"
+    source = tmp_path / f"{name}.py"
+    source.write_text(textwrap.dedent("""
+        import torch.nn.functional as F
+        from dask_dl.testing.models import TinyNet
+
+        def build(num_outputs):
+            return TinyNet(num_outputs, width=2)
+
+        def loss(logits, targets):
+            return F.binary_cross_entropy_with_logits(logits, targets.float())
+    """))  # fmt: skip
+    monkeypatch.syspath_prepend(str(tmp_path))  # the driver imports it; the running workers have no such path
+    try:
+        refused = rf"which 2 of 2 worker\(s\) cannot import \(worker tcp://\S+: no module named '{name}'; worker "
+        fix = rf"send it to them from Python before the run: client\.upload_file\('{re.escape(str(source))}'\)"
+        with pytest.raises(ClusterError, match=rf"^model '{name}:build' needs module '{name}', {refused}.*{fix}$"):
+            fit(store, cluster_client, model=f"{name}:build")
+        loss = __import__(name).loss
+        with pytest.raises(ClusterError, match=rf"^loss '{name}:loss' needs module '{name}', {refused}"):
+            fit(store, cluster_client, model=tiny_net, loss=loss)
+        assert not cluster_client.run_on_scheduler(
+            lambda dask_scheduler: [k for k in dask_scheduler.tasks if "dask-dl-trainer" in str(k)]
+        )  # refused before any trainer was placed
+
+        cluster_client.upload_file(str(source))  # the fix the message gives
+        run = fit(store, cluster_client, model=f"{name}:build", loss=loss)
+        assert run.status == "finished" and np.isfinite(run.history["train_loss"]).all()
+        assert run.model().conv1.out_channels == 2
+    finally:
+        sys.modules.pop(name, None)
+
+
+def test_a_module_whose_import_fails_only_on_the_workers_is_an_error_of_the_run(store, cluster_client, tmp_path,
+                                                                                  monkeypatch):  # fmt: skip
+    """The workers find the module (the check before the run passes) but importing it fails there: a dependency
+    only the driver has. distributed leaves an actor call whose arguments fail to unpickle unanswered, and fit
+    waited for good; the trainers now unpickle the run's spec themselves and say why they cannot."""
+    name = f"mymodels_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{name}.py").write_text(textwrap.dedent("""
+        import os
+        if os.environ.get("DASK_DL_TEST_WORKER_LACKS_A_DEPENDENCY"):
+            import dask_dl_no_such_dependency
+        from dask_dl.testing.models import TinyNet
+
+        def build(num_outputs):
+            return TinyNet(num_outputs, width=2)
+    """))  # fmt: skip
+    monkeypatch.syspath_prepend(str(tmp_path))
+    folder = str(tmp_path)
+
+    def lacking(on: bool) -> None:
+        import os
+        import sys
+
+        if on:
+            sys.path.insert(0, folder)
+            os.environ["DASK_DL_TEST_WORKER_LACKS_A_DEPENDENCY"] = "1"
+        else:
+            sys.path.remove(folder)
+            del os.environ["DASK_DL_TEST_WORKER_LACKS_A_DEPENDENCY"]
+
+    cluster_client.run(lacking, True)
+    try:
+        cause = r"ModuleNotFoundError: No module named 'dask_dl_no_such_dependency'"
+        with pytest.raises(ConfigurationError, match=rf"worker tcp://\S+ cannot load the run's model and options: "
+                                                     rf"{cause}\. The model or loss comes from a module"):  # fmt: skip
+            fit(store, cluster_client, model=f"{name}:build")
+    finally:
+        cluster_client.run(lacking, False)
+        sys.modules.pop(name, None)
+    assert fit(store, cluster_client, model=tiny_net).status == "finished"  # the trainers' workers are usable
 
 
 # ---- losses ------------------------------------------------------------------------------------------------
