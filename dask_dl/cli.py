@@ -572,15 +572,13 @@ def export_command(checkpoint, out, overwrite, opset) -> None:
 )  # fmt: skip
 @scheduler_option
 def predict_command(store, model, out, split, batch_size, overwrite, on, scheduler, workers) -> None:
-    """Score the images of STORE (from dask-dl ingest) with MODEL (.onnx); print AUROC per label when known."""
-
-    import numpy as np
-
+    """Score the images of STORE (from dask-dl ingest) with MODEL (.onnx); print AUROC per label and split when
+    the store has labels."""
     from dask_dl.cluster import connect
     from dask_dl.data.dataset import open_dataset
     from dask_dl.errors import StoreError
     from dask_dl.export import read_model_info
-    from dask_dl.inference import evaluate, predict, scores_table
+    from dask_dl.inference import predict, scores_table
 
     kind = "zarr" if out.rstrip("/").endswith(".zarr") else "parquet" if out.endswith(".parquet") else None
     if kind is None:
@@ -599,10 +597,33 @@ def predict_command(store, model, out, split, batch_size, overwrite, on, schedul
     click.echo(f"wrote {len(table)} scores of {len(info.labels)} labels to {out}")
     truth = [label for label in info.labels if label in table.columns]
     if truth:
-        result = evaluate(table, labels=truth)
-        for label, value in result.items():
-            click.echo(f"  AUROC {label:24s} {value:.4f}")
-        click.echo(f"  AUROC {'mean':24s} {np.nanmean(result.to_numpy()):.4f}")
+        _echo_auroc(table, truth)
+
+
+def _echo_auroc(table: Any, labels: list[str]) -> None:
+    """AUROC per label and split: the scores of images the model trained on are no measure of it, so each split
+    has its own column (train, val, test, then any other)."""
+    import numpy as np
+
+    from dask_dl.inference import evaluate
+
+    order = ("train", "val", "test")
+    present = list(dict.fromkeys(table["split"].dropna()))
+    splits = [s for s in order if s in present] + [s for s in present if s not in order]
+    columns = {s: evaluate(table[table["split"] == s], labels=labels).to_numpy() for s in splits}
+    width = max(8, *(len(s) + 2 for s in columns))
+
+    def line(name: str, values: list[float]) -> str:
+        return f"  {name:24s}" + "".join(f"{v:{width}.4f}" if np.isfinite(v) else f"{'-':>{width}s}" for v in values)
+
+    click.echo(f"  {'AUROC':24s}" + "".join(f"{s:>{width}s}" for s in columns))
+    for row, label in enumerate(labels):
+        click.echo(line(label, [v[row] for v in columns.values()]))
+    click.echo(line("mean", [v[np.isfinite(v)].mean() if np.isfinite(v).any() else np.nan for v in columns.values()]))
+    if any(not np.isfinite(v).all() for v in columns.values()):
+        click.echo("  -: no AUROC, the split's images all have that label or all lack it")
+    if len(columns) > 1:
+        click.echo("  train and val: images the model learned from or was chosen on; test measures it")
 
 
 def _write_scores_zarr(table, labels: list[str], out: str, *, overwrite: bool) -> None:

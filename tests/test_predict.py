@@ -238,9 +238,10 @@ def test_cli_export_and_predict(tmp_path, cluster_client, store, model):
     table = pd.read_parquet(out)
     expected = scores_table(test, predict(test, onnx_path).compute(scheduler="threads"))
     np.testing.assert_allclose(table.filter(like="p_").to_numpy(), expected.filter(like="p_").to_numpy(), atol=0)
+    lines = result.output.splitlines()
+    assert lines[1] == f"  {'AUROC':24s}{'test':>8s}"  # one split: one column
     for label, value in evaluate(expected).items():
-        if np.isfinite(value):
-            assert f"AUROC {label:24s} {value:.4f}" in result.output
+        assert f"  {label:24s}{value:8.4f}" in lines if np.isfinite(value) else f"  {label:24s}{'-':>8s}" in lines
     result = runner.invoke(cli, args)
     assert result.exit_code == 1 and "exists already; pass --overwrite" in result.output
     assert runner.invoke(cli, [*args, "--overwrite"]).exit_code == 0
@@ -313,3 +314,32 @@ def test_bad_onnx_metadata_is_refused_when_the_model_is_opened(tmp_path, store, 
     with pytest.raises(ExportError, match=r"op\.onnx' uses operators no ONNX runtime here knows: \['ai.onnx::NoSuch"):
         predict(ds, unknown)
     assert read_model_info(path).labels == tuple(meta["labels"])  # the untouched model still opens
+
+
+def test_the_auroc_of_every_split_is_its_own_column():
+    """Scores of the images a model trained on are no measure of it: ``dask-dl predict`` of a whole store prints
+    one AUROC column per split, and says which one measures the model."""
+    from click.testing import CliRunner
+
+    from dask_dl.cli import _echo_auroc
+
+    table = pd.DataFrame({
+        "split": ["train"] * 4 + ["test"] * 4 + ["val"] * 2,
+        "a": [1, 0, 1, 0, 1, 1, 0, 0, 1, 1], "p_a": [0.9, 0.1, 0.8, 0.2, 0.4, 0.9, 0.3, 0.8, 0.5, 0.6],
+        "b": [0, 0, 1, 1, 0, 0, 0, 0, 1, 0], "p_b": [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.1],
+    })  # fmt: skip
+    result = CliRunner().invoke(click_command(lambda: _echo_auroc(table, ["a", "b"])))
+    assert result.output.splitlines() == [
+        f"  {'AUROC':24s}   train     val    test",
+        f"  {'a':24s}  1.0000       -  0.7500",  # test: 0.4 and 0.9 against 0.3 and 0.8, 3 of 4 pairs in order
+        f"  {'b':24s}  1.0000  1.0000       -",
+        f"  {'mean':24s}  1.0000  1.0000  0.7500",
+        "  -: no AUROC, the split's images all have that label or all lack it",
+        "  train and val: images the model learned from or was chosen on; test measures it",
+    ]
+
+
+def click_command(body):
+    import click
+
+    return click.command()(body)
