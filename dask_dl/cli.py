@@ -447,12 +447,18 @@ def check_command(store) -> None:
 @click.option("--schedule", type=click.Choice(list(SCHEDULES)), default=None, help="Learning-rate schedule.")
 @click.option("--precision", type=click.Choice(PRECISIONS), default=None, help="fp32, bf16, or fp16 (GPU only).")
 @click.option("--accumulate", type=int, default=None, help="Micro-batches per optimizer step.")
+@click.option(
+    "--normalization", default=None, metavar="MEAN:STD|imagenet|stats",
+    help="Pixels as (x / 255 - MEAN) / STD: numbers, or one per channel separated by commas "
+    "(0.485,0.456,0.406:0.229,0.224,0.225); imagenet: those, for ImageNet weights; stats: measured on the train "
+    "split, one pass on the cluster. Default 0.5:0.25.",
+)  # fmt: skip
 @scheduler_option
 @quiet_option
 def train_command(
     store, model, epochs, batch_size, trainers, compression, lr, optimizer, checkpoint_dir, resume, seed, augment,
     parallel, stages, microbatches, memory_budget, max_restarts, min_trainers, checkpoint_every, weights,
-    freeze_epochs, head_lr, schedule, precision, accumulate, scheduler, workers, quiet,
+    freeze_epochs, head_lr, schedule, precision, accumulate, normalization, scheduler, workers, quiet,
 ) -> None:  # fmt: skip
     """Train a model on the train split of STORE, validating on its val split after every epoch.
 
@@ -463,13 +469,18 @@ def train_command(
     from dask_dl import config
     from dask_dl.cluster import connect
     from dask_dl.data.dataset import open_dataset
+    from dask_dl.normalize import channel_stats
     from dask_dl.train.run import fit
 
     n_trainers = config.get("train.trainers", trainers)
     dataset = open_dataset(store)
     n_workers = workers or max(n_trainers, config.get("cluster.n-workers"))
     interactive = not quiet and sys.stderr is not None and sys.stderr.isatty()
+    normalization = _normalization(normalization, dataset)
     with connect(scheduler=scheduler, n_workers=n_workers) as client:
+        if normalization == "stats":
+            normalization = channel_stats(dataset)  # one pass over the train split, on the cluster
+            click.echo(f"normalization of the train split: mean {normalization['mean']}, std {normalization['std']}")
         run = fit(
             dataset, model=model, epochs=epochs, batch_size=batch_size, trainers=n_trainers, compression=compression,
             lr=lr, optimizer=optimizer, checkpoint_dir=checkpoint_dir, resume=resume, seed=seed, augment=augment,
@@ -477,7 +488,7 @@ def train_command(
             microbatches=microbatches, memory_budget=memory_budget,
             max_restarts=max_restarts, min_trainers=min_trainers, checkpoint_every_steps=checkpoint_every,
             weights=weights, freeze_epochs=freeze_epochs, head_lr=head_lr, schedule=schedule, precision=precision,
-            accumulate=accumulate,
+            accumulate=accumulate, normalization=normalization,
         )  # fmt: skip
         interrupted = _follow(run, lambda shown: _echo_epochs(run, shown, interactive), "stopping the trainers")
         history = run.history
@@ -488,6 +499,44 @@ def train_command(
         run.wait()  # raises what made the run fail
     if interrupted:
         sys.exit(130)
+
+
+IMAGENET_NORMALIZATION = {"mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}
+
+
+def _normalization(value: str | None, dataset: Any) -> dict[str, Any] | str | None:
+    """``--normalization`` checked against the store's channels: ``MEAN:STD`` (numbers, or comma lists per
+    channel) or ``imagenet`` as a normalization; ``stats`` stays, to be measured on the cluster."""
+    if value in (None, "stats"):
+        return value
+    channels = int(dataset.attrs["dask_dl"].get("channels") or 1)
+    hint = "'--normalization'"
+    if value == "imagenet":
+        if channels != 3:
+            raise click.BadParameter(
+                f"imagenet is ImageNet's mean and std of R, G and B, and this store has {channels} channel(s); "
+                "give MEAN:STD or stats",
+                param_hint=hint,
+            )
+        return IMAGENET_NORMALIZATION
+    mean, sep, std = value.partition(":")
+    try:
+        parts = [[float(v) for v in text.split(",")] for text in (mean, std)] if sep else None
+    except ValueError:
+        parts = None
+    if parts is None:
+        raise click.BadParameter(
+            f"{value!r} is no normalization: give MEAN:STD (e.g. 0.5:0.25, or per channel "
+            "0.485,0.456,0.406:0.229,0.224,0.225), imagenet or stats",
+            param_hint=hint,
+        )
+    if min(parts[1]) <= 0 or any(len(p) not in (1, channels) for p in parts):
+        raise click.BadParameter(
+            f"{value!r}: every STD must be above 0, and the store has {channels} channel(s): give one MEAN and one "
+            f"STD{'' if channels == 1 else f', or {channels} of each'}",
+            param_hint=hint,
+        )
+    return {k: v[0] if len(v) == 1 else v for k, v in zip(("mean", "std"), parts, strict=True)}
 
 
 _TRAIN_COLUMNS = (

@@ -179,3 +179,32 @@ def test_model_option_takes_names_and_import_paths():
     assert "--model [small_cnn|alexnet|resnet18|resnet50|densenet121|torchvision:NAME|timm:NAME|MODULE:FUNCTION]" in (
         help_text
     )
+
+
+@pytest.mark.parametrize(
+    ("given", "said"),
+    [
+        ("0.5", "'0.5' is no normalization: give MEAN:STD (e.g. 0.5:0.25, or per channel"),
+        ("x:y", "'x:y' is no normalization"),
+        ("0.5:0", "'0.5:0': every STD must be above 0, and the store has 1 channel(s): give one MEAN and one STD"),
+        ("0.4,0.5:0.2", "'0.4,0.5:0.2': every STD must be above 0, and the store has 1 channel(s)"),
+        ("imagenet", "imagenet is ImageNet's mean and std of R, G and B, and this store has 1 channel(s)"),
+    ],
+)
+def test_a_normalization_that_does_not_fit_the_store_is_refused_before_any_cluster(store, given, said):
+    result = CliRunner().invoke(cli, ["train", store, "--normalization", given, "--scheduler", "tcp://nowhere:1"])
+    assert result.exit_code == 2, result.output  # a usage error, before connecting to the (absent) scheduler
+    assert said in " ".join(result.output.split())
+
+
+def test_train_with_the_normalization_given_or_measured(store, cluster_client, tmp_path):
+    import dask_dl
+
+    args = ["train", store, "-e", "1", "-b", "4", "-q", "--scheduler", cluster_client.scheduler.address]
+    for given, expected in [("0.53:0.23", {"mean": 0.53, "std": 0.23}),
+                            ("stats", dask_dl.normalize.channel_stats(dask_dl.open_dataset(store)))]:  # fmt: skip
+        ck = tmp_path / given.replace(":", "_")
+        result = CliRunner().invoke(cli, [*args, "--normalization", given, "--checkpoint-dir", str(ck)])
+        assert result.exit_code == 0, result.output
+        assert torch.load(ck / "epoch-0000.pt", weights_only=True)["normalization"] == expected
+    assert f"normalization of the train split: mean {expected['mean']}, std {expected['std']}" in result.output
