@@ -491,6 +491,10 @@ def train_command(
             accumulate=accumulate, normalization=normalization,
         )  # fmt: skip
         interrupted = _follow(run, lambda shown: _echo_epochs(run, shown, interactive), "stopping the trainers")
+        if "weights" in run.info:  # what of the start weights was loaded, adapted, re-initialised
+            from dask_dl.models.weights import describe
+
+            click.echo(describe(run.info["weights"], weights))
         history = run.history
         if len(history):
             columns = [c for c in _TRAIN_COLUMNS if c in history] + [c for c in history if c.startswith("val_auroc_")]
@@ -540,7 +544,7 @@ def _normalization(value: str | None, dataset: Any) -> dict[str, Any] | str | No
 
 
 _TRAIN_COLUMNS = (
-    "epoch", "global_batch", "lr", "train_loss", "val_loss", "val_auroc_mean", "images_per_s", "data_wait_s",
+    "epoch", "global_batch", "lr", "head_lr", "train_loss", "val_loss", "val_auroc_mean", "images_per_s", "data_wait_s",
     "bytes_sent",
 )  # fmt: skip
 

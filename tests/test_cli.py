@@ -208,3 +208,18 @@ def test_train_with_the_normalization_given_or_measured(store, cluster_client, t
         assert result.exit_code == 0, result.output
         assert torch.load(ck / "epoch-0000.pt", weights_only=True)["normalization"] == expected
     assert f"normalization of the train split: mean {expected['mean']}, std {expected['std']}" in result.output
+
+
+def test_train_from_start_weights_says_what_it_loaded_and_the_head_rate(store, cluster_client, tmp_path):
+    import dask_dl
+
+    torch.save(dask_dl.build_model("small_cnn", num_outputs=1000, in_channels=3).state_dict(), tmp_path / "pre.pt")
+    args = ["train", store, "-e", "1", "-b", "4", "-q", "--scheduler", cluster_client.scheduler.address]
+    result = CliRunner().invoke(cli, [*args, "--weights", str(tmp_path / "pre.pt"), "--head-lr", "0.01"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert " lr=0.001 head_lr=0.01 train_loss=" in lines[0]
+    assert lines[1] == (
+        f"weights {str(tmp_path / 'pre.pt')!r}: 1 adapted (features.0.weight), 2 reinitialized (fc.bias, fc.weight), "
+        "0 missing, 0 unexpected"
+    )
