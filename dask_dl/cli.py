@@ -490,7 +490,9 @@ def train_command(
             weights=weights, freeze_epochs=freeze_epochs, head_lr=head_lr, schedule=schedule, precision=precision,
             accumulate=accumulate, normalization=normalization,
         )  # fmt: skip
-        interrupted = _follow(run, lambda shown: _echo_epochs(run, shown, interactive), "stopping the trainers")
+        interrupted = _follow(
+            run, lambda shown: _echo_training(run, shown, interactive), "stopping the trainers", shown=(0, 0)
+        )
         if "weights" in run.info:  # what of the start weights was loaded, adapted, re-initialised
             from dask_dl.models.weights import describe
 
@@ -549,13 +551,14 @@ _TRAIN_COLUMNS = (
 )  # fmt: skip
 
 
-def _follow(run: Any, echo: Callable[[int], int], stopping: str) -> bool:
-    """Print what ``run`` adds until it ends (``echo(shown) -> shown``); Ctrl-C stops it and waits for its end.
+def _follow(run: Any, echo: Callable[[Any], Any], stopping: str, shown: Any = 0) -> bool:
+    """Print what ``run`` adds until it ends (``echo(shown) -> shown``, from ``shown``); Ctrl-C stops it and waits
+    for its end.
 
     Returns whether Ctrl-C stopped it: the command then exits with status 130 once it has printed what the run
     did, as shells report a command that Ctrl-C ended, so that a script's next step does not start.
     """
-    shown, interrupted = 0, False
+    interrupted = False
     try:
         with caught_interrupt() as interrupt:  # raised here, never lost in a finalizer (dask_dl.interrupt)
             while not run.done:
@@ -572,15 +575,27 @@ def _follow(run: Any, echo: Callable[[int], int], stopping: str) -> bool:
     return interrupted
 
 
-def _echo_epochs(run, shown: int, interactive: bool) -> int:
-    """Print the epochs finished since the last call (the terminal view prints its own); return how many."""
+def _echo_training(run, shown: tuple[int, int], interactive: bool) -> tuple[int, int]:
+    """Print the restarts and the epochs since the last call (the terminal view prints its own epochs); return
+    how many of each were printed."""
+    restarts = run.restarts.to_dict("records")
+    for row in restarts[shown[0] :]:
+        when = (
+            f"in epoch {row['failed_epoch']} step {row['failed_step']}" if row["failed_epoch"] >= 0
+            else "before training started"
+        )  # fmt: skip
+        click.echo(
+            f"{run.run_id}: lost {row['lost_workers'] or 'a trainer'} {when} ({row['error']}); went on "
+            f"{row['seconds']:.1f} s later with {row['world_size']} trainer(s) from epoch {row['resumed_epoch']} "
+            f"step {row['resumed_step']}, {row['steps_lost']} step(s) lost"
+        )
     rows = run.history.to_dict("records")
     if not interactive:
-        for row in rows[shown:]:
+        for row in rows[shown[1] :]:
             text = " ".join(f"{k}={row[k]:.4g}" if isinstance(row[k], float) else f"{k}={row[k]}" for k in
                             _TRAIN_COLUMNS if k in row)  # fmt: skip
             click.echo(f"{run.run_id} {text}" + (f" ({row['event']})" if row.get("event") else ""))
-    return len(rows)
+    return len(restarts), len(rows)
 
 
 # ---- export and predict (exchange room: dask_dl.export, dask_dl.inference) ---------------------------------

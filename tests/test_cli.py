@@ -60,7 +60,7 @@ def test_ctrl_c_stops_training_and_exits_130_even_when_pressed_in_a_finalizer(st
     # the follow loop allocates as it prints; Python's own handler would raise the press into a finalizer there,
     # which loses it, and the 500 epochs would go on (dask_dl.interrupt)
     args = ["train", store, "-b", "4", "--quiet", "--scheduler", cluster_client.scheduler.address]
-    with ctrl_c_in_a_finalizer("_echo_epochs"):
+    with ctrl_c_in_a_finalizer("_echo_training"):
         result = CliRunner().invoke(cli, [*args, "--epochs", "500"])
     lines = result.output.strip().splitlines()
     assert result.exit_code == 130, result.output

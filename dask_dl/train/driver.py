@@ -282,7 +282,7 @@ class Driver:
         n = len(self.workers)
         if not self._actor_futures:  # a restart's group (the first one's actors were placed by start())
             self._submit_actors()
-        self._actors = [f.result() for f in self._actor_futures]
+        self._actors = self._placed_actors()
         self._worker_ids = self._trainer_worker_ids()
         if self.stop_requested.is_set():  # stop() came before the actors existed
             self.stop()
@@ -416,6 +416,27 @@ class Driver:
                 f"{type(exc).__name__}: {exc}. {advice}",
                 lost_workers=[self.workers[r] for r in lost],
             ) from exc
+
+    def _placed_actors(self) -> list[Any]:
+        """The trainers' actors once they exist, or a TrainingError naming the workers that left before theirs did.
+
+        An actor's task may run on its worker only: when that worker dies first (killed, preempted, out of memory
+        while importing torch), the task waits for it for good, and so did the run. A lost worker is a
+        recoverable failure: the restart policy forms the group on the workers there are.
+        """
+        while True:
+            waiting = [a for a, f in zip(self.workers, self._actor_futures, strict=True) if not f.done()]
+            if not waiting:
+                return [f.result() for f in self._actor_futures]
+            present = self._trainer_worker_ids()
+            gone = [a for a in waiting if present and present.get(a) is None]
+            if gone:
+                raise TrainingError(
+                    f"{self.sink.run_id}: the worker(s) {', '.join(gone)} left before their trainer started there "
+                    "(killed, out of memory or preempted)",
+                    lost_workers=gone,
+                )
+            time.sleep(_POLL_S)
 
     def _trainer_worker_ids(self) -> dict[str, str | None]:
         """The scheduler's id of each trainer's worker (a nanny's restarted worker gets a new one)."""

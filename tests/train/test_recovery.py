@@ -12,15 +12,18 @@ import signal
 import time
 from pathlib import Path
 
+import click
 import dask
 import numpy as np
 import pytest
 import torch
+from click.testing import CliRunner
 from distributed import Client, LocalCluster
 from distributed.core import Status
 
 import dask_dl
 from dask_dl import ConfigurationError, TrainingError
+from dask_dl.cli import _echo_training
 from dask_dl.data.loader import ChunkLoader
 from dask_dl.data.position import EpochPosition
 from dask_dl.errors import CheckpointError
@@ -203,6 +206,52 @@ def test_a_killed_trainer_recovers_with_identical_weights(store, client, straigh
     assert_same_weights(run.checkpoint()["model"], straight)
     assert not list(ck.glob("step-*.pt"))  # the epochs' checkpoints replaced the step checkpoints
     client.wait_for_workers(4, timeout=120)  # the nanny restarts the killed worker
+
+    # `dask-dl train` prints a restart as it sees it, before the epochs it has not shown yet (here: all four)
+    printed = CliRunner().invoke(click.command()(lambda: _echo_training(run, (0, 0), False))).output.splitlines()
+    row = restarts.loc[0]
+    assert printed[0] == (
+        f"{run.run_id}: lost {victim} in epoch 2 step {row.failed_step} ({row.error}); went on {row.seconds:.1f} s "
+        f"later with 2 trainer(s) from epoch 2 step {row.resumed_step}, {row.steps_lost} step(s) lost"
+    )
+    assert [line.split()[1] for line in printed[1:]] == ["epoch=0", "epoch=1", "epoch=2", "epoch=3"]
+    assert printed[3].endswith(" (restarted)") and "(restarted)" not in printed[4]
+
+
+def test_a_worker_lost_before_its_trainer_started_is_a_restart(store, client, straight):
+    """A trainer's actor may only start on its worker: when the worker died first (here while a task held its one
+    thread; in the wild while it imported torch), the run waited for it for good."""
+    from dask_dl.train.placement import place_trainers
+
+    client.wait_for_workers(4, timeout=120)
+    victim = place_trainers(client, 2)[1]  # the worker rank 1 will be placed on
+    busy = client.submit(time.sleep, 600, workers=[victim], allow_other_workers=False, pure=False)
+    wait_until(lambda: client.processing([victim])[victim], what="the task that holds the worker's thread")
+    run = fit(store, client, wait=False)
+    assert run.workers[1] == victim
+    wait_until(lambda: client.run_on_scheduler(_actor_waits, prefix=f"dask-dl-trainer-{run.run_id}-1"),
+               what="rank 1's actor waiting for the worker's thread")  # fmt: skip
+    os.kill(pid_of(client, victim), signal.SIGKILL)
+    run.wait(timeout=300)
+    busy.cancel()
+    assert run.status == "finished"
+    restarts = run.restarts
+    assert len(restarts) == 1 and restarts.loc[0, "lost_workers"] == victim
+    assert restarts.loc[0, "error"].startswith(f"TrainingError: {run.run_id}: the worker(s) {victim} left before")
+    assert (restarts.loc[0, "failed_epoch"], restarts.loc[0, "resumed_epoch"], restarts.loc[0, "steps_lost"]) == (
+        -1,
+        0,
+        0,
+    )
+    assert victim not in run.workers and list(run.history["event"]) == ["restarted", "", "", ""]
+    printed = CliRunner().invoke(click.command()(lambda: _echo_training(run, (0, 4), False))).output
+    assert printed.startswith(f"{run.run_id}: lost {victim} before training started (TrainingError: ")
+    assert_same_weights(run.checkpoint()["model"], straight)  # it started over, as if nothing had happened
+    client.wait_for_workers(4, timeout=120)
+
+
+def _actor_waits(dask_scheduler, prefix: str) -> bool:
+    return any(str(k).startswith(prefix) and ts.state == "processing" for k, ts in dask_scheduler.tasks.items())
 
 
 def test_resume_from_a_step_checkpoint_is_identical(store, client, straight, tmp_path):
