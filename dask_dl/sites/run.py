@@ -168,6 +168,7 @@ def fit_sites(
     try:
         _check_batches(connected, fit_options["batch_size"], trainers)
         spec = _model_spec(connected[0], fit_options)
+        fit_options["model"] = spec.name  # a factory by its import path: each site imports it
         fit_options["normalization"] = spec.normalization  # checked: what every visit trains with
         test_part = _test_part(test, spec) if test is not None else None
         coordinator = Coordinator(connected, model=spec, fit_options=fit_options, trainers=trainers,
@@ -330,10 +331,12 @@ class SitesRun:
             :meth:`export_onnx`), or before a round has completed.
         """
         from dask_dl.checkpoint import FORMAT
+        from dask_dl.models.source import model_source
 
         spec = self._co.model
         return {
-            "format": FORMAT, "model_name": spec.name, "model_kwargs": dict(spec.kwargs), "model": self.state(),
+            "format": FORMAT, "model_name": spec.name, "model_kwargs": dict(spec.kwargs),
+            "model_source": model_source(spec.name, spec.kwargs).to_dict(), "model": self.state(),
             "labels": list(spec.labels), "task": spec.task, "input_size": int(spec.input_size),
             "in_channels": spec.channels, "normalization": dict(spec.normalization), "epoch": self._model_round,
             "optimizer": {},
@@ -504,18 +507,27 @@ def _model_spec(site: Connected, fit_options: dict[str, Any]) -> Any:
     from dask_dl.train.options import check_dataset
 
     meta = site.dataset.attrs["dask_dl"]
-    name = fit_options["model"]
-    if model_source(name, fit_options["model_kwargs"]).kind != "registry":  # unknown names/options raise here
+    model = fit_options["model"]
+    source = model_source(model, fit_options["model_kwargs"])  # unknown names/options raise here
+    if source.kind == "module" or source.kind == "factory" and source.path is None:
         raise ConfigurationError(
-            f"fit_sites builds its model by registry name on every site and in the coordinator; got model={name!r}. "
-            "Register a function that builds it first (dask_dl.register_model('my_net', build_my_net)) and pass "
-            "model='my_net'"
+            "fit_sites builds its model by name on every site and in the coordinator; got "
+            + (
+                f"an instance of {source.name!r}, which no name builds again"
+                if source.kind == "module"
+                else f"the function {source.name!r}, which has no import path"
+            )  # fmt: skip
+            + ". Pass a registry "
+            "name, 'torchvision:NAME', 'timm:NAME', or the import path 'module:function' of a function that "
+            "builds it, in a module every site imports (dask_dl.register_model('my_net', build_my_net) also works)"
         )
+    name = source.path if source.kind == "factory" else model
     channels = int(check_dataset(site.dataset)["channels"])
     return ModelSpec(
         name=name, labels=tuple(meta["labels"]), task=meta.get("task", "multilabel"),
         input_size=int(meta.get("size")), kwargs=dict(fit_options["model_kwargs"]),
-        target=MODELS.entry(name).target, batch_size=int(fit_options["batch_size"]), channels=channels,
+        target=MODELS.entry(name).target if source.kind == "registry" else None,
+        batch_size=int(fit_options["batch_size"]), channels=channels,
         normalization=check_normalization(fit_options["normalization"], channels=channels),
     )  # fmt: skip
 

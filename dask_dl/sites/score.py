@@ -24,7 +24,8 @@ __all__ = ["Ensemble", "ModelSpec", "build", "score"]
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """How to build the run's model anywhere: registry name (and target), options, labels, task, batch size."""
+    """How to build the run's model anywhere: its name (a registry name, and its target; ``torchvision:NAME``,
+    ``timm:NAME``, or a factory's import path), options, labels, task, batch size."""
 
     name: str
     labels: tuple[str, ...]
@@ -39,11 +40,12 @@ class ModelSpec:
 
 def build(spec: ModelSpec, state: dict[str, Any] | None = None) -> Any:
     """The model of ``spec`` with ``state`` loaded (fresh seeded weights without it), in eval mode on the CPU."""
-    from dask_dl.models import MODELS, build_model
+    from dask_dl.models import MODELS
+    from dask_dl.models.source import model_source
 
     if spec.name not in MODELS and spec.target is not None:  # registered in the coordinator's process
         MODELS.register(spec.name, spec.target)
-    net = build_model(spec.name, num_outputs=len(spec.labels), in_channels=spec.channels, **spec.kwargs)
+    net = model_source(spec.name, spec.kwargs).build(num_outputs=len(spec.labels), in_channels=spec.channels)
     if state is not None:
         net.load_state_dict(state)
     return net.eval()

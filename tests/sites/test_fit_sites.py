@@ -213,6 +213,34 @@ def test_normalization_is_every_sites_and_travels_with_the_model(squares, cluste
                           client=cluster3)  # fmt: skip
 
 
+def test_a_model_of_your_own_by_its_import_path_trains_across_sites_and_exports(squares, cluster3, tmp_path):
+    from dask_dl.testing.models import TinyNet, tiny_net
+
+    options = {**OPTIONS, "model": "dask_dl.testing.models:tiny_net", "model_kwargs": {"width": 2}}
+    run = dask_dl.fit_sites(_datasets(squares), protocol="fedavg", rounds=1, client=cluster3, **options)
+    assert run.status == "finished" and np.isfinite(run.curves.to_numpy()).all()
+    model = run.model()
+    assert isinstance(model, TinyNet) and model.conv1.out_channels == 2
+    checkpoint = run.checkpoint()
+    assert checkpoint["model_source"] == {
+        "kind": "factory", "name": "dask_dl.testing.models:tiny_net", "kwargs": {"width": 2},
+        "path": "dask_dl.testing.models:tiny_net",
+    }  # fmt: skip
+    path = dask_dl.export_onnx(checkpoint, tmp_path / "own.onnx")  # rebuilt from the path, without the code
+    assert read_model_info(path).labels == ("a", "b")
+    same = dask_dl.fit_sites(_datasets(squares), protocol="fedavg", rounds=1, client=cluster3,
+                             **{**options, "model": tiny_net})  # the function itself: the same run  # fmt: skip
+    for key, value in run.state().items():
+        assert torch.equal(same.state()[key], value), key
+    refused = [
+        (TinyNet(2), "an instance of 'dask_dl.testing.models.TinyNet', which no name builds again"),
+        (lambda n: TinyNet(n), r"the function '\S*test_fit_sites\.\S*<lambda>', which has no import path"),
+    ]
+    for model, said in refused:
+        with pytest.raises(ConfigurationError, match=rf"by name .*; got {said}\. Pass a registry name"):
+            dask_dl.fit_sites(_datasets(squares), protocol="fedavg", rounds=1, client=cluster3, model=model)
+
+
 def test_stop_ends_the_run_and_frees_the_workers(squares, cluster3):
     run = dask_dl.fit_sites(_datasets(squares), protocol="cyclic", rounds=200, client=cluster3, wait=False, **OPTIONS)
     run.stop().wait(timeout=120)
