@@ -197,9 +197,16 @@ def info() -> None:
         ("gateway", "dask_gateway"),
         ("hpc", "dask_jobqueue"),
         ("dicom", "pydicom"),
+        ("s3", "s3fs"),
+        ("tensorboard", "tensorboard"),
+        ("explain", "captum"),
+        ("torchvision", "torchvision"),
+        ("timm", "timm"),
+        ("monai", "monai"),
+        ("notebook", "jupyterlab"),
     ]:
         found = importlib.util.find_spec(module) is not None
-        click.echo(f"  extra {extra:8s} {'installed' if found else 'not installed'} ({module})")
+        click.echo(f"  extra {extra:11s} {'installed' if found else 'not installed'} ({module})")
     click.echo(yaml.safe_dump({"dask-dl": dask.config.get("dask-dl")}, sort_keys=False).rstrip())
 
 

@@ -223,3 +223,17 @@ def test_train_from_start_weights_says_what_it_loaded_and_the_head_rate(store, c
         f"weights {str(tmp_path / 'pre.pt')!r}: 1 adapted (features.0.weight), 2 reinitialized (fc.bias, fc.weight), "
         "0 missing, 0 unexpected"
     )
+
+
+def test_info_lists_every_extra_of_the_package():
+    import importlib.util
+    import tomllib
+
+    extras = set(tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+                 ["optional-dependencies"]) - {"dev"}  # fmt: skip
+    result = CliRunner().invoke(cli, ["info"])
+    assert result.exit_code == 0, result.output
+    listed = {line.split()[1]: line for line in result.output.splitlines() if line.startswith("  extra ")}
+    assert set(listed) == extras
+    captum = importlib.util.find_spec("captum") is not None
+    assert listed["explain"].split()[2:] == (["installed", "(captum)"] if captum else ["not", "installed", "(captum)"])
