@@ -460,12 +460,17 @@ def check_command(store) -> None:
     "(0.485,0.456,0.406:0.229,0.224,0.225); imagenet: those, for ImageNet weights; stats: measured on the train "
     "split, one pass on the cluster. Default 0.5:0.25.",
 )  # fmt: skip
+@click.option(
+    "--upload", multiple=True, type=click.Path(exists=True, dir_okay=False),
+    help="Send this .py (or zipped package) file to the workers before training (client.upload_file), for a "
+    "--model module:function they cannot import otherwise. Repeatable.",
+)  # fmt: skip
 @scheduler_option
 @quiet_option
 def train_command(
     store, model, epochs, batch_size, trainers, compression, lr, optimizer, checkpoint_dir, resume, seed, augment,
     parallel, stages, microbatches, memory_budget, max_restarts, min_trainers, checkpoint_every, weights,
-    freeze_epochs, head_lr, schedule, precision, accumulate, normalization, scheduler, workers, quiet,
+    freeze_epochs, head_lr, schedule, precision, accumulate, normalization, upload, scheduler, workers, quiet,
 ) -> None:  # fmt: skip
     """Train a model on the train split of STORE, validating on its val split after every epoch.
 
@@ -485,6 +490,8 @@ def train_command(
     interactive = not quiet and sys.stderr is not None and sys.stderr.isatty()
     normalization = _normalization(normalization, dataset)
     with connect(scheduler=scheduler, n_workers=n_workers) as client:
+        for path in upload:
+            _upload(client, path)
         if normalization == "stats":
             normalization = channel_stats(dataset)  # one pass over the train split, on the cluster
             click.echo(f"normalization of the train split: mean {normalization['mean']}, std {normalization['std']}")
@@ -512,6 +519,28 @@ def train_command(
         run.wait()  # raises what made the run fail
     if interrupted:
         sys.exit(130)
+
+
+def _upload(client: Any, path: str) -> None:
+    """``--upload``: send a file to every worker, and to workers that join later, as ``client.upload_file`` does.
+
+    Its worker plugin is named after the file, so that sending it again replaces it, and a file the workers cannot
+    import is taken back (a one-line error says why) instead of failing on every worker that joins.
+    """
+    from distributed.diagnostics.plugin import UploadFile
+
+    from dask_dl.errors import ClusterError
+
+    name = f"dask-dl-upload-{os.path.basename(path)}"
+    try:
+        client.register_plugin(UploadFile(path), name=name)
+    except Exception as exc:  # the workers import it on arrival: its own imports may fail there
+        with contextlib.suppress(Exception):
+            client.unregister_worker_plugin(name)
+        raise ClusterError(
+            f"--upload {path}: the workers could not import it ({type(exc).__name__}: {exc}); install what it "
+            "imports where they run"
+        ) from exc
 
 
 IMAGENET_NORMALIZATION = {"mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}

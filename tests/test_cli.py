@@ -237,3 +237,30 @@ def test_info_lists_every_extra_of_the_package():
     assert set(listed) == extras
     captum = importlib.util.find_spec("captum") is not None
     assert listed["explain"].split()[2:] == (["installed", "(captum)"] if captum else ["not", "installed", "(captum)"])
+
+
+def test_upload_sends_your_model_to_workers_that_cannot_import_it(store, cluster_client, tmp_path, monkeypatch):
+    name = f"netmod_{os.getpid()}_{tmp_path.name.replace('-', '_')}"
+    source = tmp_path / f"{name}.py"
+    source.write_text(
+        "from dask_dl.testing.models import TinyNet\n\n\ndef build(num_outputs):\n    return TinyNet(num_outputs)\n"
+    )
+    monkeypatch.chdir(tmp_path)  # the command imports the model from the current folder
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    args = ["train", store, "-m", f"{name}:build", "-e", "1", "-b", "4", "-t", "2", "-q", "--scheduler",
+            cluster_client.scheduler.address]  # fmt: skip
+    try:
+        refused = CliRunner().invoke(cli, args)  # the cluster's workers were started elsewhere
+        line = _one_line_error(refused, f"needs module '{name}', which 2 of 2 worker(s) cannot import")
+        assert line.endswith(f"(dask-dl train --upload {source})")
+        sent = CliRunner().invoke(cli, [*args, "--upload", str(source)])
+        assert sent.exit_code == 0, sent.output
+        assert sent.output.splitlines()[-1].endswith(": finished")
+        broken = tmp_path / "broken_mod.py"
+        broken.write_text("import dask_dl_no_such_dependency\n")
+        _one_line_error(CliRunner().invoke(cli, [*args, "--upload", str(broken)]),
+                        f"--upload {broken}: the workers could not import it (")  # fmt: skip
+        plugins = cluster_client.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.worker_plugins))
+        assert f"dask-dl-upload-{source.name}" in plugins and "dask-dl-upload-broken_mod.py" not in plugins
+    finally:
+        sys.modules.pop(name, None)

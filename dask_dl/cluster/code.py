@@ -38,8 +38,9 @@ def _how_to_send(name: str) -> str:
     """``client.upload_file(...)`` with the driver's file of ``name`` when it is one plain module."""
     path = getattr(sys.modules.get(name), "__file__", None)
     if name.partition(".")[0] != name or not path or os.path.basename(path) == "__init__.py":
-        return f"client.upload_file('{name.partition('.')[0]}.zip') with the package zipped"
-    return f"client.upload_file({path!r})"
+        package = name.partition(".")[0]
+        return f"client.upload_file('{package}.zip') with the package zipped (dask-dl train --upload {package}.zip)"
+    return f"client.upload_file({path!r}) (dask-dl train --upload {path})"
 
 
 def check_importable(client: Client, needs: dict[str, str], *, workers: list[str] | None = None) -> None:

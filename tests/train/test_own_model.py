@@ -216,7 +216,10 @@ def test_a_module_the_workers_cannot_import_is_refused_before_training_then_sent
     monkeypatch.syspath_prepend(str(tmp_path))  # the driver imports it; the running workers have no such path
     try:
         refused = rf"which 2 of 2 worker\(s\) cannot import \(worker tcp://\S+: no module named '{name}'; worker "
-        fix = rf"send it to them from Python before the run: client\.upload_file\('{re.escape(str(source))}'\)"
+        fix = (
+            rf"send it to them from Python before the run: client\.upload_file\('{re.escape(str(source))}'\) "
+            rf"\(dask-dl train --upload {re.escape(str(source))}\)"
+        )
         with pytest.raises(ClusterError, match=rf"^model '{name}:build' needs module '{name}', {refused}.*{fix}$"):
             fit(store, cluster_client, model=f"{name}:build")
         loss = __import__(name).loss
