@@ -833,7 +833,7 @@ def _unpickle_spec(spec: TrainerSpec | bytes, address: str) -> TrainerSpec:
         raise ConfigurationError(
             f"worker {address} cannot load the run's model and options: {type(exc).__name__}: {exc}. The model or "
             "loss comes from a module that does not import there (or imports one that does not): install it where "
-            "the workers run, or send it to them from Python before the run (client.upload_file)"
+            "the workers run, or send it to them before the run (client.upload_file, or dask-dl train --upload)"
         ) from None
 
 
