@@ -217,7 +217,8 @@ def test_cli_fine_tunes_from_a_weights_file(store, cluster_client, pretrained, t
     result = CliRunner().invoke(cli, [*args, "--weights", str(tmp_path / "w16.pt")])
     assert result.exit_code == 0, result.output
     header = result.output.splitlines()[-3].split()
-    assert header[:4] == ["epoch", "global_batch", "lr", "train_loss"], result.output
+    assert header[:5] == ["epoch", "global_batch", "lr", "head_lr", "train_loss"], result.output
+    assert f"weights {str(tmp_path / 'w16.pt')!r}: 1 adapted (features.0.weight), 2 reinitialized" in result.output
     # the fixture's weights are of a narrower small_cnn (width 8) than the CLI's (16): one line, both shapes
     result = CliRunner().invoke(cli, [*args, "--weights", pretrained[0]])
     assert result.exit_code == 1 and "Traceback" not in result.output
