@@ -811,7 +811,6 @@ def explain_command(
     store, model, labels, out, method, split, dtype, boxes, image_size, overwrite, scheduler, workers
 ) -> None:
     """Explain MODEL's findings on the images of STORE and write the maps to a Zarr store."""
-
     from dask_dl.cluster import close_client, get_client
     from dask_dl.data.dataset import open_dataset
     from dask_dl.errors import StoreError
