@@ -8,6 +8,8 @@ boxes are exact: the generator records where it draws each finding.
 from __future__ import annotations
 
 import copy
+import os
+import sys
 
 import numpy as np
 import pandas as pd
@@ -17,7 +19,7 @@ import xarray as xr
 from click.testing import CliRunner
 
 import dask_dl
-from dask_dl import ConfigurationError, DatasetError
+from dask_dl import ClusterError, ConfigurationError, DatasetError
 from dask_dl.data.boxes import attach_boxes, read_boxes
 from dask_dl.explanation import explain, localization, show
 from dask_dl.explanation import sources as explain_sources
@@ -158,6 +160,22 @@ def test_a_users_module_with_a_chosen_layer(collection):
     theirs = explain(test, checkpoint).compute(scheduler="sync")
     assert mine.attrs["layer"] == "features.8"
     np.testing.assert_array_equal(mine.values, theirs.values)
+
+
+def test_a_model_from_a_module_the_workers_cannot_import_is_refused_first(collection, cluster_client, tmp_path,
+                                                                           monkeypatch):  # fmt: skip
+    name = f"explained_{os.getpid()}"
+    (tmp_path / f"{name}.py").write_text(
+        "from dask_dl.testing.models import TinyNet\n\n\nclass Net(TinyNet):\n    pass\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))  # the driver imports it; the cluster's workers do not
+    try:
+        net = __import__(name).Net(2)
+        test = collection["test"].isel(sample=slice(0, 4))
+        with pytest.raises(ClusterError, match=rf"^the model to explain needs module '{name}', which 2 of 2 worker"):
+            explain(test, net, labels=["Effusion", "Mass"], method="occlusion", client=cluster_client)
+    finally:
+        sys.modules.pop(name, None)
 
 
 # ---- show and the command line -----------------------------------------------------------------------------

@@ -148,6 +148,9 @@ def explain(
         token=f"explain-{method}",
     )
     if client is not None:
+        from dask_dl.cluster import check_importable
+
+        check_importable(client, {m: "the model to explain" for m in spec.modules})  # the workers unpickle it
         maps = client.persist(maps)
     return xr.DataArray(
         maps,

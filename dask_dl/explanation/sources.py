@@ -41,6 +41,7 @@ class ModelSpec:
     path: str | None = None
     stamp: tuple[int, int] | None = None
     onnx: dict[str, Any] = field(default_factory=dict)
+    modules: tuple[str, ...] = ()  # what a worker imports to unpickle the torch module (its class's module)
 
     @property
     def name(self) -> str:
@@ -61,6 +62,7 @@ def resolve(
     from torch import nn
 
     from dask_dl.export import _resolve
+    from dask_dl.models.source import model_source
     from dask_dl.normalize import DEFAULT_NORMALIZATION
 
     net, meta = _resolve(source)
@@ -82,6 +84,7 @@ def resolve(
         normalization=dict(meta.get("normalization") or DEFAULT_NORMALIZATION),
         activation=_ACTIVATIONS.get(meta.get("task", "multilabel"), "sigmoid"),
         layer=_layer_name(net, layer, meta.get("input_size"), int(meta.get("in_channels", 1))) if gradcam else None,
+        modules=model_source(net).modules(),
     )
     return spec, payload
 
