@@ -135,7 +135,7 @@ def test_a_stopped_demo_says_that_running_it_again_goes_on(monkeypatch, tmp_path
     )
 
 
-def test_train_and_export_a_model_of_your_own_from_the_current_folder(store, tmp_path):
+def test_train_and_export_a_model_of_your_own_from_the_current_folder(store, tmp_path, monkeypatch):
     """``dask-dl train -m mymodels:build`` in the folder of mymodels.py, as `python -m` would import it: the local
     cluster's worker processes import it too, and ``dask-dl export`` rebuilds the model from the checkpoint."""
     dask_dl = Path(sys.executable).with_name("dask-dl")  # the installed command: its sys.path lacks the folder
@@ -147,26 +147,27 @@ def test_train_and_export_a_model_of_your_own_from_the_current_folder(store, tmp
         "    return TinyNet(num_outputs, width=3)\n"
     )
 
-    def run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-        return subprocess.run([str(dask_dl), *args], cwd=cwd, capture_output=True, text=True, timeout=240)
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(dask_dl), *args], cwd=work, capture_output=True, text=True, timeout=240)
 
-    trained = run("train", store, "-m", "mymodels:build", "-e", "1", "-b", "4", "-t", "2", "-w", "2", "-q",
-                  "--checkpoint-dir", "ck", cwd=work)  # fmt: skip
+    trained = run("train", store, "-m", "mymodels:build", "-e", "1", "-b", "4", "-t", "1", "-w", "1", "-q",
+                  "--checkpoint-dir", "ck")  # fmt: skip
     assert trained.returncode == 0, trained.stderr
     assert trained.stdout.strip().splitlines()[-1].endswith(": finished"), trained.stdout
     checkpoint = torch.load(work / "ck" / "epoch-0000.pt", weights_only=True)
     assert checkpoint["model_source"]["path"] == "mymodels:build"
     assert checkpoint["model"]["conv1.weight"].shape[0] == 3
 
-    exported = run("export", "ck", "m.onnx", cwd=work)
+    exported = run("export", "ck", "m.onnx")
     assert exported.returncode == 0 and exported.stdout.startswith("wrote m.onnx: mymodels:build, 32 px"), exported
 
-    elsewhere = run("export", str(work / "ck"), str(tmp_path / "m.onnx"), cwd=tmp_path)
-    assert (elsewhere.returncode, elsewhere.stdout) == (1, ""), elsewhere
-    assert elsewhere.stderr == (
+    monkeypatch.chdir(tmp_path)  # elsewhere: the command's folder has no mymodels.py
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    elsewhere = CliRunner().invoke(cli, ["export", str(work / "ck"), str(tmp_path / "m.onnx")])
+    assert _one_line_error(elsewhere) == (
         "error: the model is built by 'mymodels:build', which does not import here (ModuleNotFoundError: No module "
         "named 'mymodels'): run where it imports (from the module's folder, or with it on PYTHONPATH or installed), "
-        "or pass the model again (export_onnx(checkpoint, path, model=...))\n"
+        "or pass the model again (export_onnx(checkpoint, path, model=...))"
     )
 
 
