@@ -44,6 +44,7 @@ __all__ = [
     "head_name",
     "import_path",
     "model_source",
+    "module_by_reference",
 ]
 
 KINDS: tuple[str, ...] = ("registry", "torchvision", "timm", "factory", "module")
@@ -106,19 +107,9 @@ class ModelSource:
         factory, the module's class or a registered builder is pickled from by reference (none for ``__main__``)."""
         if self.kind in _PREFIXES:
             return (self.kind,)
-        if self.kind == "factory":
-            owner = self.path
-        elif self.kind == "module":
-            owner = import_path(type(self.target))
-        else:
-            owner = self.target if isinstance(self.target, str) else import_path(self.target)
-        if owner is None:
-            return ()
-        module = owner.partition(":")[0]
-        import cloudpickle
-
-        by_value = cloudpickle.list_registry_pickle_by_value()  # cloudpickle.register_pickle_by_value(module)
-        return () if any(module == m or module.startswith(m + ".") for m in by_value) else (module,)
+        sent = {"factory": self.path, "module": type(self.target)}.get(self.kind, self.target)
+        module = module_by_reference(sent)
+        return () if module is None else (module,)
 
     def _import(self) -> Any:
         """The factory at ``path`` (a checkpoint's model), or a TrainingError saying where it must import."""
@@ -377,6 +368,19 @@ def import_path(obj: Any) -> str | None:
         return path if _load_path(path) is obj else None
     except (ImportError, AttributeError):
         return None
+
+
+def module_by_reference(obj: Any) -> str | None:
+    """The module a worker imports to unpickle ``obj`` (an object, or an import path ``module:qualname``), or None
+    when cloudpickle sends it by value: ``__main__``, locals, modules registered with ``register_pickle_by_value``."""
+    owner = obj if isinstance(obj, str) else import_path(obj)
+    if owner is None:
+        return None
+    module = owner.partition(":")[0]
+    import cloudpickle
+
+    by_value = cloudpickle.list_registry_pickle_by_value()
+    return None if any(module == m or module.startswith(m + ".") for m in by_value) else module
 
 
 def _source_of_path(path: str, kwargs: dict[str, Any]) -> ModelSource:

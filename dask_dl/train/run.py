@@ -293,12 +293,12 @@ def fit(
 
 def _modules_needed(options: RunOptions) -> dict[str, str]:
     """``{module: what needs it}`` for the modules the trainers import to unpickle the model and the loss."""
-    from dask_dl.models.source import import_path
+    from dask_dl.models.source import import_path, module_by_reference
 
     needs = {name: f"model {options.model_source.name!r}" for name in options.model_source.modules()}
-    path = import_path(options.loss) if callable(options.loss) else None
-    if path is not None:
-        needs.setdefault(path.partition(":")[0], f"loss {path!r}")
+    module = module_by_reference(options.loss) if callable(options.loss) else None
+    if module is not None:
+        needs.setdefault(module, f"loss {import_path(options.loss)!r}")
     return needs
 
 
