@@ -37,7 +37,43 @@ def _server_options(gateway_class: Any, connection: dict[str, Any]) -> Any:
             return await gateway.cluster_options(use_local_defaults=False)
 
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dask-dl-gateway") as pool:
-        return pool.submit(asyncio.run, ask()).result()
+        try:
+            return pool.submit(asyncio.run, ask()).result()
+        except Exception as exc:
+            problem = _unreachable(connection["address"], exc)
+            if problem is None:
+                raise
+            raise ClusterError(problem) from exc
+
+
+def _unreachable(address: str, exc: Exception) -> str | None:
+    """What a user must fix when the gateway at ``address`` did not answer its first request, or None.
+
+    dask-gateway passes the HTTP client's errors through as they are: a 401 for a wrong password, a refused
+    connection, a URL without a scheme.
+    """
+    import aiohttp
+
+    reason = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, aiohttp.ClientResponseError) and exc.status in (401, 403):
+        return (
+            f"the gateway at {address} refused this user ({exc.status} {exc.message}): give the credentials its "
+            "authenticator wants, with auth= (e.g. dask_gateway.BasicAuth('alice', password)) or in dask-gateway's "
+            "config, e.g. DASK_GATEWAY__AUTH__TYPE=basic DASK_GATEWAY__AUTH__KWARGS__PASSWORD=... in the environment"
+        )
+    if isinstance(exc, (aiohttp.InvalidURL, aiohttp.NonHttpUrlClientError)):
+        return f"the gateway address {address!r} is not an http(s) URL ({reason}); write it as http://host:port"
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return (
+            f"cannot reach the gateway at {address} ({reason}): check that the server runs and that this is its "
+            "address (the proxy's HTTP address, e.g. http://gateway:8000)"
+        )
+    if isinstance(exc, (aiohttp.ClientError, ValueError)):  # dask-gateway raises a 404's text as a ValueError
+        return (
+            f"the server at {address} did not answer as a dask-gateway server ({reason}); check that this is the "
+            "gateway's address (the proxy's HTTP address, e.g. http://gateway:8000)"
+        )
+    return None
 
 
 def _closing_cluster_class(base: type) -> type:
@@ -124,7 +160,8 @@ def make_gateway(
     if not address:
         raise ConfigurationError(
             "make('gateway') needs the gateway's address: pass address='http://gateway:8000', or set it once with "
-            "dask.config.set({'dask-dl.cluster.gateway.address': 'http://gateway:8000'}) or in a dask yaml"
+            "dask.config.set({'dask-dl.cluster.gateway.address': 'http://gateway:8000'}), in a dask yaml, or in the "
+            "environment: DASK_GATEWAY__ADDRESS=http://gateway:8000 (dask-gateway's own setting)"
         )
     n = workers if workers is not None else n_workers
     n = positive_int("workers", config.get("cluster.gateway.workers", n))

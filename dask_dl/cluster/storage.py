@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "StorageOptions",
+    "absolute",
     "check_visible",
     "exists",
     "fetch",
@@ -150,6 +151,18 @@ def is_url(path: str | os.PathLike) -> bool:
     """True for an fsspec URL of a remote filesystem (``s3://...``), False for local paths and ``file://``."""
     text = os.fspath(path)
     return "://" in text and not text.startswith("file://")
+
+
+def absolute(path: str | os.PathLike) -> str:
+    """``path`` as a worker must be told it: a local path made absolute (from this process's folder), a URL as is.
+
+    A worker may run in another folder than the client (a gateway's or a batch job's working folder, a remote
+    machine with a shared filesystem), where a relative path names another place. ``file://`` is dropped.
+    """
+    text = os.fspath(path)
+    if is_url(text):
+        return text
+    return os.path.abspath(os.path.expanduser(text.removeprefix("file://")))
 
 
 def file_stamp(path: str | os.PathLike) -> tuple[int, int]:

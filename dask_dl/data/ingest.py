@@ -42,6 +42,7 @@ from zarr.codecs import ZstdCodec
 
 from dask_dl import allocator, config
 from dask_dl.checks import one_of, positive_int
+from dask_dl.cluster.storage import absolute
 from dask_dl.data import store as contract
 from dask_dl.data.images import CHANNELS, ImageRejected, load_image
 from dask_dl.data.lease import StoreLease
@@ -211,7 +212,7 @@ def ingest(
         "max_image_bytes": positive_int("max-image-bytes", config.get("ingest.max-image-bytes")),
         "policy": PathPolicy.from_config(),
     }
-    url = os.fspath(store)
+    url = absolute(store)  # the workers that write it may run in another folder (a gateway's, a batch job's)
     lease = StoreLease(url)
     lease.refuse_if_held()  # a store another ingest is creating looks half-made: name that ingest instead
     try:  # before the lease: never write into a foreign folder

@@ -230,11 +230,10 @@ class StoreFiles:
     def __init__(self, url: str | os.PathLike) -> None:
         import fsspec
 
+        from dask_dl.cluster.storage import absolute
+
         self.url = os.fspath(url)
-        text = self.url.removeprefix("file://")
-        if "://" not in text:
-            text = os.path.abspath(os.path.expanduser(text))
-        self.fs, self.root = fsspec.core.url_to_fs(text)
+        self.fs, self.root = fsspec.core.url_to_fs(absolute(self.url))
         self.local = "file" in _protocols(self.fs)
 
     def path(self, key: str) -> str:
@@ -365,7 +364,9 @@ def open_store(store: Any, *, require_complete: bool = True) -> tuple[str, zarr.
                     "pass the store path instead, e.g. 'path/to/store.zarr'"
                 )
             store = store.encoding["source"]
-        url = os.fspath(store)
+        from dask_dl.cluster.storage import absolute
+
+        url = absolute(store)  # the workers that read it may run in another folder
         group = _open_group(url)
     layout = StoreLayout.from_dict(dict(group.attrs).get(ATTRIBUTE), where=repr(url))
     missing = [name for name in (IMAGE, LABEL) if name not in group]

@@ -17,6 +17,7 @@ import numpy as np
 
 from dask_dl import config
 from dask_dl.checks import byte_count, one_of, positive_int
+from dask_dl.cluster.storage import absolute
 from dask_dl.errors import ConfigurationError, DatasetError
 from dask_dl.normalize import DEFAULT_NORMALIZATION, check_normalization
 from dask_dl.train.parallel import check_parallel
@@ -235,7 +236,7 @@ def check_run(
         warmup_steps=warmup_steps,
         seed=seed,
         augment=bool(augment),
-        checkpoint_dir=None if checkpoint_dir is None else str(checkpoint_dir),
+        checkpoint_dir=None if checkpoint_dir is None else absolute(checkpoint_dir),  # rank 0 writes it there
         resume=bool(resume),
         view=view,
         tensorboard=None if tensorboard is None else str(tensorboard),

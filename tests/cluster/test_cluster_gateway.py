@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import gc
+import os
+import socket
 
 import dask.config
 import numpy as np
 import pytest
 
 import dask_dl
-from dask_dl.cluster import connect, gpu_workers
+from dask_dl.cluster import connect, gpu_workers, make
+from dask_dl.errors import ClusterError, ConfigurationError
 from dask_dl.testing.cluster import small_story
 
 dask_gateway = pytest.importorskip("dask_gateway")
@@ -48,24 +51,59 @@ def test_make_gateway_trains_end_to_end_with_gpu_tagged_workers(gateway_server, 
 # dask-gateway 2026.3's Gateway.__del__ closes an already closed gateway and prints a traceback at garbage
 # collection; make("gateway") avoids it (gateway.py), a user's own GatewayCluster still shows it.
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-def test_a_plain_gateway_cluster_works_through_the_default_client(gateway_server, tmp_path):
-    """The path users take without dask_dl.cluster: their own GatewayCluster and ``cluster.get_client()``."""
+def test_a_plain_gateway_cluster_works_through_the_default_client(gateway_server, tmp_path, monkeypatch):
+    """The path users take without dask_dl.cluster: their own GatewayCluster and ``cluster.get_client()``.
+
+    With paths relative to the client's folder, as a user in a shell or notebook writes them: the gateway's workers
+    run in folders of their own (under the server's clusters directory), where "plain.zarr" is somewhere else.
+    """
     from dask_dl.data.synthetic import synthesize
 
+    monkeypatch.chdir(tmp_path)
     auth = dask_gateway.BasicAuth("bob", gateway_server["password"])
     with dask_gateway.GatewayCluster(gateway_server["address"], auth=auth) as cluster:
         cluster.scale(2)
         with cluster.get_client() as client:
             client.wait_for_workers(2, timeout=120)
-            raw = tmp_path / "raw"
-            synthesize(raw, n_images=32, size=64, seed=1)
-            result = dask_dl.ingest(dask_dl.read_catalog(raw), tmp_path / "plain.zarr", size=32, chunk=8, shard=1)
+            assert all(cwd != str(tmp_path) for cwd in client.run(os.getcwd).values())
+            synthesize("raw", n_images=32, size=64, seed=1)
+            result = dask_dl.ingest(dask_dl.read_catalog("raw"), "plain.zarr", size=32, chunk=8, shard=1)
             assert result.n == 32 and result.n_rejected == 0
+            assert result.store == str(tmp_path / "plain.zarr")
             run = dask_dl.fit(
-                dask_dl.open_dataset(tmp_path / "plain.zarr"), model="small_cnn", model_kwargs={"width": 8},
-                epochs=1, batch_size=8, trainers=2,
+                dask_dl.open_dataset("plain.zarr"), model="small_cnn", model_kwargs={"width": 8},
+                epochs=1, batch_size=8, trainers=2, checkpoint_dir="ckpt",
             )  # fmt: skip
             assert sorted(run.workers) == sorted(client.scheduler_info(n_workers=-1)["workers"])
             assert len(run.history) == 1
+            assert sorted(p.name for p in (tmp_path / "ckpt").glob("epoch-*.pt")) == ["epoch-0000.pt"]
     del cluster, client, run  # the run holds the client, which holds the cluster and its Gateway
     gc.collect()  # the Gateway's __del__ runs here, under this test's filter, not in whichever test comes next
+
+
+def test_a_gateway_that_cannot_be_asked_is_an_error_that_says_what_to_fix(gateway_server, monkeypatch):
+    """dask-gateway passes its HTTP client's errors through; each common mistake gets its own one-line cause."""
+    address = gateway_server["address"]
+    wrong = dask_gateway.BasicAuth("alice", "not-the-password")
+    with pytest.raises(ClusterError, match=r"^the gateway at http://127\.0\.0\.1:\d+ refused this user \(401 "
+                       r"Unauthorized\): .*DASK_GATEWAY__AUTH__KWARGS__PASSWORD"):  # fmt: skip
+        make("gateway", address=address, auth=wrong)
+    with socket.socket() as s:  # a port where nothing listens
+        s.bind(("127.0.0.1", 0))
+        nothing = f"http://127.0.0.1:{s.getsockname()[1]}"
+    with pytest.raises(ClusterError, match=rf"^cannot reach the gateway at {nothing} \(ClientConnectorError: .*\): "
+                       "check that the server runs"):  # fmt: skip
+        make("gateway", address=nothing, auth=wrong)
+    bare = address.removeprefix("http://")
+    with pytest.raises(ClusterError, match=rf"^the gateway address '{bare}' is not an http\(s\) URL .*; write it as "
+                       r"http://host:port$"):  # fmt: skip
+        make("gateway", address=bare, auth=wrong)
+    right = dask_gateway.BasicAuth("alice", gateway_server["password"])
+    with pytest.raises(ClusterError, match=rf"^the server at {address}/elsewhere did not answer as a dask-gateway "
+                       r"server \(ValueError: 404: Not Found\)"):  # fmt: skip
+        make("gateway", address=f"{address}/elsewhere", auth=right)
+    monkeypatch.delenv("DASK_GATEWAY__ADDRESS", raising=False)
+    with dask.config.set({"gateway.address": None}), pytest.raises(ConfigurationError, match=(
+        r"needs the gateway's address: .* or in the environment: DASK_GATEWAY__ADDRESS=http://gateway:8000"
+    )):  # fmt: skip
+        make("gateway", auth=right)
