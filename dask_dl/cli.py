@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import logging
 import os
 import sys
 import time
@@ -48,6 +49,18 @@ class _Group(click.Group):
             message = " ".join(str(exc).split("\n")) or type(exc).__name__
             click.secho(f"error: {message}", fg="red", err=True)
             sys.exit(1)
+        finally:
+            logging.getLogger("asyncio").addFilter(_unclosed_at_exit)
+
+
+def _unclosed_at_exit(record: logging.LogRecord) -> bool:
+    """Once a command has finished: drop aiohttp's reports of sessions it finds unclosed at interpreter exit.
+
+    zarr reads object stores (``s3://``) through asynchronous fsspec filesystems that nobody closes, and s3fs's own
+    finalizer fails to close its synchronous ones (fsspec/s3fs#943); their aiohttp sessions report themselves as
+    they are collected at exit, about connections the ending process closes anyway.
+    """
+    return not str(record.msg).startswith(("Unclosed client session", "Unclosed connector"))
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
@@ -127,6 +140,50 @@ def cluster_options(f):
         help="Kind of cluster to start when no --scheduler is given: "
         + "; ".join(f"{k}: {v}" for k, v in KINDS.help().items()) + " (default: dask-dl.cluster.kind, local).",
     )(f)  # fmt: skip
+
+
+@contextlib.contextmanager
+def _connect(scheduler: str | None, n_workers: int | None) -> Any:
+    """The command's cluster (:func:`dask_dl.cluster.connect`), whose workers get this command's storage settings.
+
+    fsspec reads its settings from ``FSSPEC_<PROTOCOL>_<OPTION>`` variables (``FSSPEC_S3_ENDPOINT_URL``,
+    ``FSSPEC_S3_KEY``, ...) and ``~/.config/fsspec``; the workers of a gateway, SLURM or remote cluster do not see
+    this shell's, so the settings of every remote protocol go to them (``set_storage_options``) before any work.
+    """
+    import fsspec.config
+
+    from dask_dl.cluster import connect, set_storage_options
+
+    settings = {
+        protocol: dict(values)
+        for protocol, values in fsspec.config.conf.items()
+        if protocol not in ("file", "local") and isinstance(values, dict) and values
+    }
+    with connect(scheduler=scheduler, n_workers=n_workers) as client:
+        if settings:
+            set_storage_options(client, settings)
+        yield client
+
+
+class _PathOrURL(click.Path):
+    """An existing local path (``click.Path``), or an fsspec URL (``s3://...``) that exists, looked up with fsspec.
+
+    The URL is looked up with this process's fsspec settings (``FSSPEC_S3_ENDPOINT_URL``, ...), as the command
+    will read it.
+    """
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        from dask_dl.cluster.storage import exists, is_url
+
+        if not (isinstance(value, str) and is_url(value)):
+            return super().convert(value, param, ctx)
+        try:
+            found = exists(value)
+        except Exception as exc:  # credentials, endpoint, no such protocol: fsspec's own words
+            self.fail(f"cannot look up {value!r}: {type(exc).__name__}: {exc}", param, ctx)
+        if not found:
+            self.fail(f"{value!r} does not exist.", param, ctx)
+        return value
 
 
 class _ModelName(click.Choice):
@@ -234,7 +291,7 @@ class _LayoutChoice(click.Choice):
 
 
 @cli.command()
-@click.argument("source", type=click.Path(exists=True))
+@click.argument("source", type=_PathOrURL(exists=True))
 @click.option(
     "--out", "-o", type=click.Path(dir_okay=False), default=None,
     help="Write the catalog to this Parquet file (labels and task kept in its metadata). Default: only print counts.",
@@ -321,12 +378,11 @@ def synth(root, images, size, seed, patients, label_source, sites, rgba, corrupt
     readable by `dask-dl catalog ROOT`. Images are drawn in this process unless --scheduler or --workers asks
     for a cluster (whose workers must see ROOT).
     """
-    from dask_dl.cluster import connect
     from dask_dl.data.synthetic import synthesize
 
     if sites is not None and sites.strip().isdigit():
         sites = int(sites)
-    cluster = connect(scheduler=scheduler, n_workers=workers) if (scheduler or workers) else contextlib.nullcontext()
+    cluster = _connect(scheduler, workers) if (scheduler or workers) else contextlib.nullcontext()
     with cluster as client:
         table = synthesize(
             root, n_images=images, size=size, seed=seed, n_patients=patients, label_source=label_source,
@@ -375,7 +431,6 @@ def ingest_command(
     """
     import logging
 
-    from dask_dl.cluster import connect
     from dask_dl.data.catalog import read_catalog
     from dask_dl.data.ingest import ingest
 
@@ -385,7 +440,7 @@ def ingest_command(
         logging.getLogger("dask_dl").addHandler(handler)
         logging.getLogger("dask_dl").setLevel(logging.INFO)
     catalog = read_catalog(source)
-    with connect(scheduler=scheduler, n_workers=workers) as client:
+    with _connect(scheduler, workers) as client:
         result = ingest(
             catalog, store, size=size, chunk=chunk, shard=shard, min_size=min_size,
             max_reject_share=max_reject_share, overwrite=overwrite, client=client, progress=False if quiet else None,
@@ -479,7 +534,6 @@ def train_command(
     """
 
     from dask_dl import config
-    from dask_dl.cluster import connect
     from dask_dl.data.dataset import open_dataset
     from dask_dl.normalize import channel_stats
     from dask_dl.train.run import fit
@@ -489,7 +543,7 @@ def train_command(
     n_workers = workers or max(n_trainers, config.get("cluster.n-workers"))
     interactive = not quiet and sys.stderr is not None and sys.stderr.isatty()
     normalization = _normalization(normalization, dataset)
-    with connect(scheduler=scheduler, n_workers=n_workers) as client:
+    with _connect(scheduler, n_workers) as client:
         for path in upload:
             _upload(client, path)
         if normalization == "stats":
@@ -661,7 +715,7 @@ def export_command(checkpoint, out, overwrite, opset) -> None:
 
 @cli.command("predict")
 @click.argument("store")
-@click.argument("model", type=click.Path(exists=True, dir_okay=False))
+@click.argument("model", type=_PathOrURL(exists=True, dir_okay=False))
 @click.option(
     "--out", "-o", required=True,
     help="Where to write the scores: a .parquet table (ids, split, site, p_<label>, true labels) or a .zarr store.",
@@ -678,7 +732,7 @@ def export_command(checkpoint, out, overwrite, opset) -> None:
 def predict_command(store, model, out, split, batch_size, overwrite, on, scheduler, workers) -> None:
     """Score the images of STORE (from dask-dl ingest) with MODEL (.onnx); print AUROC per label and split when
     the store has labels."""
-    from dask_dl.cluster import connect
+    from dask_dl.cluster.storage import exists
     from dask_dl.data.dataset import open_dataset
     from dask_dl.errors import StoreError
     from dask_dl.export import read_model_info
@@ -687,15 +741,18 @@ def predict_command(store, model, out, split, batch_size, overwrite, on, schedul
     kind = "zarr" if out.rstrip("/").endswith(".zarr") else "parquet" if out.endswith(".parquet") else None
     if kind is None:
         raise StoreError(f"--out {out!r} must end in .parquet (a table) or .zarr (a store)")
-    if os.path.exists(out) and not overwrite:
+    if exists(out) and not overwrite:
         raise StoreError(f"{out!r} exists already; pass --overwrite to replace it")
     info = read_model_info(model)
     ds = open_dataset(store, split=split)
-    with connect(scheduler=scheduler, n_workers=workers) as client:
+    with _connect(scheduler, workers) as client:
         probs = client.compute(predict(ds, model, batch_size=batch_size, client=client, on=on)).result()
     table = scores_table(ds, probs, labels=list(info.labels))
     if kind == "parquet":
-        table.to_parquet(out, index=False)
+        import fsspec
+
+        with fsspec.open(out, "wb") as f:  # through fsspec and its settings, as every store (pandas: pyarrow's S3)
+            table.to_parquet(f, index=False)
     else:
         _write_scores_zarr(table, list(info.labels), out, overwrite=overwrite)
     click.echo(f"wrote {len(table)} scores of {len(info.labels)} labels to {out}")
@@ -866,7 +923,6 @@ def xsite_command(plan, protocol, rounds, export_path, history_path, scheduler, 
     status 130.
     """
 
-    from dask_dl.cluster import connect
     from dask_dl.errors import TrainingError
     from dask_dl.sites.plan_file import read_plan_file
     from dask_dl.sites.run import fit_sites
@@ -876,7 +932,7 @@ def xsite_command(plan, protocol, rounds, export_path, history_path, scheduler, 
     for key in ("protocol", "rounds"):
         if key not in {**options, **overrides}:
             raise click.UsageError(f"{plan} has no {key}: add '{key}:' to it or pass --{key}")
-    with connect(scheduler=scheduler, n_workers=workers) as client:
+    with _connect(scheduler, workers) as client:
         sites, options = read_plan_file(plan)  # opens the shared cluster's stores, with its client current
         run = fit_sites(sites, client=client, wait=False, **{**options, **overrides})
         interrupted = _follow(run, lambda shown: _echo_rounds(run, shown, quiet), "stopping the sites' trainers")

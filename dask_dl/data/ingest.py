@@ -533,8 +533,11 @@ def _run(
     """
     from distributed import progress as progress_bar
 
+    from dask_dl.cluster.storage import check_visible
     from dask_dl.cluster.workers import cpu_workers
 
+    writers = cpu_workers(client)  # on a cluster with GPU workers, leave them to the trainers
+    check_visible(client, url, workers=writers)  # before any work: which worker cannot reach the store
     prefix = f"ingest-shard-{uuid.uuid4().hex}-"
     futures = client.map(
         _ingest_shard,
@@ -544,7 +547,7 @@ def _run(
         min_size=options["min_size"],
         **reading,
         key=[f"{prefix}{job['shard']}" for job in jobs],
-        workers=cpu_workers(client),  # on a cluster with GPU workers, leave them to the trainers
+        workers=writers,
     )
     try:
         if progress:  # the bar blocks; Python's own handler raises Ctrl-C in its wait

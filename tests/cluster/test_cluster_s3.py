@@ -75,3 +75,66 @@ def test_clearing_a_store_on_s3_keeps_only_its_lease(bucket):
     fs.invalidate_cache()
     assert fs.find("dask-dl/s.zarr") == ["dask-dl/s.zarr/_dask_dl/lease.json"]
     assert fs.cat_file("dask-dl/s.zarr/_dask_dl/lease.json") == b"_dask_dl/lease.json"
+
+
+def test_the_command_line_gives_its_storage_settings_to_workers_that_lack_them(s3_server, bucket, tmp_path):
+    """A shell user names the object store once, in fsspec's FSSPEC_S3_* variables; the workers of a cluster that
+    does not share that shell (a gateway's, SLURM jobs, a scheduler elsewhere) get them from the command."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pandas as pd
+    import torch
+    from distributed import Client, LocalCluster
+
+    from dask_dl.data.synthetic import synthesize
+    from dask_dl.testing.models import TinyNet
+
+    store = f"{bucket}/cli.zarr"
+    synthesize(tmp_path / "raw", n_images=24, size=64, seed=3)
+    catalog = dask_dl.read_catalog(tmp_path / "raw")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FSSPEC_")}
+    env |= {"FSSPEC_S3_ENDPOINT_URL": s3_server["endpoint_url"], "FSSPEC_S3_KEY": s3_server["key"],
+            "FSSPEC_S3_SECRET": s3_server["secret"]}  # fmt: skip
+    command = Path(sys.executable).with_name("dask-dl")
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(command), *args], env=env, capture_output=True, text=True, timeout=180)
+
+    with (
+        LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+    ):
+        # the workers have no settings for s3: ingest names the worker before any shard is written
+        with pytest.raises(
+            StoreNotFoundError, match=r"worker tcp://127\.0\.0\.1:\d+ cannot see 's3://dask-dl/cli\.zarr'"
+        ):
+            dask_dl.ingest(catalog, store, size=32, chunk=8, client=client)
+        assert not fsspec.filesystem("s3").exists("dask-dl/cli.zarr/_dask_dl/status")
+
+        ingested = run("ingest", str(tmp_path / "raw"), store, "-s", "32", "--chunk", "8", "--scheduler",
+                       cluster.scheduler_address, "--overwrite")  # fmt: skip
+        assert ingested.returncode == 0, ingested.stderr
+        assert ingested.stdout.startswith(f"ingested 24 images into {store}: 24 valid, 0 rejected"), ingested.stdout
+
+        model = f"{bucket}/tiny.onnx"
+        torch.manual_seed(0)
+        dask_dl.export_onnx(TinyNet(14, width=3), model, labels=list(dask_dl.open_dataset(store).finding.values),
+                            input_size=32)  # fmt: skip
+        scored = run("predict", store, model, "--split", "test", "--out", f"{bucket}/scores.parquet",
+                     "--scheduler", cluster.scheduler_address)  # fmt: skip
+        assert scored.returncode == 0, scored.stderr
+        assert "Unclosed" not in scored.stderr, scored.stderr  # aiohttp's reports of sessions left for exit
+    with fsspec.open(f"{bucket}/scores.parquet", "rb") as f:  # written through fsspec, not pyarrow's own S3 client
+        table = pd.read_parquet(f)
+    test = dask_dl.open_dataset(store, split="test")
+    assert list(table["sample"]) == list(test.sample.values)
+    expected = dask_dl.predict(test.image.values, model).compute()
+    np.testing.assert_allclose(table[[c for c in table.columns if c.startswith("p_")]].to_numpy(), expected,
+                               rtol=1e-5, atol=1e-6)  # fmt: skip
+
+    missing = run("predict", store, f"{bucket}/nothing.onnx", "--out", str(tmp_path / "s.parquet"))
+    assert missing.returncode == 2
+    assert "Invalid value for 'MODEL': 's3://dask-dl/nothing.onnx' does not exist." in missing.stderr
