@@ -9,13 +9,14 @@ closes it on exit, also on error and Ctrl-C. With no settings at all one CPU job
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from dask_dl import config
 from dask_dl.checks import positive_int
 from dask_dl.cluster.tls import security_from
 from dask_dl.cluster.workers import GPU_RESOURCE
-from dask_dl.errors import ConfigurationError, missing_dependency
+from dask_dl.errors import ClusterError, ConfigurationError, missing_dependency
 
 if TYPE_CHECKING:  # pragma: no cover
     from distributed.security import Security
@@ -93,23 +94,49 @@ def make_slurm(
         options |= {"security": security, "protocol": "tls://"}
     options |= kwargs
     cluster = SLURMCluster(**options)
+    cpu = copy.deepcopy(cluster.new_spec)
+    cpu["options"] |= {
+        "queue": config.get("cluster.slurm.cpu-queue", cpu_queue) or queue,
+        "worker_extra_args": extra_args,
+        "job_extra_directives": directives,
+    }
     try:
-        cluster.scale(jobs=n_jobs)
-        if n_cpu:
-            cpu = copy.deepcopy(cluster.new_spec)
-            cpu["options"] |= {
-                "queue": config.get("cluster.slurm.cpu-queue", cpu_queue) or queue,
-                "worker_extra_args": extra_args,
-                "job_extra_directives": directives,
-            }
-            for i in range(n_cpu):
-                cluster.worker_spec[f"cpu-{i}"] = copy.deepcopy(cpu)
-            cluster.sync(cluster._correct_state)  # submits the CPU jobs, as SpecCluster.scale does
+        _submit(cluster, n_jobs, lambda i: cluster.new_worker_spec(), "GPU" if gpus else "", queue)
+        _submit(cluster, n_cpu, lambda i: {f"cpu-{i}": copy.deepcopy(cpu)}, "CPU", cpu["options"]["queue"])
     except BaseException:
         cluster.close()  # scancel what was submitted
         raise
     cluster._dask_dl_workers = n_jobs + n_cpu
     return cluster
+
+
+def _submit(cluster: Any, n: int, spec: Callable[[int], dict[str, Any]], kind: str, queue: str | None) -> None:
+    """Submit ``n`` jobs of ``spec(i)`` now; raise a ClusterError with sbatch's own words when SLURM refuses them.
+
+    ``SLURMCluster.scale`` submits in a callback whose failure is only logged (a traceback), after which the
+    caller would wait for workers that never come. One job goes first, alone: a refusal (a partition, account or
+    GRES SLURM does not know) is then one error, and the others are not submitted at all.
+    """
+    from distributed.core import Status
+
+    for batch in (range(min(n, 1)), range(1, n)):
+        if not batch:
+            continue
+        for i in batch:
+            cluster.worker_spec.update(spec(i))  # one at a time: new_worker_spec names a job after those there
+        try:
+            cluster.sync(cluster._correct_state)  # as SpecCluster.scale does, but waiting for the submission
+        except RuntimeError as exc:
+            for name in [name for name, job in cluster.workers.items() if job.status == Status.created]:
+                cluster.workers.pop(name).status = Status.failed  # never submitted: nothing to cancel
+                del cluster.worker_spec[name]
+            said = str(exc).partition("stderr:")[2].strip() or str(exc)
+            where = f"partition {queue!r}" if queue else "the default partition"
+            raise ClusterError(
+                f"SLURM refused the {kind + ' ' if kind else ''}job ({where}): {' '.join(said.split())}; check the "
+                "jobs' settings: queue=, cpu_queue=, gpus_per_job=, cores=, memory=, walltime=, account= (or "
+                "dask-dl.cluster.slurm.* and jobqueue.slurm.* in the dask config)"
+            ) from None
 
 
 def _count(name: str, value: Any) -> int:

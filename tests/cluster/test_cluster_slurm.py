@@ -75,3 +75,20 @@ def test_batch_script_path_trains_with_cluster_slurm_and_cancels_its_jobs_also_o
     assert "fit asked for 2 trainers but the cluster has only 1 workers with a 'GPU' resource" in failed.stderr
     assert "Traceback" not in failed.stderr
     assert slurm.wait_until_gone() == []
+
+
+def test_jobs_slurm_refuses_are_one_error_with_sbatchs_words_and_nothing_left_queued(slurm, caplog):
+    import logging
+
+    from dask_dl.cluster import make
+    from dask_dl.errors import ClusterError
+
+    refused = r"^SLURM refused the {}job \(partition 'nope'\): sbatch: error: invalid partition specified: nope"
+    with pytest.raises(ClusterError, match=refused.format("")):
+        make("slurm", queue="nope", jobs=2, memory="1GiB", interface="lo")
+    # the GPU job is queued, then its CPU job refused: the GPU job is cancelled
+    with pytest.raises(ClusterError, match=refused.format("CPU ")):
+        make("slurm", **{**SLURM, "cpu_queue": "nope"})
+    assert slurm.wait_until_gone() == []
+    # dask-jobqueue's own callbacks logged the refusal as tracebacks (and the caller waited for good)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
