@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from dask_dl.cluster.tls import security_from
-from dask_dl.errors import ConfigurationError
+from dask_dl.errors import ClusterError, ConfigurationError
 
 if TYPE_CHECKING:  # pragma: no cover
     from distributed import Client
@@ -79,7 +79,7 @@ def get_client(
     if scheduler is not None:
         if security is None and str(scheduler).startswith("tls://"):
             _check_tls_config(scheduler)
-        client = Client(scheduler, security=security)
+        client = _connect_to(scheduler, security)
         client._dask_dl_owns_client = True  # our connection to someone else's cluster: closed, cluster left
         return client
     if kind is None and security is None and not kwargs:
@@ -103,6 +103,31 @@ def get_client(
         _close(locals().get("client"), cluster)
         raise
     return client
+
+
+def _connect_to(scheduler: str, security: Security | None) -> Client:
+    """A client of the running scheduler at ``scheduler``, or a ClusterError that says why it cannot be one."""
+    from distributed import Client
+    from distributed.comm.core import CommClosedError
+
+    try:
+        return Client(scheduler, security=security)
+    except OSError as exc:  # distributed's CommClosedError and its connect timeout are OSErrors
+        reason = f"{type(exc).__name__}: {exc}"
+        if "SSL" in reason or "TLS certificate" in reason:
+            hint = (
+                "the TLS handshake failed: the scheduler and this client do not trust each other's certificates; "
+                "pass the CA and the certificate that the scheduler's authority issued (--tls-ca, --tls-cert, "
+                "--tls-key; Python: security=dask_dl.cluster.tls_files(...))"
+            )
+        elif str(scheduler).startswith("tcp://") and isinstance(exc, ConnectionError | CommClosedError):
+            hint = "the scheduler closed the connection: if it uses TLS, its address starts with tls://"
+        else:
+            hint = (
+                "check that the scheduler runs, that this is its address (host:port, as `dask scheduler` prints "
+                "it), and that this machine can reach that port"
+            )
+        raise ClusterError(f"cannot connect to the scheduler at {scheduler} ({reason}): {hint}") from None
 
 
 def _check_tls_config(scheduler: str) -> None:

@@ -12,9 +12,11 @@ tested in test_cluster_gpu.py, where a GPU exists).
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 
+import dask.config
 import numpy as np
 import pandas as pd
 import pytest
@@ -22,7 +24,8 @@ from distributed import Client, get_task_stream
 from distributed.security import Security
 
 import dask_dl
-from dask_dl.cluster import connect, cpu_workers, gpu_workers, workers_for
+from dask_dl.cluster import connect, cpu_workers, get_client, gpu_workers, workers_for
+from dask_dl.errors import ClusterError
 from dask_dl.testing.cluster import small_story, worker_of_tasks, write_tls_files
 
 
@@ -58,6 +61,22 @@ def test_a_client_without_the_certificates_is_refused(tls_client):
     # certificates of another authority: the handshake fails
     with pytest.raises(OSError, match="TLS certificate does not match"):
         Client(address, security=Security.temporary(), timeout="3s")
+    # the same through dask_dl (dask-dl --scheduler): one line that says which mistake it is, not a traceback
+    cannot = r"^cannot connect to the scheduler at {} \({}\): {}"
+    with pytest.raises(ClusterError, match=cannot.format(address, ".*TLS certificate does not match.*",
+                                                         "the TLS handshake failed")):  # fmt: skip
+        get_client(scheduler=address, security=Security.temporary())
+    plain = address.replace("tls://", "tcp://")
+    closed = "the scheduler closed the connection: if it uses TLS, its address starts with tls://$"
+    with pytest.raises(ClusterError, match=cannot.format(plain, "CommClosedError: .*", closed)):
+        get_client(scheduler=plain)
+    with socket.socket() as s:  # a port where nothing listens
+        s.bind(("127.0.0.1", 0))
+        nothing = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    with dask.config.set({"distributed.comm.timeouts.connect": "2s"}), pytest.raises(ClusterError, match=(
+        cannot.format(nothing, "OSError: .*", "check that the scheduler runs, that this is its address")
+    )):  # fmt: skip
+        get_client(scheduler=nothing)
     assert tls_client.submit(lambda: 1).result() == 1  # the cluster itself is unharmed
 
 
