@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dask_dl.errors import ConfigurationError, DatasetError
+from dask_dl.errors import ClusterError, ConfigurationError, DatasetError
 
 if TYPE_CHECKING:  # pragma: no cover
     import xarray as xr
@@ -172,7 +172,10 @@ def _connect(name: str, site: Site, *, client: Client | None, transfers: Transfe
 
                 own, owns = DaskClient(site.cluster, set_as_default=False), True
         else:
-            own, owns = get_client(scheduler=site.scheduler, security=site.security), True
+            try:
+                own, owns = get_client(scheduler=site.scheduler, security=site.security), True
+            except ClusterError as exc:  # which site's scheduler, as the plan names it
+                raise ClusterError(f"site {name!r}: {exc}") from None
         try:
             workers = _resource_workers(own, site.resource) if site.resource else None
             future = own.submit(manifest, site.store, key=f"dask-dl-manifest-{name}", pure=False, workers=workers)

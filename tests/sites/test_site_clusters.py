@@ -108,3 +108,21 @@ def _close_after_round(run, cluster: LocalCluster, round_: int) -> None:
             break
         time.sleep(0.1)
     threading.Thread(target=cluster.close, daemon=True).start()
+
+
+def test_a_site_scheduler_that_cannot_be_reached_is_named(two_sites):
+    import socket
+
+    import dask.config
+
+    from dask_dl import ClusterError
+
+    (a, store_a), (_, store_b) = two_sites["A"], two_sites["B"]
+    with socket.socket() as s:  # a port where nothing listens
+        s.bind(("127.0.0.1", 0))
+        nothing = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    sites = {"A": {"scheduler": a.scheduler_address, "store": store_a}, "B": {"scheduler": nothing, "store": store_b}}
+    with dask.config.set({"distributed.comm.timeouts.connect": "2s"}), pytest.raises(ClusterError, match=(
+        rf"^site 'B': cannot connect to the scheduler at {nothing} \(OSError: .*\): check that the scheduler runs"
+    )):  # fmt: skip
+        dask_dl.fit_sites(sites, protocol="fedavg", rounds=1, **OPTIONS)
