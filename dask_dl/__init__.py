@@ -56,7 +56,7 @@ _LAZY = {
     "register_model": "dask_dl.models",
     "load_weights": "dask_dl.models.weights",
     "export_onnx": "dask_dl.export",
-    "read_model_info": "dask_dl.export",
+    "read_model_info": "dask_dl.onnx_info",
     "predict": "dask_dl.inference",
     "scores_table": "dask_dl.inference",
     "evaluate": "dask_dl.inference",
@@ -130,11 +130,12 @@ if TYPE_CHECKING:  # pragma: no cover
     from dask_dl.explanation.localization import localization
     from dask_dl.explanation.maps import explain
     from dask_dl.explanation.show import show
-    from dask_dl.export import export_onnx, read_model_info
+    from dask_dl.export import export_onnx
     from dask_dl.inference import evaluate, predict, scores_table
     from dask_dl.metrics import auroc
     from dask_dl.models import build_model, list_models, register_model
     from dask_dl.models.weights import load_weights
+    from dask_dl.onnx_info import read_model_info
     from dask_dl.sites.run import SitesRun, fit_sites
     from dask_dl.train.compression import make_compressor
     from dask_dl.train.run import TrainingRun, fit

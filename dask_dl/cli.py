@@ -735,8 +735,8 @@ def predict_command(store, model, out, split, batch_size, overwrite, on, schedul
     from dask_dl.cluster.storage import exists
     from dask_dl.data.dataset import open_dataset
     from dask_dl.errors import StoreError
-    from dask_dl.export import read_model_info
     from dask_dl.inference import predict, scores_table
+    from dask_dl.onnx_info import read_model_info
 
     kind = "zarr" if out.rstrip("/").endswith(".zarr") else "parquet" if out.endswith(".parquet") else None
     if kind is None:

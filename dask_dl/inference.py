@@ -30,9 +30,9 @@ from dask_dl import config
 from dask_dl.checks import one_of, positive_int
 from dask_dl.data.store import COORDS
 from dask_dl.errors import ConfigurationError, DatasetError, ExportError, StoreNotFoundError
-from dask_dl.export import ModelInfo, read_model_info
 from dask_dl.metrics import auroc
 from dask_dl.normalize import scale
+from dask_dl.onnx_info import ModelInfo, read_model_info
 
 if TYPE_CHECKING:  # pragma: no cover
     import dask.dataframe as dd
@@ -240,7 +240,7 @@ def predict(
         names) and the returned array holds the futures; without it (and without ``on``) the array is lazy,
         computed by whichever scheduler computes it.
     input_size, labels, normalization
-        Describe an ONNX model without dask_dl metadata (see :func:`dask_dl.export.read_model_info`).
+        Describe an ONNX model without dask_dl metadata (see :func:`dask_dl.onnx_info.read_model_info`).
     on : {"cpu", "gpu", "any"}, optional
         Which workers score (:func:`dask_dl.cluster.workers_for`): ``"cpu"``, the CPU workers when the cluster also
         has GPU workers (default ``dask-dl.predict.workers``); ``"gpu"``, the workers with a ``GPU`` resource, where

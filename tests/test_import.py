@@ -49,3 +49,11 @@ def test_api_page_and_exports_agree():
     for module, name in documented:
         if name != "errors":  # the page points at the object dask_dl exports, not a namesake
             assert getattr(importlib.import_module(module), name) is getattr(dask_dl, name), f"{module}.{name}"
+
+
+def test_scoring_does_not_import_torch():
+    """predict and read_model_info need onnxruntime only: every scoring process (dask-dl predict, its workers)
+    would otherwise pay torch's import (1.5 s here) for nothing."""
+    code = "import sys, dask_dl, dask_dl.inference; dask_dl.read_model_info; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stderr

@@ -19,8 +19,6 @@ from dask_dl.errors import ConfigurationError, ExportError
 
 __all__ = ["ModelSpec", "get_model", "resolve"]
 
-_ACTIVATIONS = {"multilabel": "sigmoid", "multiclass": "softmax"}
-
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -64,6 +62,7 @@ def resolve(
     from dask_dl.export import _resolve
     from dask_dl.models.source import model_source
     from dask_dl.normalize import DEFAULT_NORMALIZATION
+    from dask_dl.onnx_info import ACTIVATIONS
 
     net, meta = _resolve(source)
     if isinstance(source, nn.Module):
@@ -82,7 +81,7 @@ def resolve(
         input_size=meta.get("input_size"),
         in_channels=int(meta.get("in_channels", 1)),
         normalization=dict(meta.get("normalization") or DEFAULT_NORMALIZATION),
-        activation=_ACTIVATIONS.get(meta.get("task", "multilabel"), "sigmoid"),
+        activation=ACTIVATIONS.get(meta.get("task", "multilabel"), "sigmoid"),
         layer=_layer_name(net, layer, meta.get("input_size"), int(meta.get("in_channels", 1))) if gradcam else None,
         modules=model_source(net).modules(),
     )
@@ -90,8 +89,8 @@ def resolve(
 
 
 def _resolve_onnx(source: Any, *, labels: list[str] | None, input_size: int | None) -> ModelSpec:
-    from dask_dl.export import read_model_info
     from dask_dl.inference import _stamp
+    from dask_dl.onnx_info import read_model_info
 
     path = os.path.abspath(os.fspath(source))
     try:
