@@ -226,3 +226,26 @@ def test_gpu_maps_equal_cpu_maps(collection):
     on_gpu = explain(test, collection["checkpoint"], device="cuda").compute(scheduler="sync")
     on_cpu = explain(test, collection["checkpoint"], device="cpu").compute(scheduler="sync")
     np.testing.assert_allclose(on_gpu.values.astype(float), on_cpu.values.astype(float), atol=1e-2)
+
+
+def test_maps_written_to_a_relative_path_land_in_the_clients_folder(cluster_client, tmp_path, monkeypatch):
+    """The workers write the maps' chunks. Run from another folder (a gateway's, a batch job's), a relative path
+    names another place there: write_maps makes it absolute from the client's folder first."""
+    from dask_dl.explanation.maps import write_maps
+
+    here, elsewhere = tmp_path / "client", tmp_path / "workers"
+    here.mkdir()
+    elsewhere.mkdir()
+    before = cluster_client.run(os.getcwd)
+    cluster_client.run(os.chdir, str(elsewhere))
+    try:
+        monkeypatch.chdir(here)
+        values = np.random.default_rng(0).random((4, 2, 8, 8), dtype=np.float32)
+        maps = xr.DataArray(values, dims=("sample", "finding", "y", "x"), name="explanation",
+                            coords={"sample": np.arange(4), "finding": ["Effusion", "Mass"]})  # fmt: skip
+        assert write_maps(maps.chunk({"sample": 2}), "maps.zarr") == str(here / "maps.zarr")
+    finally:
+        for worker, cwd in before.items():
+            cluster_client.run(os.chdir, cwd, workers=[worker])
+    np.testing.assert_array_equal(xr.open_zarr(here / "maps.zarr", consolidated=False)["explanation"].values, values)
+    assert not (elsewhere / "maps.zarr").exists()

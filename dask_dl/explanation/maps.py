@@ -253,10 +253,11 @@ def write_maps(maps: xr.DataArray, store: str | os.PathLike, *, group: str | Non
     StoreError
         Something is there already and ``overwrite`` is False.
     """
+    from dask_dl.cluster.storage import absolute, exists
     from dask_dl.errors import StoreError
 
-    url = os.fspath(store)
-    if not overwrite and group is None and os.path.exists(url):
+    url = absolute(store)  # the workers write the chunks, maybe from another folder (a gateway's, a batch job's)
+    if not overwrite and group is None and exists(url):
         raise StoreError(f"{url!r} exists already; pass overwrite=True (CLI: --overwrite) to replace it")
     chunk = max(maps.chunks[0]) if maps.chunks is not None else maps.sizes["sample"]
     out = maps.chunk({"sample": chunk, "finding": -1, "y": -1, "x": -1})
