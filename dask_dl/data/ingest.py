@@ -206,6 +206,9 @@ def ingest(
     catalog = validate_catalog(catalog)
     if not len(catalog):
         raise CatalogError("the catalog has no rows: there is nothing to ingest")
+    # the workers read the images, maybe from another folder (a gateway's, a batch job's): a relative path is taken
+    # from this process's folder, as the store's is
+    catalog = catalog.assign(path=catalog["path"].map(absolute))
     layout, options = _layout(catalog, size=size, chunk=chunk, shard=shard, min_size=min_size, channels=channels)
     share = _share("max_reject_share", config.get("ingest.max-reject-share", max_reject_share))
     reading = {  # the driver's settings, not each worker's

@@ -756,3 +756,25 @@ def test_ingest_tasks_reuse_freed_memory_under_the_nannys_trim_threshold(cluster
         after = cluster_client.run(_page_faults)
         per_image.append(sum(after[w] - before[w] for w in after) / len(paths))
     assert min(per_image) < file_pages / 4, (per_image, file_pages)  # about 280 without the allocator settings
+
+
+def test_relative_image_paths_are_read_from_the_clients_folder(cluster_client, tmp_path, monkeypatch):
+    """A catalog of one's own may name images relative to where one works; the workers may run elsewhere."""
+    here, elsewhere = tmp_path / "client", tmp_path / "workers"
+    catalog = make_collection(here / "images", n=8)
+    elsewhere.mkdir()
+    monkeypatch.chdir(here)
+    relative = catalog.assign(path=[os.path.relpath(p, here) for p in catalog["path"]])
+    assert relative["path"].iloc[0] == os.path.join("images", os.path.basename(catalog["path"].iloc[0]))
+    before = cluster_client.run(os.getcwd)
+    cluster_client.run(os.chdir, str(elsewhere))
+    try:
+        result = run_ingest(relative, "cxr.zarr", cluster_client)
+    finally:
+        for worker, cwd in before.items():
+            cluster_client.run(os.chdir, cwd, workers=[worker])
+    assert (result.n, result.n_rejected) == (8, 0), result.rejects
+    assert result.store == str(here / "cxr.zarr")
+    expected = run_ingest(catalog, tmp_path / "absolute.zarr", cluster_client)
+    np.testing.assert_array_equal(dask_dl.open_dataset(result.store).image.values,
+                                  dask_dl.open_dataset(expected.store).image.values)  # fmt: skip
