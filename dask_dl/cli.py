@@ -851,7 +851,7 @@ def demo(out, images, size, epochs, model, trainers, compression, batch_size, da
 
 @cli.command("explain")
 @click.argument("store")
-@click.argument("model", type=click.Path(exists=True))
+@click.argument("model", type=_PathOrURL(exists=True))
 @click.option("--labels", "-l", default=None, help="Findings to explain, comma-separated. Default: all of the model's.")
 @click.option("--out", "-o", required=True, help="Zarr store for the maps: explanation(sample, finding, y, x).")
 @click.option("--method", type=click.Choice(["gradcam", "occlusion"]), default="gradcam", show_default=True,

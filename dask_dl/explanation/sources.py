@@ -89,10 +89,11 @@ def resolve(
 
 
 def _resolve_onnx(source: Any, *, labels: list[str] | None, input_size: int | None) -> ModelSpec:
+    from dask_dl.cluster.storage import absolute
     from dask_dl.inference import _stamp
     from dask_dl.onnx_info import read_model_info
 
-    path = os.path.abspath(os.fspath(source))
+    path = absolute(source)  # a local file, or a URL the workers fetch as predict's do
     try:
         info = read_model_info(path)
     except ExportError:  # no dask_dl metadata: then labels= names all its outputs and input_size= its input

@@ -135,6 +135,13 @@ def test_the_command_line_gives_its_storage_settings_to_workers_that_lack_them(s
     np.testing.assert_allclose(table[[c for c in table.columns if c.startswith("p_")]].to_numpy(), expected,
                                rtol=1e-5, atol=1e-6)  # fmt: skip
 
+    # explain reads the model on S3 as predict does (occlusion runs the ONNX model): the same maps as a local copy
+    local = tmp_path / "tiny.onnx"
+    fsspec.filesystem("s3").get_file("dask-dl/tiny.onnx", str(local))
+    few = test.isel(sample=slice(0, 2))
+    maps = dask_dl.explain(few, model, labels=["Effusion"], method="occlusion").values
+    np.testing.assert_array_equal(maps, dask_dl.explain(few, local, labels=["Effusion"], method="occlusion").values)
+
     missing = run("predict", store, f"{bucket}/nothing.onnx", "--out", str(tmp_path / "s.parquet"))
     assert missing.returncode == 2
     assert "Invalid value for 'MODEL': 's3://dask-dl/nothing.onnx' does not exist." in missing.stderr
