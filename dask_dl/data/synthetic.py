@@ -571,7 +571,13 @@ def synthesize(
     (8, '00000001_000.png')
     """
     _check_options(n_images, size, n_patients, rgba_fraction, corrupt_fraction)
-    root = os.path.abspath(os.fspath(root))
+    if "://" in os.fspath(root) and not os.fspath(root).startswith("file://"):
+        raise ConfigurationError(
+            f"synthesize writes a folder of files, not to {os.fspath(root)!r}: write it to a local or shared "
+            "folder, then copy it up (e.g. fsspec.filesystem('s3').put('raw', 'bucket/raw', recursive=True)); "
+            "ingest and read_catalog read collections on object storage"
+        )
+    root = os.path.abspath(os.fspath(root).removeprefix("file://"))
     names = _site_names(sites)
     n_sites = len(names or [None])
     if n_images < n_sites or (n_patients is not None and n_patients < n_sites):

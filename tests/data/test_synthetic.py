@@ -600,3 +600,13 @@ def test_read_nih_reads_the_output(tmp_path):
             catalog["path"].map(lambda p: Path(p).resolve()) == expected["path"].map(lambda p: Path(p).resolve())
         ).all()
         assert (catalog["view"] == expected["view"]).all() and (catalog["sex"] == expected["sex"]).all()
+
+
+def test_a_url_is_refused_not_written_to_a_local_folder_named_after_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigurationError, match=r"^synthesize writes a folder of files, not to 's3://bucket/raw': "
+                       r"write it to a local or shared folder, then copy it up"):  # fmt: skip
+        synthesize("s3://bucket/raw", n_images=4, size=64)
+    assert list(tmp_path.iterdir()) == []  # before: a folder 's3:' here
+    table = synthesize(f"file://{tmp_path / 'raw'}", n_images=4, size=64)
+    assert (tmp_path / "raw" / "images" / table["image_id"].iloc[0]).is_file()
