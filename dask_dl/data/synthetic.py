@@ -570,14 +570,16 @@ def synthesize(
     >>> len(table), table["image_id"].iloc[0]
     (8, '00000001_000.png')
     """
+    from dask_dl.cluster.storage import absolute, is_url
+
     _check_options(n_images, size, n_patients, rgba_fraction, corrupt_fraction)
-    if "://" in os.fspath(root) and not os.fspath(root).startswith("file://"):
+    if is_url(root):
         raise ConfigurationError(
             f"synthesize writes a folder of files, not to {os.fspath(root)!r}: write it to a local or shared "
             "folder, then copy it up (e.g. fsspec.filesystem('s3').put('raw', 'bucket/raw', recursive=True)); "
             "ingest and read_catalog read collections on object storage"
         )
-    root = os.path.abspath(os.fspath(root).removeprefix("file://"))
+    root = absolute(root)
     names = _site_names(sites)
     n_sites = len(names or [None])
     if n_images < n_sites or (n_patients is not None and n_patients < n_sites):
