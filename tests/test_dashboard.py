@@ -20,6 +20,7 @@ from distributed.utils_test import gen_cluster
 from dask_dl import ConfigurationError, dashboard
 from dask_dl.dashboard.page import RunsPage
 from dask_dl.testing.browser import Browser, find_chromium
+from dask_dl.testing.servers import unavailable
 
 GOOD = {
     "status": "finished",
@@ -400,7 +401,7 @@ def test_page_in_a_browser_during_and_after_a_real_run(tmp_path):
         runs = _wait_for(page + "/runs.json", lambda r: r[run.run_id]["status"] != "running")
         assert runs[run.run_id]["status"] == "stopped"
         if chromium is None:
-            pytest.skip(
+            unavailable(
                 "runs.json checked; the browser part needs Chromium, which is not on PATH "
                 "(.ci/run installs Debian's chromium with apt-get; here apt-get is unavailable or failed)"
             )

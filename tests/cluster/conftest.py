@@ -2,11 +2,13 @@
 
 dask-gateway-server (UnsafeLocalBackend, simple auth, free ports on 127.0.0.1, the config shipped in
 docs/gateway/), a single-node SLURM (munge, slurmctld, slurmd; set up by .ci/run or started here) and an
-S3-compatible server (moto). A fixture whose server cannot start skips its tests and says why.
+S3-compatible server (moto). A fixture whose server cannot start skips its tests and says why; under CI
+(``CI=true``) it fails them (:func:`dask_dl.testing.servers.unavailable`).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import signal
@@ -18,6 +20,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from dask_dl.testing.servers import unavailable
 
 REPO = Path(__file__).resolve().parents[2]
 GATEWAY_CONFIG = REPO / "docs" / "gateway" / "dask_gateway_config.py"
@@ -56,11 +60,11 @@ def stop(proc: subprocess.Popen) -> None:
 @pytest.fixture(scope="session")
 def gateway_server(tmp_path_factory):
     """A real dask-gateway-server on free 127.0.0.1 ports; yields its connection settings."""
-    pytest.importorskip("sqlalchemy", reason="dask-gateway-server's backends need SQLAlchemy: pip install "
-                        "'dask-gateway-server[local]'")  # fmt: skip
+    if importlib.util.find_spec("sqlalchemy") is None:
+        unavailable("dask-gateway-server's backends need SQLAlchemy: pip install 'dask-gateway-server[local]'")
     exe = shutil.which("dask-gateway-server") or str(Path(sys.executable).parent / "dask-gateway-server")
     if not os.path.exists(exe):
-        pytest.skip("dask-gateway-server is not installed: pip install 'dask-gateway-server[local]'")
+        unavailable("dask-gateway-server is not installed: pip install 'dask-gateway-server[local]'")
     root = tmp_path_factory.mktemp("gateway")
     port, proxy = free_port(), free_port()
     env = dict(os.environ)
@@ -77,7 +81,7 @@ def gateway_server(tmp_path_factory):
         wait_for_http(f"http://127.0.0.1:{proxy}/api/health", proc, timeout=60, log=log)
     except RuntimeError as exc:
         stop(proc)
-        pytest.skip(f"dask-gateway-server did not start: {exc}")
+        unavailable(f"dask-gateway-server did not start: {exc}")
     try:
         # users talk to the proxy (HTTP API and scheduler traffic on one port); ``port`` is the private API
         yield {"address": f"http://127.0.0.1:{proxy}", "password": "dask-dl-test", "log": log}
@@ -111,20 +115,27 @@ class SlurmNode:
         return jobs
 
 
+def _use_our_slurm() -> None:
+    """Point sbatch, squeue and sinfo (of this process and those it starts) at .ci/slurm's configuration."""
+    line = _slurm("env").stdout.strip()  # export SLURM_CONF=/run/dask-dl-slurm/etc/slurm.conf
+    os.environ["SLURM_CONF"] = line.partition("=")[2]
+
+
 @pytest.fixture(scope="session")
 def slurm():
     """A running single-node SLURM: the one .ci/run started, else one started here (and stopped after)."""
+    _use_our_slurm()
     if _slurm("status").returncode == 0:
         yield SlurmNode()
         return
     if shutil.which("slurmctld") is None or shutil.which("sbatch") is None:
-        pytest.skip("SLURM is not installed (Debian: .ci/slurm install, or apt-get install slurmctld slurmd "
+        unavailable("SLURM is not installed (Debian: .ci/slurm install, or apt-get install slurmctld slurmd "
                     "slurm-client munge)")  # fmt: skip
     if os.geteuid() != 0:
-        pytest.skip("SLURM is not running and starting its daemons needs root (.ci/slurm start)")
+        unavailable("SLURM is not running and starting its daemons needs root (.ci/slurm start)")
     started = _slurm("start")
     if started.returncode != 0:
-        pytest.skip(f"SLURM could not start: {(started.stdout + started.stderr)[-2000:]}")
+        unavailable(f"SLURM could not start: {(started.stdout + started.stderr)[-2000:]}")
     try:
         yield SlurmNode()
     finally:
@@ -134,8 +145,9 @@ def slurm():
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
     """A real S3-compatible server (moto) on a free 127.0.0.1 port; yields the s3fs storage options."""
-    pytest.importorskip("moto.server", reason="the S3 tests need moto's server: pip install 'moto[server]'")
-    pytest.importorskip("s3fs", reason="the S3 tests need s3fs: pip install s3fs")
+    for module, package in (("moto.server", "'moto[server]'"), ("s3fs", "s3fs")):
+        if importlib.util.find_spec(module.split(".")[0]) is None:
+            unavailable(f"the S3 tests need {module}: pip install {package}")
     port = free_port()
     log = tmp_path_factory.mktemp("s3") / "moto.log"
     with open(log, "wb") as out:
@@ -146,7 +158,7 @@ def s3_server(tmp_path_factory):
         wait_for_http(f"http://127.0.0.1:{port}/moto-api/", proc, timeout=60, log=log)
     except RuntimeError as exc:
         stop(proc)
-        pytest.skip(f"the S3 server (moto) did not start: {exc}")
+        unavailable(f"the S3 server (moto) did not start: {exc}")
     try:
         yield {
             "endpoint_url": f"http://127.0.0.1:{port}",

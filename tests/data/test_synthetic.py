@@ -584,7 +584,8 @@ def test_cli_synth(tmp_path):
 
 
 def test_read_nih_reads_the_output(tmp_path):
-    catalog_module = pytest.importorskip("dask_dl.data.catalog")
+    from dask_dl.data import catalog as catalog_module
+
     table = synthesize(tmp_path, n_images=200, size=64, seed=6, sites=["A", "B"], corrupt_fraction=0.05)
     for site in ("A", "B"):
         catalog = catalog_module.read_nih(tmp_path / site, site=site).set_index("image_id")

@@ -9,9 +9,8 @@ import pytest
 from distributed import Client, Nanny, Scheduler, SpecCluster
 
 import dask_dl
+from dask_dl.sites import guard
 from dask_dl.testing.train import squares_collection
-
-guard = pytest.importorskip("dask_dl.sites.guard")
 
 OPTIONS = dict(model="small_cnn", model_kwargs={"width": 8}, batch_size=8, lr=0.05, seed=0)
 
