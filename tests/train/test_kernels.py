@@ -8,12 +8,14 @@ float32 rounding for N=3 (the kernels sum in float64, the reference in float32).
 
 from __future__ import annotations
 
+import dask
 import numpy as np
 import pytest
 import torch
 
 from dask_dl.testing.compression import FakeBucket, numel
 from dask_dl.testing.train import one_rank_group
+from dask_dl.train.compression import fused as fused_path
 from dask_dl.train.compression import kernels, make_compressor, plan
 from dask_dl.train.compression.plan import plan_stripes
 from dask_dl.train.compression.quantize import ColumnLayout, decode, dequantize, quantize
@@ -24,8 +26,10 @@ MIXED = [(64, 300), (300, 64), (33, 500), (20, 11), (1000, 13), (5,), (24, 24)]
 
 
 def _pair(name: str):
-    fused, eager = make_compressor(name), make_compressor(name)
-    eager.state.fused = False
+    fused = make_compressor(name)
+    with dask.config.set({"dask-dl.train.fused-kernels": False}):  # the eager torch path, as GPU buckets take
+        eager = make_compressor(name)
+    assert fused.state.fused and not eager.state.fused
     return fused, eager
 
 
@@ -163,7 +167,7 @@ def test_the_kernels_leave_torch_threads_alone():
     try:
         for t in (1, 2):
             torch.set_num_threads(t)
-            kernels.warm_up()  # both twins where torch has 2 threads: numba's threads start
+            fused_path.warm_up()  # both twins where torch has 2 threads: numba's threads start
             assert kernels._FORCE is None and torch.get_num_threads() == t
             _step(make_compressor("onebit"), [(512, 600)], torch.randn(512 * 600))  # parallel with 2 threads
             assert torch.get_num_threads() == t
@@ -208,11 +212,11 @@ def test_task_table_cuts_and_shared_bytes():
     table = plan.task_table(layout, [[(0, 0, 4), (1, 0, 3)]], grain=20)
     rows = table.rows
     header = 64 * 7
-    assert rows[:, kernels.TR].tolist() == [1, 1, 0, 0, 0, 0]
-    assert rows[:2, kernels.T0].tolist() == [0, 2] and rows[:2, kernels.T1].tolist() == [2, 4]
-    assert rows[2:, kernels.T0].tolist() == [0, 106, 212, 318]  # bands of plan.BAND * 20 // 3 = 106 rows
+    assert rows[:, plan.TR].tolist() == [1, 1, 0, 0, 0, 0]
+    assert rows[:2, plan.T0].tolist() == [0, 2] and rows[:2, plan.T1].tolist() == [2, 4]
+    assert rows[2:, plan.T0].tolist() == [0, 106, 212, 318]  # bands of plan.BAND * 20 // 3 = 106 rows
     second = header + 20  # bit of row 2: not on a byte boundary
-    assert rows[1, kernels.HEAD] == second >> 3 and rows[0, kernels.TAIL] == (second - 1) >> 3
+    assert rows[1, plan.HEAD] == second >> 3 and rows[0, plan.TAIL] == (second - 1) >> 3
     assert table.reductions.tolist() == [[0, 4, 3, 0, 4, 400]]
     assert table.n_partials == 12
 
@@ -227,13 +231,14 @@ def one_rank():
 def test_register_warms_the_kernels_up(one_rank, monkeypatch):
     """Hook construction compiles (or loads) the kernels: no training step pays numba's compile time."""
     calls = []
-    warm_up = kernels.warm_up
-    monkeypatch.setattr(kernels, "warm_up", lambda: calls.append(warm_up()))
+    warm_up = fused_path.warm_up
+    monkeypatch.setattr(fused_path, "warm_up", lambda: calls.append(warm_up()))
     ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
     make_compressor("onebit").register(ddp)
     assert len(calls) == 1
-    eager = make_compressor("onebit2")
-    eager.state.fused = False  # the eager path needs no kernels
+    with dask.config.set({"dask-dl.train.fused-kernels": False}):  # the eager path needs no kernels
+        eager = make_compressor("onebit2")
+    assert eager.state.fused is False
     eager.register(torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2)))
     make_compressor("none").register(torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2)))
     assert len(calls) == 1

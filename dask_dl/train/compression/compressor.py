@@ -60,8 +60,10 @@ class Compressor:
         """
         self.state.param_names = {id(p): name for name, p in ddp_model.module.named_parameters()}
         on_cpu = all(p.device.type == "cpu" for p in ddp_model.module.parameters())
-        if isinstance(self.state, OneBitState) and on_cpu:  # GPU buckets take the torch path: no kernels
-            self.state.warm_up()
+        if isinstance(self.state, OneBitState) and self.state.fused and on_cpu:  # GPU buckets: the torch path
+            from dask_dl.train.compression.fused import warm_up  # numba: imported when first needed
+
+            warm_up()
         ddp_model.register_comm_hook(self.state, self.hook)
 
     def state_dict(self) -> dict[str, Any]:

@@ -11,6 +11,7 @@ exactly for two ranks (for more, the fused path sums in float64, the eager one i
 # No ``from __future__ import annotations``: kept like the hooks'.
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -75,3 +76,24 @@ def onebit_fused(state: OneBitState, names: list[str], shapes: list, buffer: tor
         return buffer
 
     return gather_then(state, message.view(-1), gathered, assemble)
+
+
+def warm_up() -> None:
+    """Compile (or load from numba's cache) every kernel on a tiny bucket, so that no training step pays it.
+
+    Both twins of each kernel where the parallel one can run (torch on more than one thread), the serial one only
+    otherwise.
+    """
+    try:
+        for kernels._FORCE in (0, 1) if torch.get_num_threads() > 1 else (1,):
+            for transposed_shape in ((2, 9), (9, 2)):
+                plan = plan_stripes([transposed_shape], ["w"], 1)
+                values = np.arange(18, dtype=np.float32) - 9
+                residual = np.zeros(18, dtype=np.float32)
+                msgs = np.zeros((1, plan.size), dtype=np.uint8)
+                kernels.quantize(plan.tasks, msgs, plan.columns, grad=values, vals=residual)
+                kernels.quantize(plan.own_tasks(0), msgs.copy(), plan.columns, received=msgs, vals=residual)
+                kernels.decode(plan.tasks, msgs, plan.columns, values, average=True)
+                kernels.decode(plan.tasks, msgs, plan.columns, values, average=False)
+    finally:
+        kernels._FORCE = None

@@ -36,14 +36,28 @@ import numpy as np
 from numba import njit, prange
 
 from dask_dl.train.compression import simd
+from dask_dl.train.compression.plan import (  # the columns of the tables the kernels run (plan fills them)
+    DBIT,
+    DCOL,
+    HEAD,
+    LO,
+    PITCH,
+    R_BANDS,
+    R_DCOL,
+    R_M,
+    R_OUT,
+    R_P,
+    R_PITCH,
+    REST,
+    T0,
+    T1,
+    TAIL,
+    TR,
+    M,
+    P,
+    S,
+)
 from dask_dl.train.compression.simd import W
-
-# task table columns
-S, OUT, REST, TR, T0, T1, LO, PITCH, M, DBIT, DCOL, HEAD, TAIL, P = range(14)
-N_FIELDS = 14
-# reduction table columns (untransposed pieces: their bands' partial sums, added up in band order)
-R_P, R_BANDS, R_PITCH, R_M, R_DCOL, R_OUT = range(6)
-N_REDUCE = 6
 
 STREAM_MIN = 256  # values in a decoded run from which its stores bypass the caches (see _decode_run)
 
@@ -457,7 +471,7 @@ def _kernels(values: int) -> Iterator[int]:
                 torch.set_num_threads(threads)
 
 
-_FORCE: int | None = None  # warm_up compiles both twins
+_FORCE: int | None = None  # 0 or 1: run that twin whatever the bucket (fused.warm_up compiles both)
 
 
 def quantize(
@@ -525,29 +539,3 @@ def decode(table: Any, msgs: np.ndarray, columns: np.ndarray, out: np.ndarray, *
     mp, mn = header_means(msgs, columns)
     with _kernels(table.values) as k:
         DECODE_TASKS[k](msgs, mp, mn, table.rows, average, out)
-
-
-def warm_up() -> None:
-    """Compile (or load from numba's cache) every kernel on a tiny bucket, so that no training step pays it."""
-    global _FORCE
-    import torch
-
-    from dask_dl.train.compression.plan import plan_stripes
-
-    try:  # the parallel twin only where it can be used: torch on more than one thread
-        for _FORCE in (0, 1) if torch.get_num_threads() > 1 else (1,):
-            _warm_up(plan_stripes)
-    finally:
-        _FORCE = None
-
-
-def _warm_up(plan_stripes) -> None:
-    for transposed_shape in ((2, 9), (9, 2)):
-        plan = plan_stripes([transposed_shape], ["w"], 1)
-        values = np.arange(18, dtype=np.float32) - 9
-        residual = np.zeros(18, dtype=np.float32)
-        msgs = np.zeros((1, plan.size), dtype=np.uint8)
-        quantize(plan.tasks, msgs, plan.columns, grad=values, vals=residual)
-        quantize(plan.own_tasks(0), msgs.copy(), plan.columns, received=msgs, vals=residual)
-        decode(plan.tasks, msgs, plan.columns, values, average=True)
-        decode(plan.tasks, msgs, plan.columns, values, average=False)

@@ -15,8 +15,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dask_dl.train.compression.kernels import N_FIELDS, N_REDUCE
 from dask_dl.train.compression.quantize import ColumnLayout, message_size
+
+# The task table's columns: a run of groups of parameter S (its view OUT x REST, transposed TR) from T0 to T1, its
+# first column LO and width PITCH, going to message M at sign bit DBIT and scale column DCOL; HEAD and TAIL, the
+# sign bytes it may share with a neighbouring run (-1: none); P, its first partial sum (untransposed pieces).
+S, OUT, REST, TR, T0, T1, LO, PITCH, M, DBIT, DCOL, HEAD, TAIL, P = range(14)
+N_FIELDS = 14
+# The reduction table's columns (untransposed pieces: their bands' partial sums, added up in band order).
+R_P, R_BANDS, R_PITCH, R_M, R_DCOL, R_OUT = range(6)
+N_REDUCE = 6
 
 GRAIN = 1 << 16  # entries per task: big enough to amortize a task, small enough that a task's groups stay in cache
 # A band of an untransposed piece holds BAND * GRAIN entries: its rows are summed in blocks of 16 that stay in

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dask_dl import config
 from dask_dl.errors import ConfigurationError
 
 Future = torch.futures.Future[torch.Tensor]
@@ -105,15 +106,9 @@ class OneBitState(HookState):
         self.server_residuals: dict[str, torch.Tensor] = {}
         self.flats: dict[tuple, tuple[torch.Tensor, list[torch.Tensor]]] = {}  # see ``residuals``
         self.workspace: dict = {}  # temporaries and plans kept between steps
-        #: CPU buckets go through the fused kernels; False runs the eager torch reference (as on a GPU)
-        self.fused = True
-
-    def warm_up(self) -> None:
-        """Compile (or load from cache) the fused kernels now, so that the first compressed step does not."""
-        if self.fused:
-            from dask_dl.train.compression import kernels
-
-            kernels.warm_up()
+        #: CPU buckets go through the fused kernels (``dask-dl.train.fused-kernels``, read in the trainer's
+        #: process); False runs the eager torch reference, as GPU buckets do
+        self.fused = bool(config.get("train.fused-kernels"))
 
 
 def residuals(state: OneBitState, attribute: str, names: list[str], shapes: list, like: torch.Tensor) -> torch.Tensor:
