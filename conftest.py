@@ -22,6 +22,15 @@ if "DASK_CONFIG" not in os.environ:
     os.environ["DASK_CONFIG"] = os.path.join(RUN_TMP, "dask-config")
     os.makedirs(os.environ["DASK_CONFIG"])
 
+# One seed, one result, on any machine: every process of the run (this one, the workers, the notebook kernels and
+# the CLI runs) computes with PyTorch's CPU kernels pinned to AVX2, and the trainers with torch's deterministic
+# algorithms. Without it, a processor with AVX-512 sums in another order than one with AVX2, and the learning
+# tests' numbers differ between two machines of one kind (dask_dl.reproducible says more).
+os.environ.setdefault("DASK_DASK_DL__TRAIN__DETERMINISTIC", "true")
+from dask_dl.reproducible import pin_cpu_kernels  # noqa: E402  (after DASK_CONFIG: it imports dask)
+
+pin_cpu_kernels()
+
 
 def pytest_sessionfinish(session, exitstatus):
     if exitstatus == pytest.ExitCode.TESTS_FAILED:

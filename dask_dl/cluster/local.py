@@ -14,6 +14,7 @@ from dask_dl.checks import positive_int
 from dask_dl.cluster.sigint import with_preload
 from dask_dl.cluster.tls import security_from
 from dask_dl.cluster.workers import GPU_RESOURCE, add_cpu_workers
+from dask_dl.reproducible import cpu_pinning_environment
 
 if TYPE_CHECKING:  # pragma: no cover
     from distributed import LocalCluster
@@ -45,6 +46,8 @@ def make_local(
         True for TLS with throw-away certificates, or a ``distributed.security.Security``.
     **kwargs
         Go to :class:`distributed.LocalCluster` (``host="0.0.0.0"`` to listen on all interfaces, on purpose).
+        With ``dask-dl.train.deterministic`` set, the workers' environment pins their CPU kernels
+        (:func:`dask_dl.reproducible.cpu_pinning_environment`), beside ``env=`` if given.
 
     Returns
     -------
@@ -66,6 +69,8 @@ def make_local(
     }
     if security is not None:
         options |= {"security": security, "protocol": "tls://"}
+    if config.get("train.deterministic"):  # the workers compute as on any other machine: dask_dl.reproducible
+        options["env"] = cpu_pinning_environment() | dict(kwargs.pop("env", None) or {})
     options = with_preload(options | kwargs)  # the worker processes leave Ctrl-C to the driver
     if "host" in kwargs and "dashboard_address" not in kwargs:
         options["dashboard_address"] = f"{kwargs['host']}:0"

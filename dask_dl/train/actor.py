@@ -86,6 +86,8 @@ class TrainerSpec:
     resume_from: str | None = None
     #: steps between the ranks' agreement on stop and non-finite loss (one small all-reduce each)
     check_every: int = 8
+    #: torch.use_deterministic_algorithms(True) in this trainer (``dask-dl.train.deterministic``)
+    deterministic: bool = False
     #: image channels of the store (1 grey, 3 RGB): the model's first layer takes this many
     channels: int = 1
     #: ``{"mean": m, "std": s}`` for the loaders and the checkpoint; None: DEFAULT_NORMALIZATION
@@ -264,7 +266,8 @@ class TrainingActor:
             _exit_without_finalization()  # only in a worker process of a nanny: never in the user's own process
         if spec.model_name not in MODELS and spec.model_target is not None:  # registered in the user's process
             MODELS.register(spec.model_name, spec.model_target)
-        torch.set_num_threads(max(1, worker.state.nthreads))
+        torch.set_num_threads(max(1, worker.state.nthreads))  # a fixed count: the sums of a kernel split by thread
+        torch.use_deterministic_algorithms(spec.deterministic)
         if not self.__dict__.get("_holds_allocator"):  # held once per trainer: see _let_go_of_allocator
             allocator.keep_freed_memory()  # the nanny's MALLOC_TRIM_THRESHOLD_ made every step 1.65x slower
             self._holds_allocator = True

@@ -62,6 +62,8 @@ class RunOptions:
     cache: int | str | None
     timeout_s: float
     check_every: int
+    #: ``dask-dl.train.deterministic``: the trainers use torch's deterministic algorithms only
+    deterministic: bool = False
     #: image channels of the store (1 grey, 3 RGB): the models' first layer takes this many
     channels: int = 1
     #: ``{"mean": m, "std": s}``, numbers or one per channel, applied by the loader and written to checkpoints
@@ -245,6 +247,7 @@ def check_run(
         cache=byte_count("dask-dl.train.cache", config.get("train.cache")),
         timeout_s=_positive_real("dask-dl.train.timeout", config.get("train.timeout"), example=120),
         check_every=positive_int("dask-dl.train.check-every", config.get("train.check-every"), example=8),
+        deterministic=bool(config.get("train.deterministic")),
         normalization=check_normalization(normalization, channels=data["channels"]),
         memory_budget=memory_budget,
         proximal_mu=_non_negative_real("proximal_mu", proximal_mu),

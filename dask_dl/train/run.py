@@ -628,6 +628,7 @@ def _trainer_spec(
         cache=options.cache,
         timeout_s=options.timeout_s,
         check_every=options.check_every,
+        deterministic=options.deterministic,
         resume_from=resume_from,
         channels=options.channels,
         normalization=dict(options.normalization),
