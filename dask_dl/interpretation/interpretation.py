@@ -82,7 +82,7 @@ def interpret(
     if "label" not in ds:
         raise DatasetError("the dataset has no labels: interpret compares the model's scores with them")
     workdir = None
-    if isinstance(model, str | os.PathLike) and os.fspath(model).lower().endswith(".onnx"):
+    if _is_onnx(model):
         onnx_path = os.fspath(model)
     else:
         from dask_dl.export import export_onnx
@@ -103,6 +103,10 @@ def interpret(
     truth = ds["label"].sel(finding=labels).data
     return Interpretation(ds, model, onnx_path=onnx_path, probs=probs, truth=truth, labels=labels, task=info.task,
                           workdir=workdir)  # fmt: skip
+
+
+def _is_onnx(model: Any) -> bool:
+    return isinstance(model, str | os.PathLike) and os.fspath(model).lower().endswith(".onnx")
 
 
 def _current_client() -> Client | None:
@@ -282,7 +286,7 @@ class Interpretation:
         """Each image's map of its own worst label, as one finding named ``worst`` that :func:`show` draws."""
         from dask_dl.explanation.maps import explain
 
-        given_onnx = isinstance(self.model, str | os.PathLike)
+        given_onnx = _is_onnx(self.model)
         method = method or ("occlusion" if given_onnx else "gradcam")
         model = self.onnx_path if given_onnx else self.model
         chosen = list(dict.fromkeys(worst))
