@@ -75,7 +75,7 @@ def interpret(
 
     ds = ds if hasattr(ds, "data_vars") else open_dataset(ds)
     if split is not None:
-        present = sorted(set(ds["split"].values.astype(str)))
+        present = sorted(set(ds["split"].values.astype(str).tolist()))
         if split not in present:
             raise DatasetError(f"the dataset has no image in split {split!r}; it has {present}: pass split=None or one")
         ds = ds.isel(sample=np.flatnonzero(ds["split"].values == split))

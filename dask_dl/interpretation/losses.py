@@ -41,5 +41,7 @@ def _block_losses(probs: np.ndarray, truth: np.ndarray, *, task: str) -> np.ndar
 
 def top_positions(losses: da.Array, k: int) -> np.ndarray:
     """Positions of the ``k`` largest losses, largest first (ties in no particular order)."""
-    k = min(int(k), losses.shape[0])
-    return np.asarray(da.argtopk(losses, k).compute())  # sorted by dask: largest first
+    if k >= losses.shape[0]:
+        # every image asked for: the table holds them all anyway (and dask's argtopk fails for k >= n)
+        return np.argsort(-np.asarray(losses.compute()), kind="stable")
+    return np.asarray(da.argtopk(losses, int(k)).compute())  # sorted by dask: largest first
