@@ -116,6 +116,8 @@ def test_show_batch_says_what_is_wrong(collection):
         dask_dl.show_batch(ds, split="tset")
     with pytest.raises(DatasetError, match="one boolean per image"):
         dask_dl.show_batch(ds, where=np.ones(3, bool))
+    with pytest.raises(ConfigurationError, match=r"labels \['Efusion'\] are not in the store; its labels are"):
+        dask_dl.show_batch(ds, labels=["Efusion"])
 
 
 # ---- interpret: top losses -----------------------------------------------------------------------------------

@@ -88,14 +88,14 @@ def show_batch(
         keep = keep & (table["split"] == split).to_numpy()
     if not keep.any():
         raise DatasetError(f"no image matches where={where!r} (of {len(table)} images{_in_split(split)})")
-    positions = np.flatnonzero(keep)
-    chosen = np.sort(np.random.default_rng(seed).choice(positions, size=min(n, len(positions)), replace=False))
-    images = ds["image"].isel(sample=chosen).values  # sorted positions: Dask reads only their chunks
     names = label_names(ds["finding"].values)
     shown = list(labels) if labels is not None else names
     unknown = sorted(set(shown) - set(names))
     if unknown:
         raise ConfigurationError(f"labels {unknown} are not in the store; its labels are {names}")
+    positions = np.flatnonzero(keep)
+    chosen = np.sort(np.random.default_rng(seed).choice(positions, size=min(n, len(positions)), replace=False))
+    images = ds["image"].isel(sample=chosen).values  # sorted positions: Dask reads only their chunks
     titles = [_title(table.iloc[i], shown) for i in chosen]
     return image_grid(images, titles, columns=columns, purpose="dask_dl.show_batch")
 
