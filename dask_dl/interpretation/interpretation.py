@@ -73,7 +73,7 @@ def interpret(
     from dask_dl.inference import predict
     from dask_dl.onnx_info import read_model_info
 
-    ds = ds if hasattr(ds, "data_vars") else open_dataset(ds)
+    ds = ds if hasattr(ds, "data_vars") else open_dataset(ds, split=split)
     if split is not None:
         present = sorted(set(ds["split"].values.astype(str).tolist()))
         if split not in present:
@@ -97,8 +97,9 @@ def interpret(
             f"the model's labels {missing} are not in the dataset (it has {label_names(ds['finding'].values)}); "
             "interpret the model on a store of its own labels"
         )
-    probs = predict(ds, onnx_path, client=client or _current_client())
-    if client is None and _current_client() is None:
+    client = client or _current_client()
+    probs = predict(ds, onnx_path, client=client)  # with a client: persisted on its workers
+    if client is None:
         probs = probs.persist()  # Dask's local scheduler: keep the scores rather than score again per question
     truth = ds["label"].sel(finding=labels).data
     return Interpretation(ds, model, onnx_path=onnx_path, probs=probs, truth=truth, labels=labels, task=info.task,
