@@ -65,6 +65,11 @@ _LAZY = {
     "explain": "dask_dl.explanation.maps",
     "localization": "dask_dl.explanation.localization",
     "show": "dask_dl.explanation.show",
+    "show_batch": "dask_dl.interpretation.batch",
+    "interpret": "dask_dl.interpretation.interpretation",
+    "Interpretation": "dask_dl.interpretation.interpretation",
+    "compare": "dask_dl.interpretation.runs",
+    "report": "dask_dl.interpretation.report",
     "read_boxes": "dask_dl.data.boxes",
     "attach_boxes": "dask_dl.data.boxes",
     "connect": "dask_dl.cluster",
@@ -132,6 +137,10 @@ if TYPE_CHECKING:  # pragma: no cover
     from dask_dl.explanation.show import show
     from dask_dl.export import export_onnx
     from dask_dl.inference import evaluate, predict, scores_table
+    from dask_dl.interpretation.batch import show_batch
+    from dask_dl.interpretation.interpretation import Interpretation, interpret
+    from dask_dl.interpretation.report import report
+    from dask_dl.interpretation.runs import compare
     from dask_dl.metrics import auroc
     from dask_dl.models import build_model, list_models, register_model
     from dask_dl.models.weights import load_weights

@@ -900,6 +900,27 @@ def explain_command(
             close_client(client)
 
 
+@cli.command("report")
+@click.argument("store")
+@click.argument("model", type=_PathOrURL(exists=True))
+@click.option("--out", "-o", required=True, type=click.Path(dir_okay=False), help="The .html page to write.")
+@click.option("--split", default="test", show_default=True, help="Split to report on ('all': every image).")
+@click.option("--top", type=int, default=8, show_default=True, help="How many of the worst images to show.")
+@click.option("--explain/--no-explain", default=True, show_default=True,
+              help="Lay Grad-CAM (occlusion for an .onnx MODEL) over the worst images.")  # fmt: skip
+@click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
+@scheduler_option
+def report_command(store, model, out, split, top, explain, overwrite, scheduler, workers) -> None:
+    """Write one self-contained HTML page of MODEL (.onnx, checkpoint file or directory) on STORE: AUROC and average
+    precision per label, ROC, precision-recall and calibration curves, and the worst images by loss."""
+    from dask_dl.interpretation.report import report
+
+    with _connect(scheduler, workers) as client:
+        path = report(store, model, out, split=None if split == "all" else split, top=top, explain=explain,
+                      overwrite=overwrite, client=client)  # fmt: skip
+    click.echo(f"wrote {path}")
+
+
 # ---- xsite (cross-site training: dask_dl.sites) ---------------------------------------------------------------
 
 

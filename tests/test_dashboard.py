@@ -348,6 +348,26 @@ def test_preload_lists_the_page_for_jupyterlab():
         assert found["rendered"].splitlines()[:2] == ["dask_dl training runs", "No runs yet: start one with"]
 
 
+def test_install_lists_the_page_among_jupyterlabs_panels():
+    """Without the preload, install() (which fit calls) serves the page from a Bokeh server of its own, and
+    /individual-plots.json, the list JupyterLab's Dask panel (dask-labextension) reads, names it beside
+    distributed's own pages; the address it names serves the page."""
+    with (
+        LocalCluster(n_workers=0, processes=False, dashboard_address="127.0.0.1:0") as cluster,
+        Client(cluster) as client,
+    ):
+        base = _local(client.dashboard_link).replace("/status", "")
+        before = json.loads(_get(base + "/individual-plots.json")[1])
+        dashboard.install(client)
+        after = json.loads(_get(base + "/individual-plots.json")[1])
+        assert after == {**before, "Individual Dask Dl": "/individual-dask-dl"}
+        assert "Individual Task Stream" in after  # distributed's own panels stay listed
+        status, text = _get(base + after["Individual Dask Dl"])
+        assert status == 200 and "Dask: dask_dl training runs" in text
+        dashboard.install(client)  # every fit installs: still listed once
+        assert json.loads(_get(base + "/individual-plots.json")[1]) == after
+
+
 # ---- a real run in a real browser ----------------------------------------------------------------------------
 
 

@@ -9,7 +9,10 @@ scheduler's HTTP server:
   :mod:`dask_dl.dashboard.preload`, distributed's own Bokeh server serves it);
 - ``/dask-dl/runs.json``: every run's latest state as JSON, ``{run_id: {"status", "history", ..., "problems"}}``
   (``problems`` only for a malformed run);
-- ``/dask-dl/`` redirects to ``/dask-dl``, so the page's relative links to the dashboard work.
+- ``/dask-dl/`` redirects to ``/dask-dl``, so the page's relative links to the dashboard work;
+- ``/individual-dask-dl``, the page alone, and ``/individual-plots.json`` listing it beside distributed's own
+  pages: that list is where JupyterLab's Dask panel (dask-labextension) finds the panels it offers, and
+  distributed builds it from its own Bokeh server only (which serves the page when the scheduler was preloaded).
 """
 
 from __future__ import annotations
@@ -116,15 +119,34 @@ def serve(scheduler: Any) -> None:
         from distributed.dashboard.scheduler import template_variables
         from tornado.ioloop import IOLoop
 
-        from dask_dl.dashboard.page import dashboard_doc
+        from dask_dl.dashboard.page import dashboard_doc, individual_doc
 
-        ours = BokehApplication(
-            {f"/{PAGE}": dashboard_doc}, scheduler, prefix=prefix, template_variables=template_variables(scheduler)
-        )
+        pages = {f"/{PAGE}": dashboard_doc, f"/{INDIVIDUAL_PAGE}": individual_doc}
+        ours = BokehApplication(pages, scheduler, prefix=prefix, template_variables=template_variables(scheduler))
         http.add_application(ours)
         ours.initialize(IOLoop.current())
         ours.start()
+        _add_to_panels(scheduler, prefix)
     _add_to_menu(scheduler)
+
+
+def _add_to_panels(scheduler: Any, prefix: str) -> None:
+    """List ``/individual-dask-dl`` in ``/individual-plots.json``, the panels JupyterLab's Dask extension offers.
+
+    Routes added to the scheduler's HTTP server come before distributed's own, so this answer replaces
+    distributed's: its list (its own Bokeh server's pages and static plots) with ours added, named as it names
+    each page.
+    """
+    from distributed.http.scheduler.info import IndividualPlots
+
+    class Panels(IndividualPlots):
+        def write(self, chunk: Any) -> None:
+            if isinstance(chunk, dict):
+                chunk = {**chunk, INDIVIDUAL_PAGE.replace("-", " ").title(): f"/{INDIVIDUAL_PAGE}"}
+            super().write(chunk)
+
+    route = (rf"{prefix}individual-plots\.json", Panels, {"dask_server": scheduler})
+    scheduler.http_application.add_handlers(".*$", [route])
 
 
 def runs_json(runs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:

@@ -30,6 +30,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
     import xarray as xr
     from distributed import Client
+    from matplotlib.figure import Figure
 
 __all__ = ["TrainingRun", "fit"]
 
@@ -464,6 +465,13 @@ class TrainingRun:
         net = source.build(num_outputs=len(ck["labels"]), in_channels=int(ck.get("in_channels", 1)))
         net.load_state_dict(ck["model"])
         return net.cpu().eval()
+
+    def plot(self) -> Figure:
+        """Loss, validation AUROC, learning rate and images/s per epoch, restarts marked
+        (:func:`dask_dl.interpretation.runs.plot_run`): a matplotlib Figure."""
+        from dask_dl.interpretation.runs import plot_run
+
+        return plot_run(self)
 
     def snapshot(self) -> dict[str, Any]:
         """Where the run is, as the plain dict :mod:`dask_dl.train.view` and the dashboard draw."""
