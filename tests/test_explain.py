@@ -31,13 +31,13 @@ SOURCE_SIZE, SIZE = 128, 64
 
 
 @pytest.fixture(scope="module")
-def collection(tmp_path_factory, cluster_client):
+def collection(tmp_path_factory, cluster_client, learning_seed):
     root = tmp_path_factory.mktemp("boxed")
-    catalog = boxed_collection(root / "raw", n_images=1000, size=SOURCE_SIZE, seed=0)
+    catalog = boxed_collection(root / "raw", n_images=1000, size=SOURCE_SIZE, seed=learning_seed)
     store = str(root / "boxed.zarr")
     dask_dl.ingest(catalog, store, size=SIZE, chunk=64, shard=1, client=cluster_client, progress=False)
     ds = dask_dl.open_dataset(store)
-    checkpoint = train_small_cnn(ds, epochs=6, width=8)
+    checkpoint = train_small_cnn(ds, epochs=6, width=8, seed=learning_seed)
     test = attach_boxes(
         dask_dl.open_dataset(store, split="test"), root / "raw" / "BBox_List_2017.csv", image_size=SOURCE_SIZE
     )
@@ -58,27 +58,41 @@ def other_maps(maps: xr.DataArray, heat: np.ndarray) -> xr.DataArray:
 # ---- where the model looks ---------------------------------------------------------------------------------
 
 
+@pytest.mark.learning
 def test_gradcam_points_into_the_drawn_boxes(collection, cluster_client):
+    """Grad-CAM's peak falls in a drawn box far more often than a random or a centred map's does.
+
+    Pointing (the share of true positives whose map peaks inside a box) varies a lot with the seed of this small
+    run, so it is held against baselines scored in the same test rather than a constant. Over seeds 0-4: Effusion
+    AUROC 0.986-0.998; pointing 0.655, 0.529, 0.869, 0.943, 0.778 against a random map's 0.057-0.148 (a gap of
+    0.431-0.886) and a centred map's 0.0; IoBB 0.1 ahead of the better baseline by 0.361-0.472.
+    """
     test, checkpoint = collection["test"], collection["checkpoint"]
     p = probabilities(checkpoint, test["image"].values)
     truth = test["label"].values
-    assert auroc(truth[:, :1], p[:, :1])[0] > 0.95  # Effusion is learned: its explanation can be judged
+    effusion = auroc(truth[:, :1], p[:, :1])[0]
+    assert effusion > 0.95  # Effusion is learned: its explanation can be judged
     maps = explain(test, checkpoint, labels=["Effusion"], method="gradcam").compute()
     assert maps.attrs["layer"] == "features.8"  # small_cnn at 64 px: the 8 x 8 stage, not the 4 x 4 one
-    per_box = localization(maps, test, per_box=True)
     ids = test["image_id"].values
     true_positives = set(ids[(truth[:, 0] == 1) & (p[:, 0] > 0.5)])
     assert len(true_positives) > 50
-    pointing = per_box[per_box["image_id"].isin(true_positives)].groupby("image_id")["pointing"].any()
-    assert len(pointing) == len(true_positives)
-    assert pointing.mean() > 0.7  # a clear majority of true positives: the peak inside a drawn box
-
-    trained = localization(maps, test).loc["Effusion", "IoBB 0.1"]
     rng = np.random.default_rng(0)
-    random = localization(other_maps(maps, rng.random(maps.shape)), test).loc["Effusion", "IoBB 0.1"]
     y, x = np.mgrid[0:SIZE, 0:SIZE] - (SIZE - 1) / 2
-    centred = localization(other_maps(maps, np.exp(-(x**2 + y**2) / 200.0)), test).loc["Effusion", "IoBB 0.1"]
-    assert trained > random + 0.25 and trained > centred + 0.25, (trained, random, centred)
+    baselines = {"random": other_maps(maps, rng.random(maps.shape)),
+                 "centred": other_maps(maps, np.exp(-(x**2 + y**2) / 200.0))}  # fmt: skip
+    pointing, iobb = {}, {}
+    for name, heat in {"trained": maps, **baselines}.items():
+        per_box = localization(heat, test, per_box=True)
+        hits = per_box[per_box["image_id"].isin(true_positives)].groupby("image_id")["pointing"].any()
+        assert len(hits) == len(true_positives)
+        pointing[name] = float(hits.mean())
+        iobb[name] = float(localization(heat, test).loc["Effusion", "IoBB 0.1"])
+    print(f"gradcam: Effusion AUROC {effusion:.3f}", "pointing", {k: round(v, 3) for k, v in pointing.items()},
+          "IoBB 0.1", {k: round(v, 3) for k, v in iobb.items()})  # fmt: skip
+    for name in baselines:
+        assert pointing["trained"] > pointing[name] + 0.2, (pointing, iobb)
+        assert iobb["trained"] > iobb[name] + 0.25, (pointing, iobb)
 
 
 def test_localization_follows_the_papers_definitions():

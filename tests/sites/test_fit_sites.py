@@ -280,16 +280,29 @@ def test_bad_arguments_fail_before_any_work(squares, cluster3):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_cyclic_and_fedavg_learn_as_well_as_pooling(tmp_path_factory, cluster3):
-    """Cyclic and fedavg end within 0.03 mean test AUROC of pooled training with the same 8 epochs of data.
+@pytest.mark.learning
+def test_cyclic_and_fedavg_learn_nearly_as_well_as_pooling(tmp_path_factory, cluster3, learning_seed):
+    """Cyclic and fedavg end within 0.1 mean test AUROC of pooled training with the same 8 epochs of data, and
+    well above the weaker protocols (ensemble: 2 epochs per site, incremental: 1 epoch per site), which learn.
 
-    Measured (seed 0, 1500 images, three sites): pooled 0.848; cyclic 0.845, fedavg 0.836 (4 rounds of 2 local
-    epochs); ensemble (2 epochs per site) and incremental (1 epoch per site), with smaller budgets, are recorded
-    as the weaker protocols they are, and printed.
+    Measured over seeds 0-4 (1500 images, three sites, 4 rounds of 2 local epochs; test AUROC):
+
+    ====  ======  ======  ======  ========  ===========
+    seed  pooled  cyclic  fedavg  ensemble  incremental
+    ====  ======  ======  ======  ========  ===========
+    0     0.865   0.833   0.832   0.725     0.724
+    1     0.888   0.846   0.857   0.634     0.692
+    2     0.895   0.830   0.820   0.706     0.652
+    3     0.899   0.870   0.862   0.678     0.638
+    4     0.915   0.913   0.868   0.744     0.646
+    ====  ======  ======  ======  ========  ===========
+
+    Cyclic trails pooling by 0.002-0.065 and fedavg by 0.031-0.075; the weaker of the two beats the better of
+    ensemble and incremental by 0.107-0.184; those two reach 0.634-0.744 (chance: 0.5).
     """
-    data = synthetic_sites(tmp_path_factory.mktemp("hospitals"), n_images=1500, seed=0, client=cluster3)
+    data = synthetic_sites(tmp_path_factory.mktemp("hospitals"), n_images=1500, seed=learning_seed, client=cluster3)
     sites, test = _datasets(data.stores), dask_dl.open_dataset(data.test)
-    options = dict(model="small_cnn", batch_size=16, lr=0.05, seed=0)
+    options = dict(model="small_cnn", batch_size=16, lr=0.05, seed=learning_seed)
     pooled = dask_dl.fit(dask_dl.open_dataset(data.pooled), epochs=8, trainers=1, client=cluster3, **options)
     spec = ModelSpec(name="small_cnn", labels=tuple(pooled.checkpoint()["labels"]), task="multilabel", input_size=32)
     baseline = score(data.test, test.sample.values, [pooled.checkpoint()["model"]], spec)["auroc_mean"]
@@ -307,7 +320,8 @@ def test_cyclic_and_fedavg_learn_as_well_as_pooling(tmp_path_factory, cluster3):
     results["incremental"] = incremental.curves["test"].iloc[-1]
     print(f"pooled {baseline:.3f}", {k: round(float(v), 3) for k, v in results.items()})
     for protocol in ("cyclic", "fedavg"):
-        assert results[protocol] >= baseline - 0.03, (protocol, results, baseline)
+        assert results[protocol] >= baseline - 0.1, (protocol, results, baseline)
+        assert results[protocol] > max(results["ensemble"], results["incremental"]) + 0.05, (protocol, results)
     # the weaker protocols learn, and are worse than pooling: recorded, not hidden
     for protocol in ("ensemble", "incremental"):
-        assert 0.6 < results[protocol] < baseline, (protocol, results, baseline)
+        assert 0.55 < results[protocol] < baseline, (protocol, results, baseline)
