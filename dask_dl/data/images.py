@@ -5,9 +5,9 @@ The steps, and the choices made in each:
 1. **Read** the file's bytes (local path or fsspec URL) through a :class:`~dask_dl.data.paths.PathPolicy`: a
    scheme or root that is not allowed, or a NUL byte -> ``refused``; absent file -> ``missing``; not a regular
    file (FIFO, device, folder) or another I/O error -> ``unreadable``; over ``max-file-bytes`` -> ``too_large``.
-2. **Size checks** from the header alone, before any pixel is decoded: decoded pixels (width x height x
-   channels x bytes per sample) over ``dask-dl.ingest.max-image-bytes`` -> ``too_large`` (a 0.65 MB PNG can need
-   gigabytes); a side shorter than ``min_size`` (``dask-dl.ingest.min-size``, by default a quarter of the output
+2. **Size checks** from the header alone, before any pixel is decoded (or, in a deflated DICOM file, inflated):
+   decoded pixels (width x height x channels x bytes per sample) over ``dask-dl.ingest.max-image-bytes`` ->
+   ``too_large`` (a 0.65 MB PNG, or a 0.8 MB deflated DICOM, can need gigabytes); a side shorter than ``min_size`` (``dask-dl.ingest.min-size``, by default a quarter of the output
    ``size``) -> ``too_small``.
 3. **Decode.** DICOM files (``.dcm``/``.dicom`` or the ``DICM`` magic) go through
    :func:`dask_dl.data.dicom.read_pixels` (modality/VOI LUT, MONOCHROME1 inverted, 8-bit); a decoder warning
@@ -52,7 +52,7 @@ from PIL import Image
 
 from dask_dl import config
 from dask_dl.checks import one_of
-from dask_dl.data.dicom import is_dicom, read_colour_pixels, read_pixels
+from dask_dl.data.dicom import HeaderTooLarge, is_dicom, read_colour_pixels, read_image_header, read_pixels
 from dask_dl.data.paths import PathPolicy
 from dask_dl.data.rejects import REJECT_REASONS, ImageRejected, RejectReason
 from dask_dl.errors import CatalogError, DatasetError
@@ -266,16 +266,17 @@ def _pillow_pixels(image: Image.Image) -> np.ndarray:
 
 
 def _decode_dicom(path: str, data: bytes, limits: _Limits, *, colour: bool = False) -> np.ndarray:
-    import pydicom
-
     try:
         with warnings.catch_warnings(record=True):  # header value warnings: kept out of the worker's log
             warnings.simplefilter("always")
-            header = pydicom.dcmread(io.BytesIO(data), stop_before_pixels=True)
+            # a deflated file is inflated only as far as its header: its pixels may inflate to gigabytes
+            header = read_image_header(io.BytesIO(data), limit=limits.max_image_bytes)
         width, height = int(header.get("Columns", 0) or 0), int(header.get("Rows", 0) or 0)
         frames = int(header.get("NumberOfFrames", 1) or 1)
         channels = int(header.get("SamplesPerPixel", 1) or 1) * max(frames, 1)
         sample_bytes = max(1, -(-int(header.get("BitsAllocated", 16) or 16) // 8))
+    except HeaderTooLarge as exc:
+        raise ImageRejected("too_large", path, f"{exc}, over dask-dl.ingest.max-image-bytes") from None
     except Exception as exc:  # pydicom raises many kinds of errors for broken headers
         raise ImageRejected("undecodable", path, f"DICOM header: {type(exc).__name__}: {exc}") from None
     limits.check(path, width, height, channels, sample_bytes)

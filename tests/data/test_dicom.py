@@ -319,3 +319,80 @@ def test_one_bad_header_skips_one_file(tmp_path, ramp12, caplog):
     (root / "good.dcm").unlink()
     with pytest.raises(CatalogError, match="none of the 1 DICOM files .* has a readable header, e.g. .*bad.dcm"):
         read_dicom(root)
+
+
+# ---- a deflated file that inflates to 800 MB (issue 28) ---------------------------------------------------------
+
+
+def write_deflated_bomb(path: Path, *, rows: int, columns: int) -> None:
+    """A Deflated Explicit VR Little Endian file of ``rows x columns`` 16-bit zeros, written without holding them.
+
+    The dataset (header elements, then Pixel Data) is deflated in pieces as PS3.5 A.5 lays it out; pydicom reads it
+    as any deflated file, and it is a few hundred times smaller than its pixels.
+    """
+    import struct
+    import zlib
+
+    from pydicom.filebase import DicomBytesIO
+    from pydicom.filewriter import write_dataset, write_file_meta_info
+    from pydicom.uid import DeflatedExplicitVRLittleEndian, SecondaryCaptureImageStorage, generate_uid
+
+    uid = generate_uid()
+    meta = pydicom.dataset.FileMetaDataset()
+    meta.MediaStorageSOPClassUID, meta.MediaStorageSOPInstanceUID = SecondaryCaptureImageStorage, uid
+    meta.TransferSyntaxUID = DeflatedExplicitVRLittleEndian
+    ds = Dataset()
+    ds.SOPClassUID, ds.SOPInstanceUID, ds.PatientID = SecondaryCaptureImageStorage, uid, "P1"
+    ds.Rows, ds.Columns, ds.SamplesPerPixel, ds.PhotometricInterpretation = rows, columns, 1, "MONOCHROME2"
+    ds.BitsAllocated, ds.BitsStored, ds.HighBit, ds.PixelRepresentation = 16, 16, 15, 0
+    head, body = DicomBytesIO(), DicomBytesIO()
+    head.is_little_endian, head.is_implicit_VR = True, False
+    body.is_little_endian, body.is_implicit_VR = True, False
+    write_file_meta_info(head, meta)
+    write_dataset(body, ds)
+    pixels = rows * columns * 2
+    deflate = zlib.compressobj(9, zlib.DEFLATED, -zlib.MAX_WBITS)
+    zeros = bytes(1 << 22)
+    with open(path, "wb") as f:
+        f.write(bytes(128) + b"DICM" + head.getvalue())
+        f.write(deflate.compress(body.getvalue() + struct.pack("<HH2sHI", 0x7FE0, 0x0010, b"OW", 0, pixels)))
+        for start in range(0, pixels, len(zeros)):
+            f.write(deflate.compress(zeros[: min(len(zeros), pixels - start)]))
+        f.write(deflate.flush())
+
+
+def test_a_deflated_bomb_is_too_large_before_it_is_inflated(tmp_path, cluster_client):
+    # issue 28: pydicom inflates a deflated dataset whole before reading its header, so the worker that rejected
+    # this 0.8 MB file as too_large first held its 800 MB of pixels (1.66 GB at its peak)
+    import tracemalloc
+
+    import dask_dl
+    from dask_dl.data.images import ImageRejected, load_image
+
+    root = tmp_path / "archive"
+    root.mkdir()
+    write_deflated_bomb(root / "bomb.dcm", rows=20000, columns=20000)
+    write_deflated_bomb(tmp_path / "small.dcm", rows=64, columns=64)  # the same writer, read back whole by pydicom
+    assert pydicom.dcmread(tmp_path / "small.dcm").pixel_array.shape == (64, 64)
+    write_dicom(root / "fine.dcm", np.arange(64 * 64, dtype=np.uint16).reshape(64, 64), uid="1.2.3.4")
+    assert (root / "bomb.dcm").stat().st_size < 1_000_000  # and 800 000 000 bytes of pixels
+    tracemalloc.start()
+    try:
+        with pytest.raises(ImageRejected) as caught:
+            load_image(root / "bomb.dcm", size=32, min_size=1)
+        _, peak_load = tracemalloc.get_traced_memory()
+        tracemalloc.reset_peak()
+        catalog = read_dicom(root)  # the header fields for the catalog: no inflating either
+        _, peak_catalog = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert caught.value.reason == "too_large"
+    assert "20000x20000 pixels x 1 channel(s) x 2 byte(s) = 800000000 bytes decoded" in caught.value.detail
+    assert peak_load < 8_000_000, f"peak {peak_load / 1e6:.0f} MB while reading the header of the deflated file"
+    assert peak_catalog < 8_000_000, f"peak {peak_catalog / 1e6:.0f} MB while cataloguing the deflated file"
+    assert sorted(catalog["orig_width"]) == [64, 20000]
+    result = dask_dl.ingest(
+        catalog, tmp_path / "s.zarr", size=32, chunk=2, shard=1, client=cluster_client, progress=False,
+        max_reject_share=1.0,
+    )  # fmt: skip
+    assert result.rejects[["path", "reason"]].values.tolist() == [[str(root / "bomb.dcm"), "too_large"]]
