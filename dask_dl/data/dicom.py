@@ -12,6 +12,7 @@ import os
 import re
 import stat
 import sys
+import warnings
 import zlib
 from collections.abc import Sequence
 from pathlib import Path
@@ -402,21 +403,25 @@ def read_header(path: str) -> dict[str, Any]:
         ``orig_width``, ``orig_height``, ``spacing_x``, ``spacing_y`` (mm, NaN when absent).
     """
     limit = int(config.get("ingest.max-image-bytes"))  # a deflated header is inflated at most this far
-    ds = read_image_header(path, specific_tags=list(HEADER_TAGS), limit=limit)
-    spacing = ds.get("PixelSpacing") or ds.get("ImagerPixelSpacing")
-    # PixelSpacing is (row spacing, column spacing): the first value is along y.
-    spacing_y, spacing_x = (float(spacing[0]), float(spacing[1])) if spacing else (np.nan, np.nan)
-    return {
-        "sop_uid": str(ds.get("SOPInstanceUID", "") or ""),
-        "patient_id": str(ds.get("PatientID", "") or "").strip(),
-        "age": _age(ds.get("PatientAge")),
-        "sex": str(ds.get("PatientSex", "") or ""),
-        "view": str(ds.get("ViewPosition", "") or ""),
-        "orig_width": int(ds.get("Columns", 0) or 0),
-        "orig_height": int(ds.get("Rows", 0) or 0),
-        "spacing_x": spacing_x,
-        "spacing_y": spacing_y,
-    }
+    # pydicom warns about header values it reads anyway (a VR other than the transfer syntax's, a malformed number):
+    # news for the file's author, not for the one cataloguing it; a field that cannot be read raises
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        ds = read_image_header(path, specific_tags=list(HEADER_TAGS), limit=limit)
+        spacing = ds.get("PixelSpacing") or ds.get("ImagerPixelSpacing")
+        # PixelSpacing is (row spacing, column spacing): the first value is along y.
+        spacing_y, spacing_x = (float(spacing[0]), float(spacing[1])) if spacing else (np.nan, np.nan)
+        return {
+            "sop_uid": str(ds.get("SOPInstanceUID", "") or ""),
+            "patient_id": str(ds.get("PatientID", "") or "").strip(),
+            "age": _age(ds.get("PatientAge")),
+            "sex": str(ds.get("PatientSex", "") or ""),
+            "view": str(ds.get("ViewPosition", "") or ""),
+            "orig_width": int(ds.get("Columns", 0) or 0),
+            "orig_height": int(ds.get("Rows", 0) or 0),
+            "spacing_x": spacing_x,
+            "spacing_y": spacing_y,
+        }
 
 
 def _dicom_files(root: Path) -> list[Path]:
