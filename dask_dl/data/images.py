@@ -315,6 +315,16 @@ def _decode_dicom(
     except DatasetError as exc:  # constant, or NaN before scaling
         raise ImageRejected("degenerate", path, str(exc)) from None
     except Exception as exc:  # pydicom raises many kinds of errors for broken files
+        # pydicom knows decoders this process lacks (or has only Pillow, which has no 12-bit JPEG)
+        if "missing dependencies" in str(exc) or "Pillow does not support" in str(exc):
+            syntax = header.file_meta.get("TransferSyntaxUID")
+            said = " ".join(str(exc).split(":", 1)[-1].split())
+            raise ImageRejected(
+                "undecodable",
+                path,
+                f"no decoder installed here handles its transfer syntax {getattr(syntax, 'name', syntax)} "
+                f"({syntax}); install dask-dl[dicom] on the workers (pip install 'dask-dl[dicom]'). pydicom: {said}",
+            ) from None
         short = any(s in str(exc).lower() for s in ("truncated", "less than expected"))  # "... (8130 vs 8192 bytes)"
         reason = "truncated" if short or isinstance(exc, EOFError) else "undecodable"
         raise ImageRejected(reason, path, f"{type(exc).__name__}: {exc}") from None

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+import os
+import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -526,3 +528,29 @@ def test_the_broken_files_pydicom_ships_are_rejected_with_their_reason():
         with pytest.raises(ImageRejected) as caught:
             load_image(bundled(name), size=32, min_size=1)
         assert (caught.value.reason, message in caught.value.detail) == (reason, True), caught.value.detail
+
+
+def test_a_missing_decoder_is_named_with_the_extra_that_brings_it(tmp_path):
+    # a worker without the dicom extra's decoders: they are hidden from a fresh process
+    hidden = tmp_path / "hidden"
+    for module in ("pylibjpeg", "libjpeg", "openjpeg", "rle", "jpeg_ls", "gdcm"):
+        (hidden / module).mkdir(parents=True)
+        (hidden / module / "__init__.py").write_text(f"raise ModuleNotFoundError('no {module} here')\n")
+    script = (
+        "import sys\n"
+        "from dask_dl.data.images import ImageRejected, load_image\n"
+        "try:\n"
+        "    load_image(sys.argv[1], size=32, min_size=1)\n"
+        "except ImageRejected as exc:\n"
+        "    print(exc.reason, exc.detail)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hidden), str(Path(__file__).parents[2])])}
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(bundled("MR_small_jpeg_ls_lossless.dcm"))],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert done.stdout.startswith(
+        "undecodable no decoder installed here handles its transfer syntax JPEG-LS Lossless Image Compression "
+        "(1.2.840.10008.1.2.4.80); install dask-dl[dicom] on the workers (pip install 'dask-dl[dicom]'). pydicom: "
+    ), done.stdout + done.stderr
+    assert "pylibjpeg-libjpeg" in done.stdout
