@@ -23,6 +23,7 @@ import pandas as pd
 
 from dask_dl import config
 from dask_dl.checks import one_of
+from dask_dl.data import dicom_gdcm
 from dask_dl.data.labels import NO_FINDING, parse_findings
 from dask_dl.data.layouts import LAYOUTS
 from dask_dl.data.schema import NIH_LABELS
@@ -282,6 +283,7 @@ def read_pixels(path: str | os.PathLike | BinaryIO, *, reject_degenerate: bool =
     from pydicom.pixels import apply_modality_lut, apply_voi_lut
 
     ds = pydicom.dcmread(path)
+    dicom_gdcm.use_for(ds)  # 12-bit JPEG: GDCM, which pydicom's own plugins leave out
     photometric = str(ds.get("PhotometricInterpretation", "MONOCHROME2")).upper()
     if photometric not in ("MONOCHROME1", "MONOCHROME2") or int(ds.get("NumberOfFrames", 1) or 1) != 1:
         raise CatalogError(
@@ -349,6 +351,7 @@ def read_colour_pixels(path: str | os.PathLike | BinaryIO, *, reject_degenerate:
     """
     pydicom = _pydicom("reading DICOM pixels")
     ds = pydicom.dcmread(path)
+    dicom_gdcm.use_for(ds)
     photometric = str(ds.get("PhotometricInterpretation", "MONOCHROME2")).upper()
     if photometric not in COLOUR_PHOTOMETRIC or int(ds.get("NumberOfFrames", 1) or 1) != 1:
         raise CatalogError(

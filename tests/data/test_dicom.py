@@ -15,6 +15,7 @@ import pydicom
 import pytest
 from pydicom.dataset import Dataset
 
+from dask_dl.data import dicom_gdcm
 from dask_dl.data.dicom import is_dicom_file, read_dicom, read_header, read_pixels
 from dask_dl.data.schema import NIH_LABELS
 from dask_dl.errors import CatalogError, ConfigurationError, MissingDependencyError, StoreNotFoundError
@@ -39,9 +40,18 @@ def test_real_monochrome2_is_min_max_scaled(shared_data):
     image = read_pixels(str(path))
     assert image.dtype == np.uint8 and image.shape == (1024, 1024)
     assert (image.min(), image.max()) == (0, 255)
-    # 0..254 decoded by Pillow's libjpeg-turbo, 0..255 by pylibjpeg's libjpeg (pydicom's first choice when installed)
-    assert raw.min() == 0 and raw.max() in (254, 255)
-    expected = np.rint(raw.astype(np.float64) * 255.0 / raw.max()).astype(np.uint8)
+    # The dicom extra's 8-bit JPEG decoders, GDCM (pydicom's first choice: its IJG libjpeg) and Pillow
+    # (libjpeg-turbo, a core dependency), decode this file to the same 0..254; the ISO libjpeg of the GPL
+    # pylibjpeg-libjpeg, which the extra leaves out, decodes it to 0..255 (3 % of the pixels one grey level apart)
+    decoded = {}
+    for plugin in ("gdcm", "pillow"):
+        ds = pydicom.dcmread(path)
+        ds.pixel_array_options(decoding_plugin=plugin)
+        decoded[plugin] = ds.pixel_array
+    np.testing.assert_array_equal(decoded["gdcm"], decoded["pillow"])
+    np.testing.assert_array_equal(raw, decoded["gdcm"])
+    assert (raw.min(), raw.max()) == (0, 254)
+    expected = np.rint(raw.astype(np.float64) * 255.0 / 254.0).astype(np.uint8)
     np.testing.assert_array_equal(image, expected)
 
 
@@ -442,14 +452,31 @@ def windowed(values: np.ndarray, centre: float, width: float) -> np.ndarray:
     return np.rint(np.where(values <= low, 0, np.where(values > high, 255, out))).astype(np.uint8)
 
 
+def gdcm_read(path: Path) -> np.ndarray:
+    """The stored values of a 12-bit grey JPEG file as GDCM's own reader decodes the whole file.
+
+    pydicom decodes 12-bit JPEG only with a plugin (dask_dl's GDCM one, or the GPL pylibjpeg-libjpeg): this is the
+    reference apart from both. GDCM's reader prints "Unsupported JPEG data precision 12" on stderr as it decodes.
+    """
+    import gdcm
+
+    ds = pydicom.dcmread(path, stop_before_pixels=True)
+    assert (ds.BitsAllocated, ds.SamplesPerPixel) == (16, 1)
+    reader = gdcm.ImageReader()
+    reader.SetFileName(str(path))
+    assert reader.Read(), path
+    buffer = reader.GetImage().GetBuffer().encode("utf-8", "surrogateescape")
+    return np.frombuffer(buffer, dtype="<u2").reshape(ds.Rows, ds.Columns)
+
+
 def displayed(path: Path) -> np.ndarray:
     """pydicom's own decode through the mapping read_pixels documents: rescale, then the window or min-max."""
     with warnings.catch_warnings():  # the files of WARNED: what pydicom says about them is tested elsewhere
         warnings.simplefilter("ignore")
         ds = pydicom.dcmread(path)
-        values = ds.pixel_array.astype(np.float64) * float(ds.get("RescaleSlope", 1)) + float(
-            ds.get("RescaleIntercept", 0)
-        )
+        twelve_bit_jpeg = ds.file_meta.TransferSyntaxUID == "1.2.840.10008.1.2.4.51" and ds.BitsStored > 8
+        stored = gdcm_read(path) if twelve_bit_jpeg else ds.pixel_array
+        values = stored.astype(np.float64) * float(ds.get("RescaleSlope", 1)) + float(ds.get("RescaleIntercept", 0))
     if ds.get("WindowCenter") is not None:
         return windowed(values, float(ds.WindowCenter), float(ds.WindowWidth))
     return np.rint((values - values.min()) * 255 / (values.max() - values.min())).astype(np.uint8)
@@ -521,13 +548,36 @@ def test_the_broken_files_pydicom_ships_are_rejected_with_their_reason():
 
     broken = {
         "MR_truncated.dcm": ("truncated", "less than expected (8130 vs 8192 bytes)"),
-        "JPEG-lossy.dcm": ("undecodable", "libjpeg error"),  # 12-bit JPEG with an invalid scan header
         "JPEG2000-embedded-sequence-delimiter.dcm": ("undecodable", "Error decoding the J2K data"),
     }
     for name, (reason, message) in broken.items():
         with pytest.raises(ImageRejected) as caught:
             load_image(bundled(name), size=32, min_size=1)
         assert (caught.value.reason, message in caught.value.detail) == (reason, True), caught.value.detail
+
+
+def test_12_bit_jpeg_is_decoded_by_gdcm_without_noise(capfd, caplog):
+    # pydicom's own GDCM plugin refuses 12-bit JPEG Extended, and pylibjpeg-libjpeg (GPL) is not in the dicom extra:
+    # dask_dl's GDCM plugin decodes it, without pydicom logging the refusals of its own plugins (with tracebacks)
+    # and without GDCM printing "Unsupported JPEG data precision 12" on the worker's stderr for every image
+    from dask_dl.data.images import load_image
+
+    path = bundled("JPGExtended.dcm")
+    ds = pydicom.dcmread(path)
+    dicom_gdcm.use_for(ds)
+    assert (ds.BitsStored, ds.PhotometricInterpretation) == (12, "MONOCHROME2")
+    assert (ds.pixel_array.dtype, ds.pixel_array.min(), ds.pixel_array.max()) == (np.uint16, 0, 264)
+    with caplog.at_level("WARNING", logger="pydicom"):
+        image = read_pixels(path)
+        # JPEG-lossy.dcm is the same image with a scan header that breaks the JPEG standard (Ss/Se of a lossless
+        # scan), which GDCM reads all the same ("Invalid SOS parameters for sequential JPEG" on stderr)
+        lossy = load_image(bundled("JPEG-lossy.dcm"), size=64, min_size=1)
+    assert caplog.records == [], [r.getMessage() for r in caplog.records]
+    noise = capfd.readouterr().err
+    assert "precision" not in noise, noise
+    np.testing.assert_array_equal(ds.pixel_array, gdcm_read(path))  # GDCM's reader on the whole file
+    np.testing.assert_array_equal(image, displayed(path))
+    np.testing.assert_array_equal(lossy, load_image(path, size=64, min_size=1))
 
 
 def test_a_missing_decoder_is_named_with_the_extra_that_brings_it(tmp_path):
@@ -545,12 +595,19 @@ def test_a_missing_decoder_is_named_with_the_extra_that_brings_it(tmp_path):
         "    print(exc.reason, exc.detail)\n"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hidden), str(Path(__file__).parents[2])])}
-    done = subprocess.run(
-        [sys.executable, "-c", script, str(bundled("MR_small_jpeg_ls_lossless.dcm"))],
-        capture_output=True, text=True, env=env, timeout=120,
-    )  # fmt: skip
-    assert done.stdout.startswith(
+    said = {}
+    for name in ("MR_small_jpeg_ls_lossless.dcm", "JPGExtended.dcm"):
+        done = subprocess.run(
+            [sys.executable, "-c", script, str(bundled(name))], capture_output=True, text=True, env=env, timeout=120
+        )
+        said[name] = done.stdout
+        assert done.stdout, done.stderr
+    assert said["MR_small_jpeg_ls_lossless.dcm"].startswith(
         "undecodable no decoder installed here handles its transfer syntax JPEG-LS Lossless Image Compression "
         "(1.2.840.10008.1.2.4.80); install dask-dl[dicom] on the workers (pip install 'dask-dl[dicom]'). pydicom: "
-    ), done.stdout + done.stderr
-    assert "pylibjpeg-libjpeg" in done.stdout
+    ), said
+    assert "gdcm - requires gdcm>=3.0.10" in said["MR_small_jpeg_ls_lossless.dcm"]  # what the extra brings
+    assert said["JPGExtended.dcm"].startswith(
+        "undecodable no decoder installed here handles its transfer syntax JPEG Extended (Process 2 and 4) "
+        "(1.2.840.10008.1.2.4.51); install dask-dl[dicom] on the workers (pip install 'dask-dl[dicom]'). pydicom: "
+    ), said
