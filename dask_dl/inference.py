@@ -255,8 +255,9 @@ def predict(
     Raises
     ------
     ExportError
-        Not an ONNX file, a model without metadata and no ``input_size``/``labels``, or images of another shape
-        or another number of channels than the model takes (the message shows both).
+        Not an ONNX file, a model without metadata and no ``input_size``/``labels``, external data outside the
+        model's folder or missing, or images of another shape or another number of channels than the model takes
+        (the message shows both).
     StoreNotFoundError
         No file at ``model_path``.
     ConfigurationError

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -95,7 +96,45 @@ def load_onnx(path: str | os.PathLike) -> onnx.ModelProto:
     if model.ir_version < 1 or not model.graph.input or not model.graph.output:
         raise ExportError(f"{str(path)!r} is not an ONNX model: it has no IR version or no graph inputs/outputs")
     _check_operators(str(path), model)
+    _check_external_data(path, model)
     return model
+
+
+def _tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
+    """Every tensor of ``graph`` that may keep its data in a file: initializers and attributes, subgraphs too."""
+    yield from graph.initializer
+    for sparse in graph.sparse_initializer:
+        yield from (sparse.values, sparse.indices)
+    for node in graph.node:
+        for attribute in node.attribute:
+            yield from (attribute.t, *attribute.tensors)
+            for subgraph in (attribute.g, *attribute.graphs):
+                yield from _tensors(subgraph)
+
+
+def _check_external_data(path: Path, model: onnx.ModelProto) -> None:
+    """Refuse external data outside the model's folder, or missing, before onnxruntime meets it on a worker.
+
+    onnxruntime reads external data only from the model's folder and below (a model must not make a scoring
+    process read ``../secret.bin`` or ``/etc/shadow``), and it finds out only when a worker opens its session.
+    """
+    from onnx.external_data_helper import ExternalDataInfo, uses_external_data
+
+    folder = path.parent
+    for tensor in _tensors(model.graph):
+        if not uses_external_data(tensor):
+            continue
+        location = ExternalDataInfo(tensor).location
+        where = f"{str(path)!r}: the weights of {tensor.name!r} are in the external data file {location!r}"
+        fix = (
+            "keep external data files beside the model, inside its folder (onnx.save_model(model, path, "
+            "save_as_external_data=True, location='model.onnx.data') writes them there), or embed the weights"
+        )
+        normal = os.path.normpath(location)
+        if os.path.isabs(location) or normal == os.pardir or normal.startswith(os.pardir + os.sep):
+            raise ExportError(f"{where}, outside the model's folder {str(folder)!r}, which onnxruntime refuses; {fix}")
+        if not (folder / normal).is_file():
+            raise ExportError(f"{where}, which is not in the model's folder {str(folder)!r}; {fix}")
 
 
 # operator domains onnxruntime implements beyond the ONNX standard ones
@@ -200,7 +239,8 @@ def read_model_info(
     Raises
     ------
     ExportError
-        Not an ONNX file; an operator no runtime knows; no dask_dl metadata and no ``input_size``/``labels``;
+        Not an ONNX file; an operator no runtime knows; external data outside the model's folder (or missing);
+        no dask_dl metadata and no ``input_size``/``labels``;
         dask_dl metadata that is not JSON, lacks ``labels`` or ``input_size``, or disagrees with the graph's input
         and output shapes; disagreement between the arguments and the metadata.
     StoreNotFoundError

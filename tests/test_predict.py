@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import onnx
+import onnx.external_data_helper
 import onnxruntime as ort
 import pandas as pd
 import pytest
@@ -314,6 +317,55 @@ def test_bad_onnx_metadata_is_refused_when_the_model_is_opened(tmp_path, store, 
     with pytest.raises(ExportError, match=r"op\.onnx' uses operators no ONNX runtime here knows: \['ai.onnx::NoSuch"):
         predict(ds, unknown)
     assert read_model_info(path).labels == tuple(meta["labels"])  # the untouched model still opens
+
+
+def _with_external_data(path, folder, location: str):
+    """A copy of the model at ``path`` in ``folder`` whose weights are in external data files at ``location``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    proto = onnx.load(str(path))
+    out = folder / "m.onnx"
+    onnx.save_model(proto, str(out), save_as_external_data=True, location="m.onnx.data")  # tensors of 1 kB and more
+    if location != "m.onnx.data":  # moved where the model now points, as a hostile model's author would
+        target = Path(location) if Path(location).is_absolute() else folder / location
+        target.parent.mkdir(parents=True, exist_ok=True)
+        (folder / "m.onnx.data").rename(target)
+        proto = onnx.load(str(out), load_external_data=False)
+        for tensor in proto.graph.initializer:
+            for entry in tensor.external_data:
+                if entry.key == "location":
+                    entry.value = location
+        onnx.save_model(proto, str(out))
+    return out
+
+
+def test_external_data_must_be_beside_the_model(tmp_path, store, model):
+    # issue 28: a model whose external data points outside its folder was accepted by predict() and failed on the
+    # workers at compute() with onnxruntime's raw "Fail: External data path validation failed"
+    from dask_dl.export import read_model_info
+
+    _, path = model
+    ds = dask_dl.open_dataset(store)
+    expected = predict(ds, path).compute()
+    for name, location in {"beside": "m.onnx.data", "below": "weights/m.onnx.data"}.items():
+        good = _with_external_data(path, tmp_path / name, location)
+        weights = onnx.load(str(good), load_external_data=False).graph.initializer
+        assert sum(onnx.external_data_helper.uses_external_data(t) for t in weights) >= 2  # the convolutions
+        np.testing.assert_array_equal(predict(ds, good).compute(), expected)
+    outside = {
+        "up": "../secret.bin",
+        "deep": "weights/../../secret.bin",
+        "absolute": str(tmp_path / "elsewhere" / "secret.bin"),
+    }
+    for name, location in outside.items():
+        bad = _with_external_data(path, tmp_path / name, location)
+        message = rf"m\.onnx': the weights of .* are in the external data file '{location}', outside the model's folder"
+        with pytest.raises(ExportError, match=message + r".*keep external data files beside the model, inside its"):
+            predict(ds, bad)  # when the graph is built, not when a worker computes
+        with pytest.raises(ExportError, match=message):
+            read_model_info(bad)
+    (tmp_path / "beside" / "m.onnx.data").unlink()  # a model copied without its weights
+    with pytest.raises(ExportError, match=r"external data file 'm\.onnx\.data', which is not in the model's folder"):
+        predict(ds, tmp_path / "beside" / "m.onnx")
 
 
 def test_the_auroc_of_every_split_is_its_own_column():

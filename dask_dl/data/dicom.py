@@ -6,10 +6,14 @@ so that reading PNG collections never needs it.
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import re
 import stat
+import sys
+import warnings
+import zlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -17,7 +21,9 @@ from typing import Any, BinaryIO
 import numpy as np
 import pandas as pd
 
+from dask_dl import config
 from dask_dl.checks import one_of
+from dask_dl.data import dicom_gdcm
 from dask_dl.data.labels import NO_FINDING, parse_findings
 from dask_dl.data.layouts import LAYOUTS
 from dask_dl.data.schema import NIH_LABELS
@@ -26,11 +32,13 @@ from dask_dl.errors import CatalogError, ConfigurationError, DatasetError, Store
 
 __all__ = [
     "DICOM_SUFFIXES",
+    "HeaderTooLarge",
     "is_dicom",
     "is_dicom_file",
     "read_colour_pixels",
     "read_dicom",
     "read_header",
+    "read_image_header",
     "read_pixels",
 ]
 
@@ -99,6 +107,116 @@ def is_dicom_file(path: str) -> bool:
         os.close(fd)
 
 
+_PIXEL_TAGS = (0x7FE00010, 0x7FE00009, 0x7FE00008)  # Pixel Data, Double and Float Pixel Data
+_DEFLATED = "1.2.840.10008.1.2.1.99"  # Deflated Explicit VR Little Endian (PS3.5 A.5)
+
+
+class HeaderTooLarge(ValueError):
+    """A deflated DICOM file whose header alone inflates beyond the limit given to :func:`read_image_header`."""
+
+
+class _Inflating(io.RawIOBase):
+    """The deflated dataset of a DICOM file, inflated only as far as it is read (and kept, for pydicom's seeks)."""
+
+    def __init__(self, source: BinaryIO, *, limit: int | None) -> None:
+        self._source, self._limit = source, limit
+        self._zlib = zlib.decompressobj(-zlib.MAX_WBITS)
+        self._out, self._pos = bytearray(), 0
+
+    def _fill(self, end: int) -> None:
+        while len(self._out) < end and not self._zlib.eof:
+            chunk = self._zlib.unconsumed_tail or self._source.read(1 << 16)
+            if not chunk:  # the file ends early: pydicom reports the short read
+                return
+            self._out += self._zlib.decompress(chunk, 1 << 16)
+            if self._limit is not None and len(self._out) > self._limit:
+                raise HeaderTooLarge(f"the deflated header inflates to more than {self._limit} bytes")
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def read(self, size: int | None = -1) -> bytes:
+        end = self._pos + size if size is not None and size >= 0 else (self._limit or sys.maxsize)
+        self._fill(end)
+        out = bytes(self._out[self._pos : end])
+        self._pos += len(out)
+        return out
+
+    def readinto(self, buffer: Any) -> int:
+        data = self.read(len(buffer))
+        buffer[: len(data)] = data
+        return len(data)
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        if whence == io.SEEK_END:
+            raise io.UnsupportedOperation("a deflated dataset is read from its start")
+        self._pos = max(0, offset + (self._pos if whence == io.SEEK_CUR else 0))
+        return self._pos
+
+
+def read_image_header(
+    source: str | os.PathLike | BinaryIO, *, specific_tags: Sequence[str] | None = None, limit: int | None = None
+) -> Any:
+    """Read the header of a DICOM file up to its pixel data, which is neither read nor decoded, nor inflated.
+
+    pydicom inflates a deflated file (Deflated Explicit VR Little Endian, ``1.2.840.10008.1.2.1.99``, where the
+    whole dataset after the file meta is one deflate stream) in one piece before it reads its first element, even
+    with ``stop_before_pixels``: a 0.8 MB file of zeros can inflate to 800 MB of pixels. Here a deflated dataset is
+    inflated as it is parsed, and parsing stops at the Pixel Data element, so the header's Rows, Columns,
+    BitsAllocated, SamplesPerPixel and NumberOfFrames are known before the pixels take any memory. Other transfer
+    syntaxes are read by pydicom's ``dcmread(..., stop_before_pixels=True)``.
+
+    Parameters
+    ----------
+    source
+        A DICOM file: path or binary file object positioned at its start.
+    specific_tags
+        Read only these elements (keywords), as ``dcmread``'s ``specific_tags``.
+    limit
+        Refuse a deflated header that inflates to more than this many bytes (a huge element before the pixels).
+
+    Returns
+    -------
+    pydicom.Dataset
+        The header, with ``file_meta``.
+
+    Raises
+    ------
+    HeaderTooLarge
+        A deflated header over ``limit``.
+    pydicom.errors.InvalidDicomError, ...
+        What pydicom raises for a file it cannot read.
+    """
+    if isinstance(source, str | os.PathLike):
+        with open(source, "rb") as f:
+            return read_image_header(f, specific_tags=specific_tags, limit=limit)
+    pydicom = _pydicom("reading DICOM headers")
+    from pydicom.dataset import FileMetaDataset
+    from pydicom.filereader import read_dataset, read_preamble
+    from pydicom.tag import Tag
+
+    start = source.tell()
+    if read_preamble(source, True) is not None:  # the File Meta Information follows the DICM marker
+        meta = read_dataset(source, False, True, stop_when=lambda tag, vr, length: tag.group != 2)
+        if str(meta.get("TransferSyntaxUID", "")) == _DEFLATED:
+            tags = [Tag(t) for t in specific_tags] if specific_tags is not None else None
+            ds = read_dataset(_Inflating(source, limit=limit), False, True, stop_when=_at_pixels, specific_tags=tags)
+            ds.file_meta = FileMetaDataset(meta)
+            return ds
+    source.seek(start)
+    return pydicom.dcmread(source, stop_before_pixels=True, specific_tags=specific_tags)
+
+
+def _at_pixels(tag: Any, vr: str | None, length: int) -> bool:
+    return int(tag) in _PIXEL_TAGS
+
+
 def _output_range(ds: Any) -> tuple[float, float]:
     """The value range pydicom's ``apply_voi_lut`` maps onto, mirroring its rules (PS3.3 C.11.2)."""
     if ds.get("VOILUTSequence") and ds.VOILUTSequence[0].get("LUTDescriptor") is not None:
@@ -165,6 +283,7 @@ def read_pixels(path: str | os.PathLike | BinaryIO, *, reject_degenerate: bool =
     from pydicom.pixels import apply_modality_lut, apply_voi_lut
 
     ds = pydicom.dcmread(path)
+    dicom_gdcm.use_for(ds)  # 12-bit JPEG: GDCM, which pydicom's own plugins leave out
     photometric = str(ds.get("PhotometricInterpretation", "MONOCHROME2")).upper()
     if photometric not in ("MONOCHROME1", "MONOCHROME2") or int(ds.get("NumberOfFrames", 1) or 1) != 1:
         raise CatalogError(
@@ -232,6 +351,7 @@ def read_colour_pixels(path: str | os.PathLike | BinaryIO, *, reject_degenerate:
     """
     pydicom = _pydicom("reading DICOM pixels")
     ds = pydicom.dcmread(path)
+    dicom_gdcm.use_for(ds)
     photometric = str(ds.get("PhotometricInterpretation", "MONOCHROME2")).upper()
     if photometric not in COLOUR_PHOTOMETRIC or int(ds.get("NumberOfFrames", 1) or 1) != 1:
         raise CatalogError(
@@ -285,22 +405,26 @@ def read_header(path: str) -> dict[str, Any]:
         ``sop_uid``, ``patient_id`` (``""`` when absent), ``age`` (years, NaN when absent), ``sex``, ``view``,
         ``orig_width``, ``orig_height``, ``spacing_x``, ``spacing_y`` (mm, NaN when absent).
     """
-    pydicom = _pydicom("reading DICOM headers")
-    ds = pydicom.dcmread(path, stop_before_pixels=True, specific_tags=list(HEADER_TAGS))
-    spacing = ds.get("PixelSpacing") or ds.get("ImagerPixelSpacing")
-    # PixelSpacing is (row spacing, column spacing): the first value is along y.
-    spacing_y, spacing_x = (float(spacing[0]), float(spacing[1])) if spacing else (np.nan, np.nan)
-    return {
-        "sop_uid": str(ds.get("SOPInstanceUID", "") or ""),
-        "patient_id": str(ds.get("PatientID", "") or "").strip(),
-        "age": _age(ds.get("PatientAge")),
-        "sex": str(ds.get("PatientSex", "") or ""),
-        "view": str(ds.get("ViewPosition", "") or ""),
-        "orig_width": int(ds.get("Columns", 0) or 0),
-        "orig_height": int(ds.get("Rows", 0) or 0),
-        "spacing_x": spacing_x,
-        "spacing_y": spacing_y,
-    }
+    limit = int(config.get("ingest.max-image-bytes"))  # a deflated header is inflated at most this far
+    # pydicom warns about header values it reads anyway (a VR other than the transfer syntax's, a malformed number):
+    # news for the file's author, not for the one cataloguing it; a field that cannot be read raises
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        ds = read_image_header(path, specific_tags=list(HEADER_TAGS), limit=limit)
+        spacing = ds.get("PixelSpacing") or ds.get("ImagerPixelSpacing")
+        # PixelSpacing is (row spacing, column spacing): the first value is along y.
+        spacing_y, spacing_x = (float(spacing[0]), float(spacing[1])) if spacing else (np.nan, np.nan)
+        return {
+            "sop_uid": str(ds.get("SOPInstanceUID", "") or ""),
+            "patient_id": str(ds.get("PatientID", "") or "").strip(),
+            "age": _age(ds.get("PatientAge")),
+            "sex": str(ds.get("PatientSex", "") or ""),
+            "view": str(ds.get("ViewPosition", "") or ""),
+            "orig_width": int(ds.get("Columns", 0) or 0),
+            "orig_height": int(ds.get("Rows", 0) or 0),
+            "spacing_x": spacing_x,
+            "spacing_y": spacing_y,
+        }
 
 
 def _dicom_files(root: Path) -> list[Path]:

@@ -5,16 +5,18 @@ The steps, and the choices made in each:
 1. **Read** the file's bytes (local path or fsspec URL) through a :class:`~dask_dl.data.paths.PathPolicy`: a
    scheme or root that is not allowed, or a NUL byte -> ``refused``; absent file -> ``missing``; not a regular
    file (FIFO, device, folder) or another I/O error -> ``unreadable``; over ``max-file-bytes`` -> ``too_large``.
-2. **Size checks** from the header alone, before any pixel is decoded: decoded pixels (width x height x
-   channels x bytes per sample) over ``dask-dl.ingest.max-image-bytes`` -> ``too_large`` (a 0.65 MB PNG can need
-   gigabytes); a side shorter than ``min_size`` (``dask-dl.ingest.min-size``, by default a quarter of the output
-   ``size``) -> ``too_small``.
+2. **Size checks** from the header alone, before any pixel is decoded (or, in a deflated DICOM file, inflated):
+   decoded pixels (width x height x channels x bytes per sample) over ``dask-dl.ingest.max-image-bytes`` ->
+   ``too_large`` (a 0.65 MB PNG, or a 0.8 MB deflated DICOM, can need gigabytes); a side shorter than
+   ``min_size`` (``dask-dl.ingest.min-size``, by default a quarter of the output ``size``) -> ``too_small``.
 3. **Decode.** DICOM files (``.dcm``/``.dicom`` or the ``DICM`` magic) go through
    :func:`dask_dl.data.dicom.read_pixels` (modality/VOI LUT, MONOCHROME1 inverted, 8-bit); a decoder warning
-   (damaged compressed data) -> ``undecodable``, a constant result or non-finite values -> ``degenerate``.
-   Other files are identified by Pillow from their header; PNG pixels are then decoded with imagecodecs (about
-   20 % faster than Pillow on NIH-sized PNGs), everything else with Pillow. A header Pillow does not know ->
-   ``undecodable``; a header that is fine but pixel data that ends early or is corrupt -> ``truncated``.
+   about the pixels (damaged compressed data) -> ``undecodable`` (one that leaves them intact, such as padding
+   after the pixel data removed, is only noted in the shard's status), a constant result or non-finite values ->
+   ``degenerate``. Other files are identified by Pillow from their header; PNG pixels are then decoded with
+   imagecodecs (about 20 % faster than Pillow on NIH-sized PNGs), everything else with Pillow. A header Pillow
+   does not know -> ``undecodable``; a header that is fine but pixel data that ends early or is corrupt ->
+   ``truncated``.
 4. **Grayscale.** Gray stays gray; gray+alpha keeps the gray channel. RGB and RGBA become their ITU-R BT.601
    luma ``L = 0.299 R + 0.587 G + 0.114 B``, computed with exactly the integer arithmetic of Pillow's
    ``convert("L")`` so both decoders agree bit for bit. **Alpha is ignored**: NIH's RGBA files carry an opaque
@@ -43,6 +45,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import threading
 import warnings
 from typing import NamedTuple
@@ -52,7 +55,7 @@ from PIL import Image
 
 from dask_dl import config
 from dask_dl.checks import one_of
-from dask_dl.data.dicom import is_dicom, read_colour_pixels, read_pixels
+from dask_dl.data.dicom import HeaderTooLarge, is_dicom, read_colour_pixels, read_image_header, read_pixels
 from dask_dl.data.paths import PathPolicy
 from dask_dl.data.rejects import REJECT_REASONS, ImageRejected, RejectReason
 from dask_dl.errors import CatalogError, DatasetError
@@ -80,6 +83,7 @@ def load_image(
     max_image_bytes: int | None = None,
     policy: PathPolicy | None = None,
     channels: int = 1,
+    notes: list[str] | None = None,
 ) -> np.ndarray:
     """Read the image at ``path`` as a ``(size, size)`` uint8 grey or ``(size, size, 3)`` RGB array.
 
@@ -99,6 +103,9 @@ def load_image(
         Which paths may be read and how large a file may be; default :meth:`PathPolicy.from_config`.
     channels
         1: grey (colour images become their luma); 3: RGB (grey images are replicated, alpha is dropped).
+    notes
+        A list that receives the decoder's warnings about a file whose pixels it decoded intact (pydicom removing
+        padding after a DICOM's pixel data, say); they are not shown as Python warnings.
 
     Returns
     -------
@@ -129,8 +136,10 @@ def load_image(
     limits = _Limits(min_size, int(config.get("ingest.max-image-bytes", max_image_bytes)))
     path = os.fspath(path)
     data = (policy or PathPolicy.from_config()).read(path)
-    decode = _decode_dicom if is_dicom(path, data) else _decode_raster
-    pixels = decode(path, data, limits, colour=channels == 3)
+    if is_dicom(path, data):
+        pixels = _decode_dicom(path, data, limits, colour=channels == 3, notes=notes)
+    else:
+        pixels = _decode_raster(path, data, limits, colour=channels == 3)
     try:
         if channels == 1 or pixels.ndim == 2 or pixels.shape[2] < 3:
             out = resize_square(to_gray(pixels), size=size)
@@ -265,17 +274,31 @@ def _pillow_pixels(image: Image.Image) -> np.ndarray:
     return np.asarray(image.convert("RGB"))  # CMYK, YCbCr, LAB, HSV, ...
 
 
-def _decode_dicom(path: str, data: bytes, limits: _Limits, *, colour: bool = False) -> np.ndarray:
-    import pydicom
+#: pydicom's warnings about a file whose pixels it decodes intact: the image is kept, the warning noted
+_HARMLESS_DICOM_WARNINGS = re.compile(
+    r"The pixel data is \d+ bytes long, which indicates it contains \d+ bytes of excess padding to be removed"
+    r"|Expected (explicit|implicit) VR, but found (explicit|implicit) VR"  # of the header, read either way
+    r"|Invalid value for VR"  # a header value; the ones the pixels need are checked when read
+    r"|'Photometric Interpretation' value is '.*' however the encoded image's codestream"  # and pydicom follows it
+    r"|for \(0028,0008\) 'Number of Frames' is"  # 0 or empty: one frame, as the pixel data says
+)
 
+
+def _decode_dicom(
+    path: str, data: bytes, limits: _Limits, *, colour: bool = False, notes: list[str] | None = None
+) -> np.ndarray:
     try:
         with warnings.catch_warnings(record=True):  # header value warnings: kept out of the worker's log
             warnings.simplefilter("always")
-            header = pydicom.dcmread(io.BytesIO(data), stop_before_pixels=True)
-        width, height = int(header.get("Columns", 0) or 0), int(header.get("Rows", 0) or 0)
-        frames = int(header.get("NumberOfFrames", 1) or 1)
-        channels = int(header.get("SamplesPerPixel", 1) or 1) * max(frames, 1)
-        sample_bytes = max(1, -(-int(header.get("BitsAllocated", 16) or 16) // 8))
+            # a deflated file is inflated only as far as its header: its pixels may inflate to gigabytes
+            header = read_image_header(io.BytesIO(data), limit=limits.max_image_bytes)
+            # pydicom converts (and warns about) a value when it is first read
+            width, height = int(header.get("Columns", 0) or 0), int(header.get("Rows", 0) or 0)
+            frames = int(header.get("NumberOfFrames", 1) or 1)
+            channels = int(header.get("SamplesPerPixel", 1) or 1) * max(frames, 1)
+            sample_bytes = max(1, -(-int(header.get("BitsAllocated", 16) or 16) // 8))
+    except HeaderTooLarge as exc:
+        raise ImageRejected("too_large", path, f"{exc}, over dask-dl.ingest.max-image-bytes") from None
     except Exception as exc:  # pydicom raises many kinds of errors for broken headers
         raise ImageRejected("undecodable", path, f"DICOM header: {type(exc).__name__}: {exc}") from None
     limits.check(path, width, height, channels, sample_bytes)
@@ -292,10 +315,26 @@ def _decode_dicom(path: str, data: bytes, limits: _Limits, *, colour: bool = Fal
     except DatasetError as exc:  # constant, or NaN before scaling
         raise ImageRejected("degenerate", path, str(exc)) from None
     except Exception as exc:  # pydicom raises many kinds of errors for broken files
-        reason = "truncated" if "truncated" in str(exc).lower() or isinstance(exc, EOFError) else "undecodable"
+        # pydicom knows decoders this process lacks (or has only Pillow, which has no 12-bit JPEG)
+        if "missing dependencies" in str(exc) or "Pillow does not support" in str(exc):
+            syntax = header.file_meta.get("TransferSyntaxUID")
+            said = " ".join(str(exc).split(":", 1)[-1].split())
+            raise ImageRejected(
+                "undecodable",
+                path,
+                f"no decoder installed here handles its transfer syntax {getattr(syntax, 'name', syntax)} "
+                f"({syntax}); install dask-dl[dicom] on the workers (pip install 'dask-dl[dicom]'). pydicom: {said}",
+            ) from None
+        short = any(s in str(exc).lower() for s in ("truncated", "less than expected"))  # "... (8130 vs 8192 bytes)"
+        reason = "truncated" if short or isinstance(exc, EOFError) else "undecodable"
         raise ImageRejected(reason, path, f"{type(exc).__name__}: {exc}") from None
-    if caught:  # damaged compressed pixel data decodes to something far from the original, with a warning
-        raise ImageRejected("undecodable", path, f"the decoder warned: {caught[0].message}")
+    # damaged compressed pixel data decodes to something far from the original, with a warning (RLE: "segment
+    # contains non-conformant padding"); other warnings leave the pixels as the file holds them
+    harmful = [w for w in caught if not _HARMLESS_DICOM_WARNINGS.search(str(w.message))]
+    if harmful:
+        raise ImageRejected("undecodable", path, f"the decoder warned: {harmful[0].message}")
+    if notes is not None:
+        notes.extend(dict.fromkeys(f"pydicom: {w.message}" for w in caught))
     pixels = np.asarray(pixels)
     if pixels.ndim != 2 and not (colour and pixels.ndim == 3 and pixels.shape[2] == 3):
         raise ImageRejected("unsupported", path, f"DICOM pixel array has shape {pixels.shape}; need one 2-D frame")

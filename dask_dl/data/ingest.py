@@ -4,7 +4,8 @@ The layout of the store is the contract in :mod:`dask_dl.data.store`; row ``i`` 
 validated catalog. Beside the arrays, in the store's ``_dask_dl/`` group:
 
 - ``status/shard-000012.json``: written (atomically) after shard 12 is written; it is how a restarted run knows
-  which shards are done, and it holds that shard's per-row status (ok, reason);
+  which shards are done, and it holds that shard's per-row status (ok, reason, message: for a kept image, what the
+  decoder warned about while decoding it intact, such as padding after a DICOM's pixel data);
 - ``rejects.parquet``: the rejected rows with their reason, also returned as :attr:`IngestResult.rejects` and read
   back by :func:`read_rejects`. A rejected image does not fail the run; a run that keeps no image, or rejects more
   than ``dask-dl.ingest.max-reject-share`` of them, fails with an :class:`~dask_dl.errors.IngestError` after
@@ -477,12 +478,13 @@ def _write_shard(
     status = []
     for i, (path, image_id) in enumerate(zip(job["paths"], job["image_ids"], strict=True)):
         row = job["start"] + i
+        notes: list[str] = []  # the decoder's warnings about pixels it decoded intact: kept in the status file
         try:
             block[i] = load_image(
                 path, size=size, min_size=min_size, max_image_bytes=max_image_bytes, policy=policy,
-                channels=layout_.channels,
+                channels=layout_.channels, notes=notes,
             )  # fmt: skip
-            status.append((row, image_id, True, "", ""))
+            status.append((row, image_id, True, "", "; ".join(notes)))
         except ImageRejected as exc:
             status.append((row, image_id, False, exc.reason, exc.detail))
     files = StoreFiles(url)

@@ -4,7 +4,9 @@ The lease is ``_dask_dl/lease.json`` in the store, holding the writer's host, pi
 heartbeat (a thread renews it while the ingest runs). A second ingest is refused with a message naming the holder,
 unless the lease is stale: its process is gone (same host) or its heartbeat is older than
 ``dask-dl.ingest.lease-stale`` seconds (another host). Local leases are created with ``O_EXCL``, so of two
-processes that race for a free store exactly one wins.
+processes that race for a free store exactly one wins; for the instant between that create and the write of its
+record the file is empty, and a lease that cannot be read is held (it is being written) until it is older than
+``lease-stale`` seconds (its writer died in that instant).
 """
 
 from __future__ import annotations
@@ -69,11 +71,13 @@ class StoreLease:
         try:
             record = json.loads(data)
             return record if isinstance(record, dict) else {}
-        except ValueError:  # a lease cut short by a crash while being written
+        except ValueError:  # being written (empty for an instant after its create), or cut short by a crash
             return {}
 
     def _stale(self, holder: dict[str, Any]) -> str | None:
-        """Why the lease of ``holder`` no longer holds, or None while it does."""
+        """Why the lease of ``holder`` (``{}``: a lease that cannot be read) no longer holds, or None while it does."""
+        if not holder:
+            return self._unreadable_stale()
         age = time.time() - float(holder.get("heartbeat", 0) or 0)
         if holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int):
             if not _alive(holder["pid"]):
@@ -82,6 +86,19 @@ class StoreLease:
         if age > self.stale_after:
             return f"its last heartbeat is {age:.0f} s old (dask-dl.ingest.lease-stale is {self.stale_after:g} s)"
         return None
+
+    def _unreadable_stale(self) -> str | None:
+        """A local lease that cannot be read is being written by the ingest that just created it, unless it is old."""
+        why = "it cannot be read"
+        if not self.files.local:  # object-store puts are whole: an unreadable lease is damaged
+            return why
+        try:
+            age = time.time() - os.path.getmtime(self.files.path(contract.LEASE_KEY))
+        except FileNotFoundError:  # given back in the meantime: free
+            return why
+        if age <= self.stale_after:
+            return None
+        return f"{why} and is {age:.0f} s old (dask-dl.ingest.lease-stale is {self.stale_after:g} s)"
 
     def acquire(self) -> StoreLease:
         """Take the lease, or raise a StoreError naming the ingest that holds it."""
@@ -92,7 +109,7 @@ class StoreLease:
             holder = self._holder()
             if holder is None:
                 continue
-            why = self._stale(holder) if holder else "it cannot be read"
+            why = self._stale(holder)
             if why is None:
                 raise self._held(holder)
             logger.warning("taking over the stale lease of %r: %s", self.url, why)
@@ -100,6 +117,12 @@ class StoreLease:
         raise StoreError(f"could not take the lease of {self.url!r}: other ingests keep taking it; run one at a time")
 
     def _held(self, holder: dict[str, Any]) -> StoreError:
+        if not holder:  # created an instant ago, its record not written yet
+            return StoreError(
+                f"another ingest is writing {self.url!r} (it is taking the lease at this moment); wait for it to "
+                "finish, then run this one again (it resumes). If no ingest is running, delete "
+                f"{contract.LEASE_KEY} in the store"
+            )
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(holder.get("heartbeat", 0))))
         return StoreError(
             f"another ingest is writing {self.url!r} (host {holder.get('host')}, pid {holder.get('pid')}, "
@@ -113,7 +136,7 @@ class StoreLease:
         Checked before looking at the store: a store another ingest is creating looks half-made.
         """
         holder = self._holder()
-        if holder and self._stale(holder) is None:
+        if holder is not None and self._stale(holder) is None:
             raise self._held(holder)
 
     def _beat(self) -> None:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import io
+import os
+import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +15,7 @@ import pydicom
 import pytest
 from pydicom.dataset import Dataset
 
+from dask_dl.data import dicom_gdcm
 from dask_dl.data.dicom import is_dicom_file, read_dicom, read_header, read_pixels
 from dask_dl.data.schema import NIH_LABELS
 from dask_dl.errors import CatalogError, ConfigurationError, MissingDependencyError, StoreNotFoundError
@@ -36,8 +40,18 @@ def test_real_monochrome2_is_min_max_scaled(shared_data):
     image = read_pixels(str(path))
     assert image.dtype == np.uint8 and image.shape == (1024, 1024)
     assert (image.min(), image.max()) == (0, 255)
+    # The dicom extra's 8-bit JPEG decoders, GDCM (pydicom's first choice: its IJG libjpeg) and Pillow
+    # (libjpeg-turbo, a core dependency), decode this file to the same 0..254; the ISO libjpeg of the GPL
+    # pylibjpeg-libjpeg, which the extra leaves out, decodes it to 0..255 (3 % of the pixels one grey level apart)
+    decoded = {}
+    for plugin in ("gdcm", "pillow"):
+        ds = pydicom.dcmread(path)
+        ds.pixel_array_options(decoding_plugin=plugin)
+        decoded[plugin] = ds.pixel_array
+    np.testing.assert_array_equal(decoded["gdcm"], decoded["pillow"])
+    np.testing.assert_array_equal(raw, decoded["gdcm"])
     assert (raw.min(), raw.max()) == (0, 254)
-    expected = np.rint((raw.astype(np.float64) - 0) * 255.0 / 254.0).astype(np.uint8)
+    expected = np.rint(raw.astype(np.float64) * 255.0 / 254.0).astype(np.uint8)
     np.testing.assert_array_equal(image, expected)
 
 
@@ -110,7 +124,7 @@ def test_rescale_then_window(tmp_path, ramp12):
     c, w = center - 0.5, width - 1
     expected = np.where(v <= c - w / 2, 0.0, np.where(v > c + w / 2, 255.0, ((v - c) / w + 0.5) * 255.0))
     np.testing.assert_array_equal(image, np.rint(expected).astype(np.uint8))
-    assert image.min() == 0 and image.max() == 255
+    assert image.max() > image.min()  # not blank both ways
     assert 0 < np.mean((image > 0) & (image < 255)) < 1  # the window clips at both ends
 
 
@@ -319,3 +333,281 @@ def test_one_bad_header_skips_one_file(tmp_path, ramp12, caplog):
     (root / "good.dcm").unlink()
     with pytest.raises(CatalogError, match="none of the 1 DICOM files .* has a readable header, e.g. .*bad.dcm"):
         read_dicom(root)
+
+
+# ---- a deflated file that inflates to 800 MB (issue 28) ---------------------------------------------------------
+
+
+def write_deflated_bomb(path: Path, *, rows: int, columns: int) -> None:
+    """A Deflated Explicit VR Little Endian file of ``rows x columns`` 16-bit zeros, written without holding them.
+
+    The dataset (header elements, then Pixel Data) is deflated in pieces as PS3.5 A.5 lays it out; pydicom reads it
+    as any deflated file, and it is a few hundred times smaller than its pixels.
+    """
+    import struct
+    import zlib
+
+    from pydicom.filebase import DicomBytesIO
+    from pydicom.filewriter import write_dataset, write_file_meta_info
+    from pydicom.uid import DeflatedExplicitVRLittleEndian, SecondaryCaptureImageStorage, generate_uid
+
+    uid = generate_uid()
+    meta = pydicom.dataset.FileMetaDataset()
+    meta.MediaStorageSOPClassUID, meta.MediaStorageSOPInstanceUID = SecondaryCaptureImageStorage, uid
+    meta.TransferSyntaxUID = DeflatedExplicitVRLittleEndian
+    ds = Dataset()
+    ds.SOPClassUID, ds.SOPInstanceUID, ds.PatientID = SecondaryCaptureImageStorage, uid, "P1"
+    ds.Rows, ds.Columns, ds.SamplesPerPixel, ds.PhotometricInterpretation = rows, columns, 1, "MONOCHROME2"
+    ds.BitsAllocated, ds.BitsStored, ds.HighBit, ds.PixelRepresentation = 16, 16, 15, 0
+    head, body = DicomBytesIO(), DicomBytesIO()
+    head.is_little_endian, head.is_implicit_VR = True, False
+    body.is_little_endian, body.is_implicit_VR = True, False
+    write_file_meta_info(head, meta)
+    write_dataset(body, ds)
+    pixels = rows * columns * 2
+    deflate = zlib.compressobj(9, zlib.DEFLATED, -zlib.MAX_WBITS)
+    zeros = bytes(1 << 22)
+    with open(path, "wb") as f:
+        f.write(bytes(128) + b"DICM" + head.getvalue())
+        f.write(deflate.compress(body.getvalue() + struct.pack("<HH2sHI", 0x7FE0, 0x0010, b"OW", 0, pixels)))
+        for start in range(0, pixels, len(zeros)):
+            f.write(deflate.compress(zeros[: min(len(zeros), pixels - start)]))
+        f.write(deflate.flush())
+
+
+def test_a_deflated_bomb_is_too_large_before_it_is_inflated(tmp_path, cluster_client):
+    # issue 28: pydicom inflates a deflated dataset whole before reading its header, so the worker that rejected
+    # this 0.8 MB file as too_large first held its 800 MB of pixels (1.66 GB at its peak)
+    import tracemalloc
+
+    import dask_dl
+    from dask_dl.data.images import ImageRejected, load_image
+
+    root = tmp_path / "archive"
+    root.mkdir()
+    write_deflated_bomb(root / "bomb.dcm", rows=20000, columns=20000)
+    write_deflated_bomb(tmp_path / "small.dcm", rows=64, columns=64)  # the same writer, read back whole by pydicom
+    assert pydicom.dcmread(tmp_path / "small.dcm").pixel_array.shape == (64, 64)
+    write_dicom(root / "fine.dcm", np.arange(64 * 64, dtype=np.uint16).reshape(64, 64), uid="1.2.3.4")
+    assert (root / "bomb.dcm").stat().st_size < 1_000_000  # and 800 000 000 bytes of pixels
+    tracemalloc.start()
+    try:
+        with pytest.raises(ImageRejected) as caught:
+            load_image(root / "bomb.dcm", size=32, min_size=1)
+        _, peak_load = tracemalloc.get_traced_memory()
+        tracemalloc.reset_peak()
+        catalog = read_dicom(root)  # the header fields for the catalog: no inflating either
+        _, peak_catalog = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert caught.value.reason == "too_large"
+    assert "20000x20000 pixels x 1 channel(s) x 2 byte(s) = 800000000 bytes decoded" in caught.value.detail
+    assert peak_load < 8_000_000, f"peak {peak_load / 1e6:.0f} MB while reading the header of the deflated file"
+    assert peak_catalog < 8_000_000, f"peak {peak_catalog / 1e6:.0f} MB while cataloguing the deflated file"
+    assert sorted(catalog["orig_width"]) == [64, 20000]
+    result = dask_dl.ingest(
+        catalog, tmp_path / "s.zarr", size=32, chunk=2, shard=1, client=cluster_client, progress=False,
+        max_reject_share=1.0,
+    )  # fmt: skip
+    assert result.rejects[["path", "reason"]].values.tolist() == [[str(root / "bomb.dcm"), "too_large"]]
+
+
+# ---- transfer syntaxes, with the files that ship inside pydicom (issue 28) ------------------------------------------
+
+# the MR_small files hold the same 64 x 64 pixels (window 600/1600), each in another transfer syntax, losslessly
+LOSSLESS = {
+    "1.2.840.10008.1.2.1": "MR_small.dcm",  # Explicit VR Little Endian
+    "1.2.840.10008.1.2": "MR_small_implicit.dcm",  # Implicit VR Little Endian
+    "1.2.840.10008.1.2.2": "MR_small_bigendian.dcm",  # Explicit VR Big Endian
+    "1.2.840.10008.1.2.5": "MR_small_RLE.dcm",  # RLE Lossless
+    "1.2.840.10008.1.2.4.80": "MR_small_jpeg_ls_lossless.dcm",  # JPEG-LS Lossless
+    "1.2.840.10008.1.2.4.90": "MR_small_jp2klossless.dcm",  # JPEG 2000 Lossless
+}
+OTHER_GREY = {
+    "1.2.840.10008.1.2.1.99": "image_dfl.dcm",  # Deflated Explicit VR Little Endian, 8 bit
+    "1.2.840.10008.1.2.4.51": "JPGExtended.dcm",  # JPEG Extended, 12 bit
+    "1.2.840.10008.1.2.4.81": "JPEGLSNearLossless_16.dcm",  # JPEG-LS Near-Lossless, 16 bit
+    "1.2.840.10008.1.2.4.91": "JPEG2000.dcm",  # JPEG 2000, signed
+}
+COLOUR = {
+    "1.2.840.10008.1.2.4.50": "SC_rgb_jpeg_dcmtk.dcm",  # JPEG Baseline 8 bit, YBR_FULL
+    "1.2.840.10008.1.2.4.70": "SC_rgb_jpeg_gdcm.dcm",  # JPEG Lossless, Process 14 SV1, RGB
+}
+# 128 bytes after its pixel data, which pydicom removes with a warning; and a header written in implicit VR where
+# its transfer syntax says explicit, which pydicom reads with a warning: both decode intact
+WARNED = {"MR_small_padded.dcm": "excess padding to be removed", "SC_rgb_jpeg.dcm": "but found implicit VR"}
+
+
+def bundled(name: str) -> Path:
+    """A test file that ships inside the installed pydicom package (never downloaded)."""
+    path = Path(pydicom.data.__file__).parent / "test_files" / name
+    assert path.is_file(), f"{name} does not ship with pydicom {pydicom.__version__}"
+    return path
+
+
+def windowed(values: np.ndarray, centre: float, width: float) -> np.ndarray:
+    """PS3.3 C.11.2.1.2.1, the linear window, onto 0..255."""
+    low, high = centre - 0.5 - (width - 1) / 2, centre - 0.5 + (width - 1) / 2
+    out = ((values - (centre - 0.5)) / (width - 1) + 0.5) * 255
+    return np.rint(np.where(values <= low, 0, np.where(values > high, 255, out))).astype(np.uint8)
+
+
+def gdcm_read(path: Path) -> np.ndarray:
+    """The stored values of a 12-bit grey JPEG file as GDCM's own reader decodes the whole file.
+
+    pydicom decodes 12-bit JPEG only with a plugin (dask_dl's GDCM one, or the GPL pylibjpeg-libjpeg): this is the
+    reference apart from both. GDCM's reader prints "Unsupported JPEG data precision 12" on stderr as it decodes.
+    """
+    import gdcm
+
+    ds = pydicom.dcmread(path, stop_before_pixels=True)
+    assert (ds.BitsAllocated, ds.SamplesPerPixel) == (16, 1)
+    reader = gdcm.ImageReader()
+    reader.SetFileName(str(path))
+    assert reader.Read(), path
+    buffer = reader.GetImage().GetBuffer().encode("utf-8", "surrogateescape")
+    return np.frombuffer(buffer, dtype="<u2").reshape(ds.Rows, ds.Columns)
+
+
+def displayed(path: Path) -> np.ndarray:
+    """pydicom's own decode through the mapping read_pixels documents: rescale, then the window or min-max."""
+    with warnings.catch_warnings():  # the files of WARNED: what pydicom says about them is tested elsewhere
+        warnings.simplefilter("ignore")
+        ds = pydicom.dcmread(path)
+        twelve_bit_jpeg = ds.file_meta.TransferSyntaxUID == "1.2.840.10008.1.2.4.51" and ds.BitsStored > 8
+        stored = gdcm_read(path) if twelve_bit_jpeg else ds.pixel_array
+        values = stored.astype(np.float64) * float(ds.get("RescaleSlope", 1)) + float(ds.get("RescaleIntercept", 0))
+    if ds.get("WindowCenter") is not None:
+        return windowed(values, float(ds.WindowCenter), float(ds.WindowWidth))
+    return np.rint((values - values.min()) * 255 / (values.max() - values.min())).astype(np.uint8)
+
+
+@pytest.mark.parametrize("syntax", [*LOSSLESS, *OTHER_GREY])
+def test_each_transfer_syntax_reads_as_pydicom_decodes_it(syntax):
+    path = bundled({**LOSSLESS, **OTHER_GREY}[syntax])
+    assert pydicom.dcmread(path, stop_before_pixels=True).file_meta.TransferSyntaxUID == syntax
+    image = read_pixels(path)
+    np.testing.assert_array_equal(image, displayed(path))
+    assert image.max() > image.min()  # not blank both ways
+    if syntax in LOSSLESS:
+        np.testing.assert_array_equal(image, read_pixels(bundled("MR_small.dcm")))
+
+
+def test_every_transfer_syntax_is_ingested_without_a_warning(tmp_path, cluster_client):
+    import json
+    import shutil
+
+    import dask_dl
+    from dask_dl.data.images import load_image, resize_square
+    from dask_dl.data.store import StoreFiles
+
+    grey, colour = tmp_path / "grey", tmp_path / "colour"
+    for folder, names in ((grey, [*LOSSLESS.values(), *OTHER_GREY.values(), "MR_small_padded.dcm"]),
+                          (colour, [*COLOUR.values(), "SC_rgb_jpeg.dcm"])):  # fmt: skip
+        folder.mkdir()
+        for name in names:
+            shutil.copy(bundled(name), folder / name)
+    for name, warned in WARNED.items():  # the warning is noted, not shown, and the pixels are kept
+        notes = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            load_image((grey if name.startswith("MR") else colour) / name, size=32, channels=3, notes=notes)
+        assert len(notes) == 1 and notes[0].startswith("pydicom: ") and warned in notes[0], notes
+    size = 48
+    for folder, channels in ((grey, 1), (colour, 3)):
+        with warnings.catch_warnings():  # pydicom's warnings about SC_rgb_jpeg.dcm's header stay inside
+            warnings.simplefilter("error")
+            catalog = read_dicom(folder, id_from="path")
+        store = tmp_path / f"{folder.name}.zarr"
+        result = dask_dl.ingest(
+            catalog, store, size=size, chunk=2, shard=1, min_size=1, channels=channels, client=cluster_client,
+            progress=False,
+        )  # fmt: skip
+        assert result.n_rejected == 0, result.rejects[["image_id", "reason", "message"]].to_string()
+        ds = dask_dl.open_dataset(store)
+        for row, image_id in enumerate(ds.image_id.values):
+            path = folder / image_id
+            if channels == 1:
+                expected = resize_square(displayed(path), size=size)
+            else:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    expected = resize_square(np.asarray(pydicom.dcmread(path).pixel_array), size=size)  # RGB, 8 bit
+            np.testing.assert_array_equal(ds.image[row].values, expected, err_msg=image_id)
+        files = StoreFiles(str(store))
+        messages = {}
+        for name in files.list("_dask_dl/status/"):
+            status = json.loads(files.get(f"_dask_dl/status/{name}"))["status"]
+            messages.update(zip(status["image_id"], status["message"], strict=True))
+        noted = {k for k, v in messages.items() if v}
+        assert noted == {n for n in WARNED if (folder / n).exists()}, messages
+
+
+def test_the_broken_files_pydicom_ships_are_rejected_with_their_reason():
+    from dask_dl.data.images import ImageRejected, load_image
+
+    broken = {
+        "MR_truncated.dcm": ("truncated", "less than expected (8130 vs 8192 bytes)"),
+        "JPEG2000-embedded-sequence-delimiter.dcm": ("undecodable", "Error decoding the J2K data"),
+    }
+    for name, (reason, message) in broken.items():
+        with pytest.raises(ImageRejected) as caught:
+            load_image(bundled(name), size=32, min_size=1)
+        assert (caught.value.reason, message in caught.value.detail) == (reason, True), caught.value.detail
+
+
+def test_12_bit_jpeg_is_decoded_by_gdcm_without_noise(capfd, caplog):
+    # pydicom's own GDCM plugin refuses 12-bit JPEG Extended, and pylibjpeg-libjpeg (GPL) is not in the dicom extra:
+    # dask_dl's GDCM plugin decodes it, without pydicom logging the refusals of its own plugins (with tracebacks)
+    # and without GDCM printing "Unsupported JPEG data precision 12" on the worker's stderr for every image
+    from dask_dl.data.images import load_image
+
+    path = bundled("JPGExtended.dcm")
+    ds = pydicom.dcmread(path)
+    dicom_gdcm.use_for(ds)
+    assert (ds.BitsStored, ds.PhotometricInterpretation) == (12, "MONOCHROME2")
+    assert (ds.pixel_array.dtype, ds.pixel_array.min(), ds.pixel_array.max()) == (np.uint16, 0, 264)
+    with caplog.at_level("WARNING", logger="pydicom"):
+        image = read_pixels(path)
+        # JPEG-lossy.dcm is the same image with a scan header that breaks the JPEG standard (Ss/Se of a lossless
+        # scan), which GDCM reads all the same ("Invalid SOS parameters for sequential JPEG" on stderr)
+        lossy = load_image(bundled("JPEG-lossy.dcm"), size=64, min_size=1)
+    assert caplog.records == [], [r.getMessage() for r in caplog.records]
+    noise = capfd.readouterr().err
+    assert "precision" not in noise, noise
+    np.testing.assert_array_equal(ds.pixel_array, gdcm_read(path))  # GDCM's reader on the whole file
+    np.testing.assert_array_equal(image, displayed(path))
+    np.testing.assert_array_equal(lossy, load_image(path, size=64, min_size=1))
+
+
+def test_a_missing_decoder_is_named_with_the_extra_that_brings_it(tmp_path):
+    # a worker without the dicom extra's decoders: they are hidden from a fresh process
+    hidden = tmp_path / "hidden"
+    for module in ("pylibjpeg", "libjpeg", "openjpeg", "rle", "jpeg_ls", "gdcm"):
+        (hidden / module).mkdir(parents=True)
+        (hidden / module / "__init__.py").write_text(f"raise ModuleNotFoundError('no {module} here')\n")
+    script = (
+        "import sys\n"
+        "from dask_dl.data.images import ImageRejected, load_image\n"
+        "try:\n"
+        "    load_image(sys.argv[1], size=32, min_size=1)\n"
+        "except ImageRejected as exc:\n"
+        "    print(exc.reason, exc.detail)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hidden), str(Path(__file__).parents[2])])}
+    said = {}
+    for name in ("MR_small_jpeg_ls_lossless.dcm", "JPGExtended.dcm"):
+        done = subprocess.run(
+            [sys.executable, "-c", script, str(bundled(name))], capture_output=True, text=True, env=env, timeout=120
+        )
+        said[name] = done.stdout
+        assert done.stdout, done.stderr
+    assert said["MR_small_jpeg_ls_lossless.dcm"].startswith(
+        "undecodable no decoder installed here handles its transfer syntax JPEG-LS Lossless Image Compression "
+        "(1.2.840.10008.1.2.4.80); install dask-dl[dicom] on the workers (pip install 'dask-dl[dicom]'). pydicom: "
+    ), said
+    assert "gdcm - requires gdcm>=3.0.10" in said["MR_small_jpeg_ls_lossless.dcm"]  # what the extra brings
+    assert said["JPGExtended.dcm"].startswith(
+        "undecodable no decoder installed here handles its transfer syntax JPEG Extended (Process 2 and 4) "
+        "(1.2.840.10008.1.2.4.51); install dask-dl[dicom] on the workers (pip install 'dask-dl[dicom]'). pydicom: "
+    ), said
