@@ -280,6 +280,14 @@ def test_bad_arguments_fail_before_any_work(squares, cluster3):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+def _no_site_lost(*runs) -> None:
+    """A protocol goes on without a site it lost (a worker gone, a cluster that did not answer), and its numbers
+    change with it: a learning test compares only runs that kept every site."""
+    for run in runs:
+        lost = run.history[run.history["event"] == "lost"]
+        assert lost.empty, lost[["round", "site", "error"]].to_string()
+
+
 @pytest.mark.learning
 def test_cyclic_and_fedavg_learn_nearly_as_well_as_pooling(tmp_path_factory, cluster3, learning_seed):
     """Cyclic and fedavg end within 0.1 mean test AUROC of pooled training with the same 8 epochs of data, and
@@ -290,7 +298,7 @@ def test_cyclic_and_fedavg_learn_nearly_as_well_as_pooling(tmp_path_factory, clu
     ====  ======  ======  ======  ========  ===========
     seed  pooled  cyclic  fedavg  ensemble  incremental
     ====  ======  ======  ======  ========  ===========
-    0     0.865   0.833   0.832   0.725     0.724
+    0     0.865   0.840   0.832   0.725     0.724
     1     0.888   0.846   0.857   0.634     0.692
     2     0.895   0.830   0.820   0.706     0.652
     3     0.899   0.870   0.862   0.678     0.638
@@ -313,11 +321,13 @@ def test_cyclic_and_fedavg_learn_nearly_as_well_as_pooling(tmp_path_factory, clu
                                 **options)  # fmt: skip
         results[protocol] = run.curves["test"].iloc[-1]
         assert list(run.curves.index) == [0, 1, 2, 3]
+        _no_site_lost(run)
     ensemble = dask_dl.fit_sites(sites, protocol="ensemble", rounds=1, local_epochs=2, test=test, client=cluster3,
                                  **options)  # fmt: skip
     incremental = dask_dl.fit_sites(sites, protocol="incremental", rounds=1, test=test, client=cluster3, **options)
     results["ensemble"] = ensemble.curves["test"].iloc[-1]
     results["incremental"] = incremental.curves["test"].iloc[-1]
+    _no_site_lost(ensemble, incremental)
     print(f"pooled {baseline:.3f}", {k: round(float(v), 3) for k, v in results.items()})
     for protocol in ("cyclic", "fedavg"):
         assert results[protocol] >= baseline - 0.1, (protocol, results, baseline)
