@@ -565,10 +565,8 @@ def train_command(
             from dask_dl.models.weights import describe
 
             click.echo(describe(run.info["weights"], weights))
-        history = run.history
-        if len(history):
-            columns = [c for c in _TRAIN_COLUMNS if c in history] + [c for c in history if c.startswith("val_auroc_")]
-            click.echo(history[list(dict.fromkeys(columns))].to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+        if len(run.history):
+            click.echo(_final_table(run.history))
         click.echo(f"{run.run_id}: {run.status}")
         run.wait()  # raises what made the run fail
     if interrupted:
@@ -639,6 +637,28 @@ _TRAIN_COLUMNS = (
     "epoch", "global_batch", "lr", "head_lr", "train_loss", "val_loss", "val_auroc_mean", "images_per_s", "data_wait_s",
     "bytes_sent",
 )  # fmt: skip
+
+
+def _final_table(history: Any, width: int = 100) -> str:
+    """What ``dask-dl train`` prints last, within ``width`` columns: the settings that stayed the same over the run
+    on one line, the mean metrics of every epoch, then the last epoch's validation AUROC of each label, as many
+    ``label value`` pairs to a line as fit (14 labels as columns made a table 250 characters wide)."""
+    columns = [c for c in _TRAIN_COLUMNS if c in history]
+    fixed = [c for c in ("global_batch", "lr", "head_lr") if c in columns and history[c].nunique(dropna=False) == 1]
+    lines = ["  ".join(f"{c} {history[c].iloc[0]:.4g}" for c in fixed)] if fixed else []
+    table = history[[c for c in columns if c not in fixed]]
+    lines.append(table.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+    labels = [c for c in history if c.startswith("val_auroc_") and c != "val_auroc_mean"]
+    if labels:
+        last = history.iloc[-1]
+        pairs = [f"{c.removeprefix('val_auroc_')} {last[c]:.3f}" for c in labels]
+        cell = max(len(p) for p in pairs) + 2
+        per_line = max(1, (width + 2) // cell)
+        lines.append(f"validation AUROC per label, epoch {int(last['epoch'])}:")
+        lines += [
+            "".join(p.ljust(cell) for p in pairs[i : i + per_line]).rstrip() for i in range(0, len(pairs), per_line)
+        ]
+    return "\n".join(lines)
 
 
 def _follow(run: Any, echo: Callable[[Any], Any], stopping: str, shown: Any = 0) -> bool:

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import onnx
+import pandas as pd
 import pytest
 import torch
 from click.testing import CliRunner
@@ -265,3 +266,22 @@ def test_upload_sends_your_model_to_workers_that_cannot_import_it(store, cluster
         assert f"dask-dl-upload-{source.name}" in plugins and "dask-dl-upload-broken_mod.py" not in plugins
     finally:
         sys.modules.pop(name, None)
+
+
+def test_the_final_table_of_train_fits_100_columns_with_every_label():
+    from dask_dl.cli import _final_table
+    from dask_dl.data.schema import NIH_LABELS
+
+    per_label = {f"val_auroc_{label}": 0.5 + 0.01 * i for i, label in enumerate(NIH_LABELS)}
+    rows = [dict(epoch=e, global_batch=64, lr=0.001 * (e + 1), train_loss=0.3, val_loss=0.31, val_auroc_mean=0.71,
+                 images_per_s=812.3, data_wait_s=0.12, bytes_sent=123456, **per_label) for e in range(5)]  # fmt: skip
+    lines = _final_table(pd.DataFrame(rows)).splitlines()
+    assert max(map(len, lines)) <= 100
+    assert lines[0] == "global_batch 64"  # the same every epoch; lr changed, so it stays a column
+    assert lines[1].split() == ["epoch", "lr", "train_loss", "val_loss", "val_auroc_mean", "images_per_s",
+                                "data_wait_s", "bytes_sent"]  # fmt: skip
+    assert lines[7] == "validation AUROC per label, epoch 4:"
+    pairs = " ".join(lines[8:]).split()
+    assert dict(zip(pairs[::2], pairs[1::2], strict=True)) == {
+        label: f"{0.5 + 0.01 * i:.3f}" for i, label in enumerate(NIH_LABELS)
+    }

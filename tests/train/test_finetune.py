@@ -216,8 +216,12 @@ def test_cli_fine_tunes_from_a_weights_file(store, cluster_client, pretrained, t
             cluster_client.scheduler.address]  # fmt: skip
     result = CliRunner().invoke(cli, [*args, "--weights", str(tmp_path / "w16.pt")])
     assert result.exit_code == 0, result.output
-    header = result.output.splitlines()[-3].split()
-    assert header[:5] == ["epoch", "global_batch", "lr", "head_lr", "train_loss"], result.output
+    lines = result.output.splitlines()
+    settings = next(i for i, line in enumerate(lines) if line.startswith("global_batch "))  # the same every epoch
+    assert lines[settings].split()[::2] == ["global_batch", "lr", "head_lr"], result.output
+    assert lines[settings + 1].split()[:2] == ["epoch", "train_loss"], result.output
+    assert "validation AUROC per label, epoch 0:" in lines
+    assert all(len(line) <= 100 for line in lines[settings:]), result.output  # fits a terminal, 14 labels too
     assert f"weights {str(tmp_path / 'w16.pt')!r}: 1 adapted (features.0.weight), 2 reinitialized" in result.output
     # the fixture's weights are of a narrower small_cnn (width 8) than the CLI's (16): one line, both shapes
     result = CliRunner().invoke(cli, [*args, "--weights", pretrained[0]])
