@@ -28,9 +28,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
+    from pathlib import Path
+
+    import pandas as pd
     from distributed import Client
 
-__all__ = ["Kill", "WorkerKiller", "paused_workers"]
+__all__ = ["Kill", "WorkerKiller", "large_images", "pause_workers_above", "paused_workers", "store_differences"]
 
 logger = logging.getLogger(__name__)
 
@@ -205,3 +208,59 @@ def paused_workers(client: Client) -> dict[str, int]:
             if isinstance(event, dict) and all(event.get(key) == value for key, value in paused.items()):
                 counts[topic] = counts.get(topic, 0) + 1
     return counts
+
+
+def pause_workers_above(client: Client, extra_bytes: int) -> dict[str, int]:
+    """Set each worker's memory pause threshold to its memory now plus ``extra_bytes``; return the thresholds.
+
+    What ``distributed.worker.memory.pause`` sets, as a fraction of the worker's ``memory_limit``, measured on the
+    worker itself: a fixed fraction would pause an idle worker on one machine and never pause on another.
+    """
+    return client.run(_pause_above, extra_bytes=extra_bytes)
+
+
+def _pause_above(dask_worker: Any, extra_bytes: int) -> int:
+    import psutil
+
+    threshold = psutil.Process().memory_info().rss + extra_bytes
+    dask_worker.memory_manager.memory_pause_fraction = threshold / dask_worker.memory_manager.memory_limit
+    return threshold
+
+
+def large_images(root: str | Path, n: int, *, side: int = 7000) -> pd.DataFrame:
+    """``n`` distinct ``side`` x ``side`` grey PNGs under ``root`` and their catalog (one label, ``a``).
+
+    Gradients of a slope per image: a 7000 px image is 49 MB decoded and a few hundred kB on disk, written in a
+    fraction of a second, so a test can push a worker's memory with a handful of them.
+    """
+    from pathlib import Path
+
+    import numpy as np
+    import pandas as pd
+    from PIL import Image
+
+    from dask_dl.data.schema import make_catalog
+
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    ramp = np.arange(side, dtype=np.uint8)
+    rows = []
+    for i in range(n):
+        path = root / f"{i:04d}.png"
+        Image.fromarray(np.add.outer(ramp * np.uint8(i % 250 + 1), ramp * np.uint8(3))).save(path, compress_level=1)
+        rows.append(dict(image_id=path.name, path=str(path), patient_id=f"p{i}", site="A", split="train", a=i % 2))
+    return make_catalog(pd.DataFrame(rows).astype({"a": "uint8"}), ["a"])
+
+
+def store_differences(first: str, second: str) -> list[str]:
+    """What differs between two ingested stores: ``image``, ``valid``, ``rejects``; empty when they are equal."""
+    import numpy as np
+    import zarr
+
+    from dask_dl.data.ingest import read_rejects
+
+    a, b = zarr.open_group(first, mode="r"), zarr.open_group(second, mode="r")
+    differ = [name for name in ("image", "valid") if not np.array_equal(a[name][:], b[name][:])]
+    if not read_rejects(first).equals(read_rejects(second)):
+        differ.append("rejects")
+    return differ
