@@ -33,7 +33,15 @@ if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
     from distributed import Client
 
-__all__ = ["Kill", "WorkerKiller", "large_images", "pause_workers_above", "paused_workers", "store_differences"]
+__all__ = [
+    "Kill",
+    "WorkerKiller",
+    "large_images",
+    "pause_workers_above",
+    "paused_workers",
+    "store_differences",
+    "worker_states",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +77,10 @@ class WorkerKiller:
     keep
         Never kill while only this many workers (of those ``among`` allows) are up, so that some work goes on
         between the nannies' restarts; a tick with none to spare kills nothing.
+    min_age
+        Never kill a worker that joined the scheduler less than this many seconds ago. A worker SIGKILLed while
+        its nanny may still wait to hear that it started was, now and then, never started again (the nanny logged
+        "Restarting worker" and started no process): a failure of the harness, not of the work under test.
     seed
         Seed of the choice of victims.
 
@@ -87,16 +99,17 @@ class WorkerKiller:
         max_seconds: float = 120.0,
         among: Callable[[], Sequence[str]] | None = None,
         keep: int = 1,
+        min_age: float = 2.0,
         seed: int = 0,
     ) -> None:
-        if not every > 0 or max_kills < 0 or not max_seconds > 0 or keep < 0:
+        if not every > 0 or max_kills < 0 or not max_seconds > 0 or keep < 0 or min_age < 0:
             raise ValueError(
                 f"every={every!r}, max_seconds={max_seconds!r} must be positive and max_kills={max_kills!r}, "
-                f"keep={keep!r} at least 0"
+                f"keep={keep!r}, min_age={min_age!r} at least 0"
             )
         self.client = client
         self.every, self.max_kills, self.max_seconds = every, max_kills, max_seconds
-        self.among, self.keep = among, keep
+        self.among, self.keep, self.min_age = among, keep, min_age
         self.kills: list[Kill] = []
         self._random = random.Random(seed)
         self._stop = threading.Event()
@@ -113,15 +126,16 @@ class WorkerKiller:
         RuntimeError
             The chosen worker's process is not one this process started: it is not a local cluster's.
         """
-        pids = self.client.run_on_scheduler(_running_worker_pids)
+        workers = self.client.run_on_scheduler(_running_workers)
         dead = {kill.pid for kill in self.kills}
-        allowed = set(among if among is not None else self.among() if self.among is not None else pids)
+        allowed = set(among if among is not None else self.among() if self.among is not None else workers)
         # a killed worker stays on the scheduler's list until its nanny notices: never count (or kill) it twice
-        up = sorted(address for address, pid in pids.items() if address in allowed and pid not in dead)
-        if len(up) <= self.keep:
+        up = {address: w for address, w in workers.items() if address in allowed and w["pid"] not in dead}
+        ripe = sorted(address for address, w in up.items() if w["age"] >= self.min_age)
+        if len(up) <= self.keep or not ripe:
             return None
-        address = self._random.choice(up)
-        pid = pids[address]
+        address = self._random.choice(ripe)
+        pid = int(up[address]["pid"])
         if not _ours(pid, address):
             return None  # gone since the scheduler listed it
         os.kill(pid, signal.SIGKILL)
@@ -174,11 +188,17 @@ class WorkerKiller:
             self._error = exc
 
 
-def _running_worker_pids(dask_scheduler: Any) -> dict[str, int]:
-    """On the scheduler: the process id of each worker whose status is running."""
+def _running_workers(dask_scheduler: Any) -> dict[str, dict[str, float]]:
+    """On the scheduler: the process id of each worker whose status is running, and seconds since it joined."""
     from distributed.core import Status
 
-    return {address: ws.pid for address, ws in dask_scheduler.workers.items() if ws.status == Status.running}
+    now = time.time()
+    joined = {}
+    for address, ws in dask_scheduler.workers.items():
+        if ws.status == Status.running:
+            added = [t for t, event in dask_scheduler.get_events(address) if event.get("action") == "add-worker"]
+            joined[address] = {"pid": ws.pid, "age": now - max(added, default=0.0)}
+    return joined
 
 
 def _ours(pid: int, address: str) -> bool:
@@ -217,6 +237,21 @@ def pause_workers_above(client: Client, extra_bytes: int) -> dict[str, int]:
     worker itself: a fixed fraction would pause an idle worker on one machine and never pause on another.
     """
     return client.run(_pause_above, extra_bytes=extra_bytes)
+
+
+def worker_states(client: Client) -> dict[str, tuple[str, int]]:
+    """Each worker's status (``running``, ``paused``, ...) and process memory in bytes.
+
+    A function of this module, so that the workers import nothing else to run it (a test module's own function
+    would make them import the test module, and all it imports, and move their memory by that much).
+    """
+    return client.run(_state)
+
+
+def _state(dask_worker: Any) -> tuple[str, int]:
+    import psutil
+
+    return dask_worker.status.name, psutil.Process().memory_info().rss
 
 
 def _pause_above(dask_worker: Any, extra_bytes: int) -> int:
