@@ -123,7 +123,9 @@ def fit(root: Path, args) -> dict:
         for epoch in range(args.epochs):
             while not list(ck.glob(f"step-{epoch:04d}-*.pt")) and not run.done:
                 time.sleep(0.01)
-            if run.done or killer.kill() is None:
+            while not run.done and killer.kill() is None:  # a nanny's restart under way
+                time.sleep(0.01)
+            if run.done:
                 break
             while len(run.restarts) <= epoch and not run.done:
                 time.sleep(0.01)

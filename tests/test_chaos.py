@@ -35,8 +35,8 @@ from dask_dl.testing.chaos import (
 from dask_dl.testing.train import squares_collection
 
 IMAGES = 3000  # 64 px: 94 ingest tasks of 32 images, a few seconds calm on 2 workers
-# one worker down at a time, killed as soon as its replacement is up: a task the killed worker ran is re-run by the
-# other, never again on a dying one (4 deaths while running one task make the scheduler give it up: KilledWorker)
+# one worker down at a time, the next killed once its replacement is up (and 2 s old): a task the killed worker ran
+# is re-run by the other, not again on a dying one (4 deaths while running one task make the scheduler give it up)
 CHAOS = dict(every=0.3, max_seconds=60, keep=1)
 
 
@@ -125,7 +125,7 @@ def test_an_ingest_under_chaos_equals_a_calm_one(catalog, calm, client, tmp_path
         result = ingest(catalog, store, client)
     ended = time.time()
     print(f"ingest: {landed(killer.kills, started, ended)} kills survived in {ended - started:.1f} s")
-    assert landed(killer.kills, started, ended) >= 2
+    assert landed(killer.kills, started, ended) >= 1
     assert result.n_rejected == len(read_rejects(calm)) > 0
     assert store_differences(calm, store) == []  # the image array, the valid mask, the rejects table
     # a shard whose task finished is never written again: the scheduler re-runs the finished tasks whose results a
@@ -201,7 +201,8 @@ def test_fit_with_a_trainer_killed_every_epoch_ends_with_an_uninterrupted_runs_w
             # in the middle of the epoch, after a step checkpoint: the restart goes on from that step
             step = f"step-{epoch:04d}-*.pt"
             wait_until(lambda s=step: list(ck.glob(s)) or run.done, what=f"a step checkpoint of epoch {epoch}")
-            assert not run.done and killer.kill() is not None
+            assert not run.done
+            wait_until(lambda: killer.kill() is not None or run.done, what="a worker to kill (no restart under way)")
             wait_until(lambda e=epoch: len(run.restarts) > e or run.done, what=f"the restart in epoch {epoch}")
         run.wait(timeout=300)
 

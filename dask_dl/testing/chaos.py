@@ -78,9 +78,10 @@ class WorkerKiller:
         Never kill while only this many workers (of those ``among`` allows) are up, so that some work goes on
         between the nannies' restarts; a tick with none to spare kills nothing.
     min_age
-        Never kill a worker that joined the scheduler less than this many seconds ago. A worker SIGKILLed while
-        its nanny may still wait to hear that it started was, now and then, never started again (the nanny logged
-        "Restarting worker" and started no process): a failure of the harness, not of the work under test.
+        Never kill while a restart is under way: while fewer workers are up than the most seen, or one of them
+        joined the scheduler less than this many seconds ago. A worker SIGKILLed while another nanny's restart
+        was under way was, now and then, never started again (its nanny logged "Restarting worker" and started no
+        process): a failure of the harness, not of the work under test.
     seed
         Seed of the choice of victims.
 
@@ -111,6 +112,7 @@ class WorkerKiller:
         self.every, self.max_kills, self.max_seconds = every, max_kills, max_seconds
         self.among, self.keep, self.min_age = among, keep, min_age
         self.kills: list[Kill] = []
+        self._most = 0  # the most workers seen up at once
         self._random = random.Random(seed)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -119,7 +121,8 @@ class WorkerKiller:
     # ---- one kill ------------------------------------------------------------------------------------------
 
     def kill(self, among: Sequence[str] | None = None) -> Kill | None:
-        """SIGKILL one random running worker (of ``among``, default :attr:`among`'s); None when none is to spare.
+        """SIGKILL one random running worker (of ``among``, default :attr:`among`'s); None when none is to spare or
+        a restart is under way.
 
         Raises
         ------
@@ -128,14 +131,17 @@ class WorkerKiller:
         """
         workers = self.client.run_on_scheduler(_running_workers)
         dead = {kill.pid for kill in self.kills}
-        allowed = set(among if among is not None else self.among() if self.among is not None else workers)
         # a killed worker stays on the scheduler's list until its nanny notices: never count (or kill) it twice
-        up = {address: w for address, w in workers.items() if address in allowed and w["pid"] not in dead}
-        ripe = sorted(address for address, w in up.items() if w["age"] >= self.min_age)
-        if len(up) <= self.keep or not ripe:
+        alive = {address: w for address, w in workers.items() if w["pid"] not in dead}
+        self._most = max(self._most, len(alive))
+        if len(alive) < self._most or any(w["age"] < self.min_age for w in alive.values()):
+            return None  # a restart is under way
+        allowed = set(among if among is not None else self.among() if self.among is not None else alive)
+        up = sorted(address for address in alive if address in allowed)
+        if len(up) <= self.keep:
             return None
-        address = self._random.choice(ripe)
-        pid = int(up[address]["pid"])
+        address = self._random.choice(up)
+        pid = int(alive[address]["pid"])
         if not _ours(pid, address):
             return None  # gone since the scheduler listed it
         os.kill(pid, signal.SIGKILL)
