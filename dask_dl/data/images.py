@@ -66,6 +66,7 @@ __all__ = [
     "ImageRejected",
     "RejectReason",
     "load_image",
+    "release_buffers",
     "resize_square",
     "to_gray",
     "to_rgb",
@@ -232,8 +233,18 @@ _PNG_CHANNELS = {"L": (), "LA": (2,), "RGB": (3,), "RGBA": (4,)}
 _buffers = threading.local()
 
 
+def release_buffers() -> None:
+    """Let go of this thread's decode buffer (:func:`load_image` makes a new one when it next needs one).
+
+    The buffer is as large as the last decoded image (up to ``dask-dl.ingest.max-image-bytes``); an ingest task lets
+    go of it when it ends, so that an idle worker does not hold it: a worker paused for memory above
+    ``distributed.worker.memory.pause`` never resumed while it did.
+    """
+    _buffers.__dict__.pop("png", None)
+
+
 def _png_buffer(image: Image.Image) -> np.ndarray | None:
-    """A decode buffer for this thread, reused from image to image.
+    """A decode buffer for this thread, reused from image to image until :func:`release_buffers`.
 
     Dask workers run with ``MALLOC_TRIM_THRESHOLD_`` set, which keeps glibc from reusing freed large blocks: every
     fresh 1 MB decode output is a new mmap and 256 page faults. Reusing one buffer saves about a tenth of the CPU

@@ -45,7 +45,7 @@ from dask_dl import allocator, config
 from dask_dl.checks import one_of, positive_int
 from dask_dl.cluster.storage import absolute
 from dask_dl.data import store as contract
-from dask_dl.data.images import CHANNELS, ImageRejected, load_image
+from dask_dl.data.images import CHANNELS, ImageRejected, load_image, release_buffers
 from dask_dl.data.lease import StoreLease
 from dask_dl.data.paths import PathPolicy
 from dask_dl.data.rejects import check_share
@@ -462,11 +462,20 @@ def _ingest_shard(
     job: dict[str, Any], *, url: str, layout: dict[str, Any], min_size: int, max_image_bytes: int, policy: PathPolicy
 ) -> pd.DataFrame:
     """The task: decode one shard's images, write the whole shard, then its status file."""
+    # the scheduler runs a finished task again when the worker that held its result dies before the driver let go
+    # of it; the status file says the shard is written, and writing it again would delete it first (a hole in the
+    # store when this worker dies in between)
+    written = StoreFiles(url).get(StoreLayout.status_key(job["shard"]))
+    if written is not None:
+        return pd.DataFrame(json.loads(written)["status"], columns=_STATUS_COLUMNS)
     # the nanny's MALLOC_TRIM_THRESHOLD_ would fault in about 400 fresh pages per image (file bytes, Pillow's
     # intermediate images, zstd contexts, the shard's buffers): 0.7 ms of system time against 10 ms of decoding
     with allocator.kept_freed_memory():
-        return _write_shard(job, url=url, layout=layout, min_size=min_size, max_image_bytes=max_image_bytes,
-                            policy=policy)  # fmt: skip
+        try:
+            return _write_shard(job, url=url, layout=layout, min_size=min_size, max_image_bytes=max_image_bytes,
+                                policy=policy)  # fmt: skip
+        finally:
+            release_buffers()  # before the allocator hands the freed memory back to the system
 
 
 def _write_shard(
