@@ -75,6 +75,8 @@ class RunOptions:
     max_restarts: int = 0
     min_trainers: int = 1
     restart_wait_s: float = 60.0
+    #: seconds past a failed collective a trainer may take to answer the driver before its worker counts as hung
+    hang_grace_s: float = 30.0
     checkpoint_every_steps: int | None = None
     checkpoint_every_seconds: float | None = None
     #: FedProx's proximal term weight (for :func:`dask_dl.fit_sites`)
@@ -287,6 +289,7 @@ def _check_recovery(
         "max_restarts": max_restarts,
         "min_trainers": min_trainers,
         "restart_wait_s": _positive_real("dask-dl.train.restart-wait", config.get("train.restart-wait"), example=60),
+        "hang_grace_s": _positive_real("dask-dl.train.hang-grace", config.get("train.hang-grace"), example=30),
         "checkpoint_every_steps": None
         if every_steps is None
         else positive_int("checkpoint_every_steps", every_steps, example=100),  # fmt: skip

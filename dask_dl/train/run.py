@@ -371,7 +371,13 @@ class TrainingRun:
             checkpoint_dir=options.checkpoint_dir,
             global_batch=options.global_batch,
             sink=self,
-            policy=RestartPolicy(options.max_restarts, options.min_trainers, options.restart_wait_s, among),
+            policy=RestartPolicy(
+                options.max_restarts,
+                options.min_trainers,
+                options.restart_wait_s,
+                among,
+                hang_grace_s=options.hang_grace_s,
+            ),
         )
 
     # ---- public ---------------------------------------------------------------------------------------

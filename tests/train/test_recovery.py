@@ -7,6 +7,7 @@ Four worker processes with nannies (one thread each), real gloo groups, real SIG
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -176,6 +177,59 @@ def kill_after_a_step_checkpoint(run, client: Client, ck: Path, *, epoch: int) -
     os.kill(pid_of(client, victim), signal.SIGKILL)
     run.wait(timeout=300)
     return victim
+
+
+def test_a_hung_trainer_is_left_out_and_the_run_goes_on(store, client, straight, tmp_path):
+    """A stopped worker (SIGSTOP) neither hangs the run nor joins the next group: found hung at the collective's
+    timeout plus dask-dl.train.hang-grace, left out, restarted by its nanny; one restart, the straight weights."""
+    client.wait_for_workers(4, timeout=120)
+    ck = tmp_path / "ck"
+    with dask.config.set({"dask-dl.train.timeout": 5, "dask-dl.train.hang-grace": 2}):
+        run = fit(store, client, checkpoint_dir=str(ck), checkpoint_every_steps=3, max_restarts=1, wait=False)
+    wait_until(lambda: list(ck.glob("step-0002-*.pt")) or run.done, what="a step checkpoint of epoch 2")
+    victim = run.workers[1]
+    pid = pid_of(client, victim)
+    os.kill(pid, signal.SIGSTOP)
+    stopped = time.time()
+    try:
+        run.wait(timeout=300)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # its nanny killed it: nothing left to wake
+            os.kill(pid, signal.SIGCONT)
+    assert run.status == "finished"
+    restarts = run.restarts
+    assert len(restarts) == 1 and restarts.loc[0, "lost_workers"] == victim  # max_restarts=1: not hung again
+    assert restarts.loc[0, "error"].startswith(f"TrainingError: {run.run_id}: trainer 1 on {victim} did not answer")
+    assert victim not in run.workers and restarts.loc[0, "world_size"] == 2
+    # timeout 5 s + grace 2 s, then the restart itself; on main the run waited for the scheduler's worker TTL
+    assert restarts.loc[0, "at"] - stopped < 5 + 2 + 40
+    assert list(run.history["event"]) == ["", "", "restarted", ""]
+    assert_same_weights(run.checkpoint()["model"], straight)
+    wait_until(lambda: victim not in client.scheduler_info()["workers"], what="the nanny's restart of the hung worker")
+    client.wait_for_workers(4, timeout=120)
+
+
+def test_a_lost_worker_is_noticed_in_seconds_with_many_trainers(store, client, tmp_path):
+    """With four trainers, survivors blocked on each other (not on the lost rank) used to notice the loss only at
+    the collective's timeout; the driver now makes their collectives fail at once."""
+    client.wait_for_workers(4, timeout=120)
+    options = dict(trainers=4, epochs=2, checkpoint_every_steps=3)
+    straight4 = fit(store, client, **options).checkpoint()["model"]
+    ck = tmp_path / "ck"
+    with dask.config.set({"dask-dl.train.timeout": 120}):
+        run = fit(store, client, **options, checkpoint_dir=str(ck), wait=False)
+    wait_until(lambda: list(ck.glob("step-0001-*.pt")) or run.done, what="a step checkpoint of epoch 1")
+    victim = run.workers[2]
+    os.kill(pid_of(client, victim), signal.SIGKILL)
+    killed = time.time()
+    run.wait(timeout=300)
+    assert run.status == "finished"
+    restarts = run.restarts
+    assert len(restarts) == 1 and restarts.loc[0, "lost_workers"] == victim and restarts.loc[0, "world_size"] == 4
+    # far below the 120 s timeout, though the nanny's new worker must import torch before training goes on
+    assert restarts.loc[0, "at"] - killed < 60
+    assert_same_weights(run.checkpoint()["model"], straight4)
+    client.wait_for_workers(4, timeout=120)
 
 
 def test_two_runs_on_one_cluster_do_not_interfere(store, client, straight, tmp_path):
