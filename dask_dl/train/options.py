@@ -266,8 +266,8 @@ def _check_recovery(
 ) -> dict[str, Any]:
     """The recovery options (:mod:`dask_dl.train.recovery`), config filling what is None.
 
-    A pipeline (``stages``) restarts on as many trainers as it started with: its stages are cut for them, and
-    the loss sums of a step checkpoint are its stages', which cannot be folded into fewer pipelines.
+    A pipeline (``stages``) restarts on whole pipelines: ``min_trainers`` is a multiple of ``stages`` (the stages
+    are cut as before; fewer replicas share the data).
     """
     max_restarts = _non_negative_int("max_restarts", config.get("train.max-restarts", max_restarts))
     min_trainers = config.get("train.min-trainers", min_trainers)
@@ -277,11 +277,11 @@ def _check_recovery(
             f"min_trainers={min_trainers} is more than trainers={trainers}: a restarted run never has more trainers "
             f"than it started with; pass min_trainers <= {trainers}"
         )
-    if stages is not None and min_trainers != trainers:
+    if stages is not None and min_trainers % stages:
         raise ConfigurationError(
-            f"min_trainers={min_trainers} with parallel='pipeline': a pipeline restarts on as many trainers as it "
-            f"started with ({trainers}, {trainers // stages} pipeline(s) of {stages} stages); leave min_trainers "
-            "out, or train with parallel='ddp' or 'fsdp' to go on with fewer trainers"
+            f"min_trainers={min_trainers} with parallel='pipeline' and stages={stages}: a pipeline restarts on whole "
+            f"pipelines of {stages} trainers (one per stage); pass "
+            f"min_trainers={max(min_trainers // stages, 1) * stages}"
         )
     every_steps = config.get("train.checkpoint-every-steps", every_steps) or None  # 0: off
     every_seconds = config.get("train.checkpoint-every-seconds", every_seconds) or None

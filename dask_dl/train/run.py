@@ -160,7 +160,7 @@ def fit(
         Fewest trainers a restarted run goes on with, once ``dask-dl.train.restart-wait`` seconds passed without
         as many free workers as it started with (the remaining samples of the epoch are re-sharded; error-feedback
         residuals start from zero). Default ``dask-dl.train.min-trainers`` (null: ``trainers``). A pipeline
-        restarts on as many trainers as it started with.
+        restarts on whole pipelines (a multiple of ``stages``): fewer replicas, the same stages.
     checkpoint_every_steps, checkpoint_every_seconds : optional
         Also checkpoint inside epochs, every this many optimizer steps or seconds (0: off), with the loader's
         position, so a restart or ``resume=True`` loses at most that much and neither repeats nor skips a sample.

@@ -18,6 +18,7 @@ import dask
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from click.testing import CliRunner
 from distributed import Client, LocalCluster
 from distributed.core import Status
@@ -167,6 +168,17 @@ def wait_until(condition, *, within: float = 120.0, what: str = "") -> None:
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.01)
+
+
+def validation_loss(store, model: torch.nn.Module) -> float:
+    """The mean loss of ``model`` over the validation split, in this process."""
+    ds = dask_dl.open_dataset(store)
+    val = ChunkLoader(store, ds.sample.values[ds.split.values == "val"], batch_size=16, shuffle=False,
+                      drop_last=False, prefetch=0)  # fmt: skip
+    with torch.no_grad():
+        losses = [F.binary_cross_entropy_with_logits(model.eval()(x), y, reduction="none").mean(1)
+                  for x, y in val.epoch(0)]  # fmt: skip
+    return float(torch.cat(losses).mean())
 
 
 def kill_after_a_step_checkpoint(run, client: Client, ck: Path, *, epoch: int) -> str:
@@ -354,6 +366,57 @@ def test_fsdp_workers_that_change_rank_between_runs_save_and_load_their_own_shar
                   resume=True)  # fmt: skip
     assert resumed.workers == [a, b] and list(resumed.history["event"]) == ["", "resumed"]  # b: rank 1 again
     assert_same_weights(resumed.checkpoint()["model"], whole)
+
+
+def test_an_fsdp_run_on_two_trainers_goes_on_with_one(store, client, tmp_path):
+    """FSDP at another world size: the killed rank's worker comes back at a new address, outside the run's
+    workers, so the restart goes on with the one trainer left, its shards re-sharded from the step checkpoint."""
+    client.wait_for_workers(4, timeout=120)
+    pair = sorted(client.scheduler_info()["workers"])[:2]
+    ck = tmp_path / "ck"
+    with dask.config.set({"dask-dl.train.restart-wait": 2}):
+        run = fit(store, client, parallel="fsdp", compression="none", epochs=3, workers=pair, min_trainers=1,
+                  checkpoint_dir=str(ck), checkpoint_every_steps=3, wait=False)  # fmt: skip
+    victim = kill_after_a_step_checkpoint(run, client, ck, epoch=1)
+    assert run.status == "finished" and run.workers == [w for w in pair if w != victim]
+    restarts = run.restarts
+    assert len(restarts) == 1 and restarts.loc[0, "lost_workers"] == victim and restarts.loc[0, "world_size"] == 1
+    assert restarts.loc[0, "resumed_epoch"] == 1 and restarts.loc[0, "resumed_step"] > 0
+    history = run.history.set_index("epoch")
+    assert list(history["event"]) == ["", "restarted", ""]
+    # every row of the interrupted epoch once: 2 trainers before the step checkpoint, the rest on one
+    assert history.loc[1, "samples"] == STEPS * 2 and history.loc[1, "samples_repeated"] == 0
+    assert history.loc[2, "samples"] == STEPS * 2 and history.loc[2, "global_batch"] == 1
+    assert np.isfinite(history["train_loss"]).all() and np.isfinite(history["val_loss"]).all()
+    client.wait_for_workers(4, timeout=120)
+
+
+def test_a_pipeline_that_lost_a_replica_goes_on_with_one(store, client, tmp_path):
+    """2 replicas of a 2-stage pipeline lose replica 1's last stage: the restart goes on with replica 0's stages
+    alone, from the step checkpoint, the epoch's remaining rows re-sharded for one replica."""
+    client.wait_for_workers(4, timeout=120)
+    four = sorted(client.scheduler_info()["workers"])[:4]
+    ck = tmp_path / "ck"
+    with dask.config.set({"dask-dl.train.restart-wait": 2}):
+        run = fit(store, client, parallel="pipeline", stages=2, microbatches=2, batch_size=2, trainers=4,
+                  compression="none", epochs=3, workers=four, min_trainers=2, checkpoint_dir=str(ck),
+                  checkpoint_every_steps=3, wait=False)  # fmt: skip
+    wait_until(lambda: list(ck.glob("step-0001-*.pt")) or run.done, what="a step checkpoint of epoch 1")
+    victim = run.workers[3]
+    os.kill(pid_of(client, victim), signal.SIGKILL)
+    run.wait(timeout=300)
+    assert run.status == "finished" and len(run.workers) == 2 and victim not in run.workers
+    restarts = run.restarts
+    assert len(restarts) == 1 and restarts.loc[0, "lost_workers"] == victim and restarts.loc[0, "world_size"] == 2
+    assert restarts.loc[0, "resumed_epoch"] == 1 and restarts.loc[0, "resumed_step"] > 0
+    history = run.history.set_index("epoch")
+    assert list(history["event"]) == ["", "restarted", ""]
+    assert list(history["global_batch"]) == [4, 2, 2]  # batch_size x replicas
+    assert history.loc[0, "steps"] == 64 // 4 and history.loc[2, "steps"] == 64 // 2
+    assert np.isfinite(history["train_loss"]).all()
+    # the consolidated checkpoint of the replica left scores the validation split as its stages did
+    assert validation_loss(store, run.model()) == pytest.approx(history.loc[2, "val_loss"], rel=1e-5)
+    client.wait_for_workers(4, timeout=120)
 
 
 def test_more_failures_than_max_restarts_is_a_clear_error(store, client):
