@@ -219,12 +219,19 @@ class TrainingActor:
         """Make this trainer's pending collectives fail now (a peer is lost or hung); return the sockets shut.
 
         gloo cannot abort a collective: the group's connections are shut instead (:mod:`dask_dl.train.abort`), and
-        the epoch fails as after a peer's crash, so the driver need not wait for ``dask-dl.train.timeout``.
+        the epoch fails as after a peer's crash, so the driver need not wait for ``dask-dl.train.timeout``. An NCCL
+        group is left to its timeout.
         ``peers`` are the group listener ports of every rank (from their ``setup``). A trainer that has left its
         group (or never joined one) has nothing to shut.
         """
         sockets = self.__dict__.get("_group_sockets")
         if sockets is None or _GROUP_OWNER is None or _GROUP_OWNER() is not self:
+            return 0
+        try:
+            backend = dist.get_backend()
+        except (ValueError, RuntimeError):  # the trainer has just left its group (the group is gone)
+            return 0
+        if backend != "gloo":  # NCCL's collectives end at its own timeout (or by its watchdog)
             return 0
         return shut_group_sockets(sockets, peers)
 

@@ -299,6 +299,7 @@ class Driver:
 
     def _form_group(self, checkpoint: Any = None) -> None:
         n = len(self.workers)
+        self._group_ports = []  # this group's, once every rank has set up
         if not self._actor_futures:  # a restart's group (the first one's actors were placed by start())
             self._submit_actors()
         self._actors = self._placed_actors()
@@ -431,6 +432,8 @@ class Driver:
                 raise self._lost_error(lost, rank=rank, exc=exc) from exc
             hung = [] if lost else self._unanswered(*asked)
             if hung:  # a survivor's collective timed out on a peer that is there but does not answer
+                ids = self._trainer_worker_ids()
+                self._hung.update({self.workers[r]: ids.get(self.workers[r]) for r in hung})
                 raise self._hung_error(hung, rank=rank, exc=exc) from exc
             failed = "was lost" if rank in lost else "failed"
             raise TrainingError(
@@ -453,8 +456,6 @@ class Driver:
 
     def _hung_error(self, hung: list[int], *, rank: int, exc: BaseException) -> TrainingError:
         addresses = [self.workers[r] for r in hung]
-        ids = self._trainer_worker_ids()
-        self._hung.update({a: ids.get(a) for a in addresses})
         names = ", ".join(f"trainer {r} on {self.workers[r]}" for r in hung)
         return TrainingError(
             f"{self.sink.run_id}: {names} did not answer for {self.policy.hang_grace_s:g} s "
