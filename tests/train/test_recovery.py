@@ -105,6 +105,10 @@ def test_recovery_options_are_checked_before_anything_runs(tmp_path):
     ds = dask_dl.open_dataset(path)
     options = check_run(ds, trainers=2, batch_size=2)
     assert (options.max_restarts, options.min_trainers, options.restart_wait_s) == (3, 2, 60.0)
+    assert options.hang_grace_s == 30.0
+    refused = pytest.raises(ConfigurationError, match=r"dask-dl.train.hang-grace must be a positive number, got 0")
+    with dask.config.set({"dask-dl.train.hang-grace": 0}), refused:
+        check_run(ds, trainers=2, batch_size=2)
     assert (options.checkpoint_every_steps, options.checkpoint_every_seconds) == (None, 300.0)
     options = check_run(ds, trainers=2, batch_size=2, min_trainers=1, checkpoint_every_steps=10,
                         checkpoint_every_seconds=0)  # fmt: skip
