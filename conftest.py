@@ -9,6 +9,7 @@ must not be the user's ``~/.config/dask``.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import tempfile
@@ -26,10 +27,16 @@ if "DASK_CONFIG" not in os.environ:
 # the CLI runs) computes with PyTorch's CPU kernels pinned to AVX2, and the trainers with torch's deterministic
 # algorithms. Without it, a processor with AVX-512 sums in another order than one with AVX2, and the learning
 # tests' numbers differ between two machines of one kind (dask_dl.reproducible says more).
+# dask_dl.reproducible is loaded by its path, not imported: importing dask_dl here (and with it dask, before pytest
+# has set up its plugins) made a TLS client's IO loop fail to start in tests/cluster/test_cluster_local.py (4 of 6
+# runs). The module needs nothing but the standard library.
 os.environ.setdefault("DASK_DASK_DL__TRAIN__DETERMINISTIC", "true")
-from dask_dl.reproducible import pin_cpu_kernels  # noqa: E402  (after DASK_CONFIG: it imports dask)
-
-pin_cpu_kernels()
+_spec = importlib.util.spec_from_file_location(
+    "_dask_dl_reproducible", os.path.join(os.path.dirname(__file__), "dask_dl", "reproducible.py")
+)
+_reproducible = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_reproducible)
+_reproducible.pin_cpu_kernels()
 
 
 def pytest_sessionfinish(session, exitstatus):
