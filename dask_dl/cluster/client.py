@@ -11,6 +11,7 @@ a batch system cancels its jobs) and nothing the caller brought, on success, on 
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import signal
 import threading
@@ -110,6 +111,11 @@ def _connect_to(scheduler: str, security: Security | None) -> Client:
     from distributed import Client
     from distributed.comm.core import CommClosedError
 
+    # A Client that failed to connect is finalized by its __del__, which stops its event loop and waits for it. Run
+    # by the garbage collector inside the thread that starts the next Client's event loop, that wait never ends,
+    # and the next Client fails after 10 s with a bare AssertionError (seen with distributed 2026.7). Collecting
+    # here, before and after an attempt, finalizes such clients in this thread, where waiting is safe.
+    gc.collect()
     try:
         return Client(scheduler, security=security)
     except OSError as exc:  # distributed's CommClosedError and its connect timeout are OSErrors
@@ -127,7 +133,9 @@ def _connect_to(scheduler: str, security: Security | None) -> Client:
                 "check that the scheduler runs, that this is its address (host:port, as `dask scheduler` prints "
                 "it), and that this machine can reach that port"
             )
-        raise ClusterError(f"cannot connect to the scheduler at {scheduler} ({reason}): {hint}") from None
+        message = f"cannot connect to the scheduler at {scheduler} ({reason}): {hint}"
+    gc.collect()  # the failed Client, still held by the exception's frames until now
+    raise ClusterError(message) from None
 
 
 def _check_tls_config(scheduler: str) -> None:
