@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import signal
 import tempfile
 
 import pytest
@@ -37,6 +38,13 @@ _spec = importlib.util.spec_from_file_location(
 _reproducible = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_reproducible)
 _reproducible.pin_cpu_kernels()
+
+
+# The Ctrl-C tests press Ctrl-C in this process (SIGINT to itself). A run started in the background of a script
+# (`bash .ci/run &`, nohup) inherits SIGINT ignored, as POSIX has a shell without job control start its background
+# commands, and Python then installs no KeyboardInterrupt handler: every Ctrl-C test failed or waited for good.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_sessionfinish(session, exitstatus):

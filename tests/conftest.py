@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
-import threading
 from pathlib import Path
 
 import pytest
@@ -47,30 +45,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
-
-
-#: tests after which the SIGINT handler was not the one they started with (restored; listed in the summary)
-SIGINT_CHANGED: list[str] = []
-
-
-@pytest.fixture(autouse=True)
-def sigint_handler_kept(request):
-    """Every test starts with the SIGINT handler the run started with, whatever the tests before it did.
-
-    The Ctrl-C tests (and dask_dl's own Ctrl-C handling, which steps aside when another handler is installed) need
-    Python's own handler; a test that leaves another one behind made a later Ctrl-C test wait for good. The handler
-    is put back after each test, and the tests that changed it are named at the end of the run.
-    """
-    before = signal.getsignal(signal.SIGINT)
-    yield
-    if signal.getsignal(signal.SIGINT) is not before and threading.current_thread() is threading.main_thread():
-        SIGINT_CHANGED.append(f"{request.node.nodeid}: {signal.getsignal(signal.SIGINT)!r}")
-        signal.signal(signal.SIGINT, before)
-
-
-def pytest_terminal_summary(terminalreporter):
-    if SIGINT_CHANGED:
-        terminalreporter.write_line("tests that left another SIGINT handler (put back): " + "; ".join(SIGINT_CHANGED))
 
 
 @pytest.fixture(scope="module")
