@@ -4,8 +4,9 @@ The driver (:mod:`dask_dl.train.driver`) makes one actor per trainer and calls, 
 ``free_address`` (rank 0 only), ``setup``, then ``run_epochs`` (which runs ``train_epoch``, ``validate`` and
 ``checkpoint`` epoch after epoch on its own), and finally ``teardown``. A worker runs an actor's synchronous
 methods one at a time on a single thread, so the collective ones (``setup``, ``run_epochs``, ``train_epoch``,
-``checkpoint``) must be started on every actor before any result is awaited. ``request_stop``, ``progress`` and
-``latest_checkpoint`` are ``async`` methods: they run on the worker's event loop and answer while epochs run.
+``checkpoint``) must be started on every actor before any result is awaited. ``request_stop``, ``progress``,
+``latest_checkpoint`` and ``abort_group`` are ``async`` methods: they run on the worker's event loop and answer
+while epochs run (a trainer that does not answer them hangs: the driver leaves its worker out).
 
 Time accounting of an epoch (the ``*_s`` fields of :meth:`TrainingActor.train_epoch`):
 
@@ -49,6 +50,7 @@ from dask_dl import allocator
 from dask_dl.checkpoint import load_checkpoint
 from dask_dl.errors import ClusterError, ConfigurationError, TrainingError
 from dask_dl.train import profiler
+from dask_dl.train.abort import before_group, group_sockets, shut_group_sockets
 from dask_dl.train.buffers import broadcast_buffers
 from dask_dl.train.checkpoint import rng_state, set_rng_state, to_cpu
 from dask_dl.train.parallel import data_shard
@@ -215,6 +217,26 @@ class TrainingActor:
             return self._latest
         return _kept(self._latest, self.spec)  # what the driver may take away for run.checkpoint()
 
+    async def abort_group(self, peers: list[int]) -> int:
+        """Make this trainer's pending collectives fail now (a peer is lost or hung); return the sockets shut.
+
+        gloo cannot abort a collective: the group's connections are shut instead (:mod:`dask_dl.train.abort`), and
+        the epoch fails as after a peer's crash, so the driver need not wait for ``dask-dl.train.timeout``. An NCCL
+        group is left to its timeout.
+        ``peers`` are the group listener ports of every rank (from their ``setup``). A trainer that has left its
+        group (or never joined one) has nothing to shut.
+        """
+        sockets = self.__dict__.get("_group_sockets")
+        if sockets is None or _GROUP_OWNER is None or _GROUP_OWNER() is not self:
+            return 0
+        try:
+            backend = dist.get_backend()
+        except (ValueError, RuntimeError):  # the trainer has just left its group (the group is gone)
+            return 0
+        if backend != "gloo":  # NCCL's collectives end at its own timeout (or by its watchdog)
+            return 0
+        return shut_group_sockets(sockets, peers)
+
     # ---- process group and model ----------------------------------------------------------------------
 
     def free_address(self) -> str:
@@ -278,6 +300,7 @@ class TrainingActor:
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         global _GROUP_OWNER
         _GROUP_OWNER = weakref.ref(self)
+        sockets_before = before_group()  # what the group opens is what abort_group shuts
         dist.init_process_group(
             "nccl" if cuda else "gloo",
             init_method=init_method,
@@ -333,6 +356,7 @@ class TrainingActor:
         )
         if self._resume is None and self.start_epoch and not self.global_step:  # a checkpoint from before step counts
             self.global_step = self.start_epoch * int(self.train_loader.steps_per_epoch)
+        self._group_sockets = group_sockets(sockets_before)  # after DDP's and a pipeline's groups connected
         self._ready = True
         return {
             "rank": rank,
@@ -345,6 +369,7 @@ class TrainingActor:
             "start_step": self._resume.position.step if self._resume is not None else 0,
             "global_step": self.global_step,
             "weights": self.weights_report,
+            "group_ports": sorted(self._group_sockets.listeners),
         }
 
     def _load(self, checkpoint: dict[str, Any], *, elastic: bool = False, source: str | None = None) -> None:
@@ -799,7 +824,7 @@ class TrainingActor:
             if close is not None:
                 close()
         for name in ("ddp", "parallel", "optimizer", "compressor", "train_loader", "val_loader", "timer", "tuner",
-                     "precision", "loss_fn", "_anchor"):  # fmt: skip
+                     "precision", "loss_fn", "_anchor", "_group_sockets"):  # fmt: skip
             self.__dict__.pop(name, None)
         if not keep_latest:
             self._latest = self._latest_step = None

@@ -4,23 +4,32 @@ A :class:`Driver` owns the actors' life cycle: it creates one :class:`~dask_dl.t
 worker, forms the process group, and makes one call per rank that runs every epoch
 (:meth:`~dask_dl.train.actor.TrainingActor.run_epochs`): the trainers go from epoch to epoch without waiting for
 the driver, which only observes. Rank 0 publishes each epoch's history row as a Dask event on the run's topic;
-the driver subscribes to it, asks rank 0 for live progress once a second, sees a failed rank at its next look
-(every 0.25 s), and always releases the actors at the end, also after errors. Checkpoints stay with the
-trainers: rank 0 writes them to ``checkpoint_dir``, or every rank keeps the latest, which the driver fetches when
-asked and once at the end. What it learns it hands to the run it drives (a :class:`RunSink`:
-:class:`~dask_dl.train.run.TrainingRun`), which keeps the state the user sees.
+the driver subscribes to it, asks rank 0 for live progress and the scheduler for the trainers' workers once a
+second, sees a failed rank at its next look (every 0.25 s), and always releases the actors at the end, also after
+errors. Checkpoints stay with the trainers: rank 0 writes them to ``checkpoint_dir``, or every rank keeps the
+latest, which the driver fetches when asked and once at the end. What it learns it hands to the run it drives
+(a :class:`RunSink`: :class:`~dask_dl.train.run.TrainingRun`), which keeps the state the user sees.
 
-Recovery (``max_restarts > 0``): when a trainer's worker is lost or a collective fails, the driver takes the newest
-checkpoint (the newest good file of ``checkpoint_dir``, epoch or step; without a directory, the in-memory copy of
-the first trainer that survived, which every rank keeps), releases every actor (the survivors have left their
-group already), waits for workers (:func:`~dask_dl.train.recovery.wait_for_trainers`), forms a new group of fresh
-actors that load that checkpoint, and goes on; each restart is a row of the run's ``restarts``. When every trainer
-is lost and there is no directory, the checkpoints were lost with them: the run fails and says so, unless no epoch
-had completed yet (then it starts again from the beginning).
+A failed group ends at once on every trainer: the driver makes the survivors' pending collectives fail
+(:meth:`~dask_dl.train.actor.TrainingActor.abort_group`) instead of waiting for their timeout. When a rank fails
+and the scheduler lost no worker, the driver asks every other rank where it is: one that does not answer within
+``dask-dl.train.hang-grace`` seconds hangs (stopped, swapping, deadlocked); the failure is blamed on its worker,
+and the driver no longer waits for its teardown.
+
+Recovery (``max_restarts > 0``): when a trainer's worker is lost or hangs, or a collective fails, the driver takes
+the newest checkpoint (the newest good file of ``checkpoint_dir``, epoch or step; without a directory, the
+in-memory copy of the first trainer that survived, which every rank keeps), releases every actor (the survivors
+have left their group already), waits for workers (:func:`~dask_dl.train.recovery.wait_for_trainers`), forms a new
+group of fresh actors that load that checkpoint, and goes on; each restart is a row of the run's ``restarts``. A
+hung worker is restarted through its nanny (removed from the scheduler without one) and left out of every later
+group while the scheduler still has it as it was. When every trainer is lost and there is no directory, the
+checkpoints were lost with them: the run fails and says so, unless no epoch had completed yet (then it starts
+again from the beginning).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import queue
 import threading
@@ -47,6 +56,10 @@ _POLL_S = 0.25  # how often the driver looks at running epochs (errors, live pro
 _PROGRESS_S = 1.0  # how often it asks rank 0 where the epoch is
 _CLAIM_S = 2.0  # how long start() waits for the scheduler to place the first actors (a second run then avoids them)
 _LOSS_WAIT_S = 3.0  # after a rank fails, how long to wait for the scheduler to notice a lost trainer worker
+_ADVICE = (
+    "Every trainer was stopped; the checkpoint of the last completed epoch is kept, and fit(..., checkpoint_dir=..., "
+    "resume=True) continues from it"
+)
 
 
 class RunSink(Protocol):
@@ -102,6 +115,8 @@ class Driver:
         self._actor_futures: list[Any] = []
         self._actors: list[Any] = []
         self._worker_ids: dict[str, str | None] = {}  # trainer address -> the scheduler's id of its worker
+        self._group_ports: list[int] = []  # every rank's group listeners: what abort_group shuts
+        self._hung: dict[str, str | None] = {}  # workers found hung -> their id then: left out while it is the same
         self._thread = threading.Thread(target=self._drive, name=f"dask-dl-{sink.run_id}", daemon=True)
 
     def start(self) -> None:
@@ -143,9 +158,10 @@ class Driver:
                 except BaseException as exc:  # handed to wait(); the thread must not die silently
                     status, error = "failed", exc
                 finally:
+                    lost = list(getattr(error, "lost_workers", None) or [])
                     try:
-                        self._keep_last_checkpoint()
-                        self._release()
+                        self._keep_last_checkpoint(lost)
+                        self._release(lost=lost, failed=status == "failed")
                     finally:
                         try:
                             self.client.unsubscribe_topic(self.topic)
@@ -181,14 +197,17 @@ class Driver:
                     self.policy.max_restarts)  # fmt: skip
         failed_at = self._where_failed(lost)
         checkpoint, resumed = self._restart_checkpoint(previous, lost)
-        self._release(lost=lost)
+        self._release(lost=lost, failed=True)
+        self._restart_hung([a for a in lost if a in self._hung])
+        stages = self.spec.stages if self.spec.parallel == "pipeline" else 1
         self.workers = wait_for_trainers(
-            self.client, trainers=len(self.workers), policy=self.policy, run_id=self.sink.run_id, lost=lost
-        )
+            self.client, trainers=len(self.workers), policy=self.policy, run_id=self.sink.run_id,
+            lost=lost + self._still_hung(), multiple=stages,
+        )  # fmt: skip
         self.restarts += 1
         self.history = [dict(r) for r in (checkpoint or {}).get("history", [])] if isinstance(checkpoint, dict) \
             else self._checkpoint_history(checkpoint)  # fmt: skip
-        self.global_batch = self.spec.batch_size * len(self.workers)
+        self.global_batch = self.spec.batch_size * (len(self.workers) // stages) * int(self.spec.accumulate)
         self._restart = {"error": error, "lost": lost, "failed_at": failed_at, "resumed": resumed, "began": began}
         self._group_start = resumed["epoch"]
         return checkpoint
@@ -280,6 +299,7 @@ class Driver:
 
     def _form_group(self, checkpoint: Any = None) -> None:
         n = len(self.workers)
+        self._group_ports = []  # this group's, once every rank has set up
         if not self._actor_futures:  # a restart's group (the first one's actors were placed by start())
             self._submit_actors()
         self._actors = self._placed_actors()
@@ -298,6 +318,7 @@ class Driver:
             ]  # fmt: skip
         )
         self.gpu = any(i["gpu"] for i in infos)
+        self._group_ports = sorted({p for i in infos for p in i.get("group_ports", ())})
         self.epoch = infos[0]["start_epoch"]
         if self._restart is not None:
             done, self._restart = self._restart, None
@@ -360,17 +381,22 @@ class Driver:
             return None
         return actors[0].latest_checkpoint().result(timeout=60)
 
-    def _keep_last_checkpoint(self) -> None:
-        """Without ``checkpoint_dir``, fetch the last completed epoch's checkpoint once, before the actors go."""
+    def _keep_last_checkpoint(self, lost: list[str]) -> None:
+        """Without ``checkpoint_dir``, fetch the last completed epoch's checkpoint once, before the actors go: from
+        rank 0, or the first trainer not ``lost`` (every rank keeps it)."""
         if self.checkpoint_dir is not None or not self._actors:
             return
-        try:
-            checkpoint = self.fetch_checkpoint()
-        except Exception as exc:  # rank 0's worker died: the run's error says so; no checkpoint to keep
-            self._log_failure("kept no checkpoint", 0, exc)
+        for rank, actor in enumerate(list(self._actors)):
+            if self.workers[rank] in lost:  # gone, or hung: asking would wait for nothing
+                continue
+            try:
+                checkpoint = actor.latest_checkpoint().result(timeout=60)
+            except Exception as exc:  # that trainer's worker died too: ask the next one
+                self._log_failure("kept no checkpoint", rank, exc)
+                continue
+            if checkpoint is not None:
+                self.sink.keep_checkpoint(checkpoint)
             return
-        if checkpoint is not None:
-            self.sink.keep_checkpoint(checkpoint)
 
     def _gather(self, futures: list[Any], *, live: bool = False) -> list[Any]:
         """Results of actor calls; raises the first error at once instead of waiting for the other ranks."""
@@ -384,6 +410,9 @@ class Driver:
             self._deliver()
             if live and time.monotonic() - last_poll > _PROGRESS_S:
                 last_poll = time.monotonic()
+                lost = self._lost_trainers(within=0)  # a worker gone before its trainer's call failed
+                if lost:
+                    raise self._lost_error(lost)
                 try:
                     self._last_progress = self._actors[0].progress().result(timeout=5)
                     self.sink.progress(self._last_progress)
@@ -397,25 +426,100 @@ class Driver:
         except (TrainingError, ConfigurationError):  # a ConfigurationError: a model or weights that do not fit
             raise
         except Exception as exc:
-            advice = (
-                "Every trainer was stopped; the checkpoint of the last completed epoch is kept, and "
-                "fit(..., checkpoint_dir=..., resume=True) continues from it"
-            )
+            asked = time.monotonic(), self._ask_where(but=rank)  # answered while the scheduler is asked
             lost = self._lost_trainers()
             if lost and rank not in lost:  # a survivor saw its peer's socket close: blame the worker that died
-                names = ", ".join(f"trainer {r} on {self.workers[r]}" for r in lost)
-                raise TrainingError(
-                    f"{self.sink.run_id}: {names} was lost in epoch {self.epoch} (the scheduler lost its worker: "
-                    f"killed, out of memory or preempted); trainer {rank} on {self.workers[rank]} then failed with "
-                    f"{type(exc).__name__}: {exc}. {advice}",
-                    lost_workers=[self.workers[r] for r in lost],
-                ) from exc
+                raise self._lost_error(lost, rank=rank, exc=exc) from exc
+            hung = [] if lost else self._unanswered(*asked)
+            if hung:  # a survivor's collective timed out on a peer that is there but does not answer
+                ids = self._trainer_worker_ids()
+                self._hung.update({self.workers[r]: ids.get(self.workers[r]) for r in hung})
+                raise self._hung_error(hung, rank=rank, exc=exc) from exc
             failed = "was lost" if rank in lost else "failed"
             raise TrainingError(
                 f"{self.sink.run_id}: trainer {rank} on {self.workers[rank]} {failed} in epoch {self.epoch}: "
-                f"{type(exc).__name__}: {exc}. {advice}",
+                f"{type(exc).__name__}: {exc}. {_ADVICE}",
                 lost_workers=[self.workers[r] for r in lost],
             ) from exc
+
+    def _lost_error(
+        self, lost: list[int], *, rank: int | None = None, exc: BaseException | None = None
+    ) -> TrainingError:
+        names = ", ".join(f"trainer {r} on {self.workers[r]}" for r in lost)
+        then = "" if exc is None else (f"; trainer {rank} on {self.workers[rank]} then failed with "
+                                       f"{type(exc).__name__}: {exc}")  # fmt: skip
+        return TrainingError(
+            f"{self.sink.run_id}: {names} was lost in epoch {self.epoch} (the scheduler lost its worker: killed, out "
+            f"of memory or preempted){then}. {_ADVICE}",
+            lost_workers=[self.workers[r] for r in lost],
+        )
+
+    def _hung_error(self, hung: list[int], *, rank: int, exc: BaseException) -> TrainingError:
+        addresses = [self.workers[r] for r in hung]
+        names = ", ".join(f"trainer {r} on {self.workers[r]}" for r in hung)
+        return TrainingError(
+            f"{self.sink.run_id}: {names} did not answer for {self.policy.hang_grace_s:g} s "
+            f"(dask-dl.train.hang-grace) after trainer {rank} on {self.workers[rank]} failed in epoch {self.epoch}: "
+            f"its worker hangs (stopped, swapping or deadlocked); trainer {rank}'s error: {type(exc).__name__}: "
+            f"{exc}. {_ADVICE}; a restart leaves the hung worker out and has its nanny restart it (without "
+            f"restarts: client.restart_workers({addresses!r}))",
+            lost_workers=addresses,
+        )
+
+    def _ask_where(self, *, but: int) -> dict[int, Any]:
+        """Ask every rank but ``but`` where it is (an ``async`` call: a trainer that hangs does not answer)."""
+        asked = {}
+        for rank, actor in enumerate(list(self._actors)):
+            if rank != but:
+                try:
+                    asked[rank] = actor.progress()
+                except Exception as exc:  # its worker is gone: the scheduler says so
+                    self._log_failure("could not be asked where it is", rank, exc)
+        return asked
+
+    def _unanswered(self, since: float, asked: dict[int, Any]) -> list[int]:
+        """The ranks of ``asked`` that gave no answer ``dask-dl.train.hang-grace`` seconds ``since`` they were asked."""
+        deadline, silent = since + self.policy.hang_grace_s, []
+        for rank, call in asked.items():
+            try:
+                call.result(timeout=max(deadline - time.monotonic(), 0.1))
+            except TimeoutError:
+                silent.append(rank)
+            except Exception as exc:  # an answer all the same (its worker is gone, or the actor): not hung
+                logger.debug("%s: trainer %d answered with %s: %s", self.sink.run_id, rank, type(exc).__name__, exc)
+        return silent
+
+    def _restart_hung(self, hung: list[str]) -> None:
+        """Have the nannies of hung workers restart them (workers without one are removed from the scheduler).
+
+        Not waited for (a nanny gives a stopped process seconds before it kills it): the restart goes on on other
+        workers meanwhile, leaving the hung ones out while the scheduler still has them.
+        """
+        if not hung:
+            return
+        logger.warning("%s: restarting the hung worker(s) %s through their nannies", self.sink.run_id,
+                       ", ".join(hung))  # fmt: skip
+        restart = self.client.scheduler.restart_workers(
+            workers=hung, timeout=self.policy.hang_grace_s, wait_for_workers=False, on_error="return",
+            stimulus_id=f"dask-dl-hung-{self.sink.run_id}-{time.time()}",
+        )  # fmt: skip
+        done = asyncio.run_coroutine_threadsafe(restart, self.client.loop.asyncio_loop)
+        done.add_done_callback(lambda future: self._restarted_hung(hung, future))
+
+    def _restarted_hung(self, hung: list[str], future: Any) -> None:
+        try:
+            answers = future.result()
+        except Exception as exc:  # they stay left out of the next groups all the same
+            logger.warning("%s: could not restart the hung worker(s) %s: %s: %s", self.sink.run_id, ", ".join(hung),
+                           type(exc).__name__, exc)  # fmt: skip
+            return
+        logger.info("%s: restart of the hung worker(s): %s", self.sink.run_id, answers)
+
+    def _still_hung(self) -> list[str]:
+        """The workers found hung that the scheduler still has as they were (not restarted, not gone)."""
+        now = self._trainer_worker_ids_of(list(self._hung))
+        self._hung = {a: i for a, i in self._hung.items() if a in now and now[a] is not None and now[a] == i}
+        return sorted(self._hung)
 
     def _placed_actors(self) -> list[Any]:
         """The trainers' actors once they exist, or a TrainingError naming the workers that left before theirs did.
@@ -440,13 +544,18 @@ class Driver:
 
     def _trainer_worker_ids(self) -> dict[str, str | None]:
         """The scheduler's id of each trainer's worker (a nanny's restarted worker gets a new one)."""
+        return self._trainer_worker_ids_of(self.workers)
+
+    def _trainer_worker_ids_of(self, addresses: list[str]) -> dict[str, str | None]:
+        if not addresses:
+            return {}
         try:
             workers = self.client.sync(self.client.scheduler.identity)["workers"]
         except Exception as exc:  # blaming falls back to the rank that failed
             logger.warning("%s: could not read the scheduler's workers: %s: %s", self.sink.run_id,
                            type(exc).__name__, exc)  # fmt: skip
             return {}
-        return {address: workers.get(address, {}).get("id") for address in self.workers}
+        return {address: workers.get(address, {}).get("id") for address in addresses}
 
     def _lost_trainers(self, *, within: float = _LOSS_WAIT_S) -> list[int]:
         """Ranks whose worker the scheduler lost (gone or replaced), waiting ``within`` seconds for it to notice."""
@@ -462,24 +571,30 @@ class Driver:
                 return lost
             time.sleep(0.2)
 
-    def _release(self, *, lost: list[str] | None = None) -> None:
+    def _release(self, *, lost: list[str] | None = None, failed: bool = False) -> None:
         """Leave the process group on every trainer and delete the actors, also after errors.
 
-        The trainers on ``lost`` workers (a restart's) are gone: their teardown fails as expected, logged at debug.
+        The trainers on ``lost`` workers (gone or hung) are not waited for. After a ``failed`` group, the others'
+        pending collectives are made to fail first: they leave their epoch now, not at the collective's timeout.
         """
         actors, self._actors = self._actors, []
-        calls = []
+        live = []
         for rank, actor in enumerate(actors):
             if self.workers[rank] in (lost or ()):
                 logger.debug("%s: trainer %d on %s is lost: nothing to tear down", self.sink.run_id, rank,
                              self.workers[rank])  # fmt: skip
-                continue
+            else:
+                live.append((rank, actor))
+        if failed:
+            self._abort(live)
+        calls = []
+        for rank, actor in live:
             try:
                 calls.append((rank, actor.teardown()))
             except Exception as exc:  # its worker is gone: nothing to tear down there
                 self._log_failure("could not be torn down", rank, exc)
-        # a rank stuck in a collective answers after the collective's timeout
-        deadline = time.monotonic() + float(self.spec.timeout_s) + 30
+        # a rank stuck in a collective that could not be aborted answers after the collective's timeout
+        deadline = time.monotonic() + float(self.spec.timeout_s) + self.policy.hang_grace_s
         for rank, call in calls:
             try:
                 call.result(timeout=max(deadline - time.monotonic(), 1))
@@ -498,6 +613,25 @@ class Driver:
                         "%s: could not release %s: %s: %s", self.sink.run_id, future, type(exc).__name__, exc
                     )
         del actors, futures
+
+    def _abort(self, live: list[tuple[int, Any]]) -> None:
+        """Make the pending collectives of the ``live`` trainers fail now (async calls, answered mid-collective)."""
+        if not self._group_ports:
+            return
+        calls = []
+        for rank, actor in live:
+            try:
+                calls.append((rank, actor.abort_group(self._group_ports)))
+            except Exception as exc:  # its worker is gone: nothing pending there
+                self._log_failure("could not be asked to leave its collectives", rank, exc)
+        deadline = time.monotonic() + self.policy.hang_grace_s
+        for rank, call in calls:
+            try:
+                shut = call.result(timeout=max(deadline - time.monotonic(), 0.1))
+            except Exception as exc:  # it then leaves at the collective's timeout
+                self._log_failure("could not leave its collectives", rank, exc)
+                continue
+            logger.debug("%s: trainer %d shut %d group connection(s)", self.sink.run_id, rank, shut)
 
     def _log_failure(self, what: str, rank: int, exc: BaseException) -> None:
         where = self.workers[rank] if rank < len(self.workers) else "?"

@@ -77,6 +77,8 @@ class RunOptions:
     max_restarts: int = 0
     min_trainers: int = 1
     restart_wait_s: float = 60.0
+    #: seconds past a failed collective a trainer may take to answer the driver before its worker counts as hung
+    hang_grace_s: float = 30.0
     checkpoint_every_steps: int | None = None
     checkpoint_every_seconds: float | None = None
     #: FedProx's proximal term weight (for :func:`dask_dl.fit_sites`)
@@ -267,8 +269,8 @@ def _check_recovery(
 ) -> dict[str, Any]:
     """The recovery options (:mod:`dask_dl.train.recovery`), config filling what is None.
 
-    A pipeline (``stages``) restarts on as many trainers as it started with: its stages are cut for them, and
-    the loss sums of a step checkpoint are its stages', which cannot be folded into fewer pipelines.
+    A pipeline (``stages``) restarts on whole pipelines: ``min_trainers`` is a multiple of ``stages`` (the stages
+    are cut as before; fewer replicas share the data).
     """
     max_restarts = _non_negative_int("max_restarts", config.get("train.max-restarts", max_restarts))
     min_trainers = config.get("train.min-trainers", min_trainers)
@@ -278,11 +280,11 @@ def _check_recovery(
             f"min_trainers={min_trainers} is more than trainers={trainers}: a restarted run never has more trainers "
             f"than it started with; pass min_trainers <= {trainers}"
         )
-    if stages is not None and min_trainers != trainers:
+    if stages is not None and min_trainers % stages:
         raise ConfigurationError(
-            f"min_trainers={min_trainers} with parallel='pipeline': a pipeline restarts on as many trainers as it "
-            f"started with ({trainers}, {trainers // stages} pipeline(s) of {stages} stages); leave min_trainers "
-            "out, or train with parallel='ddp' or 'fsdp' to go on with fewer trainers"
+            f"min_trainers={min_trainers} with parallel='pipeline' and stages={stages}: a pipeline restarts on whole "
+            f"pipelines of {stages} trainers (one per stage); pass "
+            f"min_trainers={max(min_trainers // stages, 1) * stages}"
         )
     every_steps = config.get("train.checkpoint-every-steps", every_steps) or None  # 0: off
     every_seconds = config.get("train.checkpoint-every-seconds", every_seconds) or None
@@ -290,6 +292,7 @@ def _check_recovery(
         "max_restarts": max_restarts,
         "min_trainers": min_trainers,
         "restart_wait_s": _positive_real("dask-dl.train.restart-wait", config.get("train.restart-wait"), example=60),
+        "hang_grace_s": _positive_real("dask-dl.train.hang-grace", config.get("train.hang-grace"), example=30),
         "checkpoint_every_steps": None
         if every_steps is None
         else positive_int("checkpoint_every_steps", every_steps, example=100),  # fmt: skip

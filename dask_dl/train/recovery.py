@@ -5,7 +5,7 @@ The driver (:mod:`dask_dl.train.driver`) calls these between the failure of a gr
 surviving trainers left their group and the actors were released, :func:`wait_for_trainers` waits (at most
 ``restart_wait`` seconds) for as many free workers as the run had trainers (a nanny's restarted worker, or others),
 or goes on with at least ``min_trainers`` when that time is up. A worker is free when it holds no trainer of another
-live run: two runs on one cluster never share a worker.
+live run (two runs on one cluster never share a worker) and is not one the run found hung.
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ class RestartPolicy:
     wait_s: float = 60.0
     #: the only workers a restart may use (a site's workers in :func:`dask_dl.fit_sites`); None: any
     among: tuple[str, ...] | None = None
+    #: seconds past a failed collective a trainer may take to answer before its worker counts as hung
+    hang_grace_s: float = 30.0
 
 
 def recoverable(exc: BaseException) -> bool:
@@ -52,12 +54,19 @@ def recoverable(exc: BaseException) -> bool:
 
 
 def wait_for_trainers(
-    client: Client, *, trainers: int, policy: RestartPolicy, run_id: str, lost: list[str] | None = None
+    client: Client,
+    *,
+    trainers: int,
+    policy: RestartPolicy,
+    run_id: str,
+    lost: list[str] | None = None,
+    multiple: int = 1,
 ) -> list[str]:
     """Wait for ``trainers`` free workers, or for ``policy.min_trainers`` once ``policy.wait_s`` passed.
 
-    Workers in ``lost`` (the addresses that just failed) are not used again: a nanny restarts a killed worker at a
-    new address.
+    Workers in ``lost`` (the addresses that just failed, and those found hung) are not used again: a nanny
+    restarts a killed worker at a new address. ``multiple``: the number of workers returned is a multiple of it
+    (a pipeline's stages: whole pipelines only).
 
     Returns
     -------
@@ -83,13 +92,17 @@ def wait_for_trainers(
         if len(free) >= trainers:
             return free[:trainers]
         if time.monotonic() >= deadline:
-            if len(free) >= policy.min_trainers:
-                return free
+            usable = free[: len(free) // multiple * multiple]
+            if usable and len(usable) >= policy.min_trainers:
+                return usable
+            left_out = sorted(gone & set(workers))
             raise TrainingError(
                 f"{run_id}: after losing a trainer, waited {policy.wait_s:g} s (dask-dl.train.restart-wait) for "
                 f"{policy.min_trainers} free worker(s) and found {len(free)} ({', '.join(free) or 'none'}; "
-                f"{len(busy)} busy with other runs). Add workers (cluster.scale(...)), allow fewer trainers "
-                "(fit(..., min_trainers=1)) or wait longer (dask-dl.train.restart-wait)"
+                f"{len(busy)} busy with other runs"
+                + (f"; left out, lost or hung: {', '.join(left_out)}" if left_out else "")
+                + "). Add workers (cluster.scale(...)), allow fewer trainers (fit(..., min_trainers=1)) or wait longer "
+                "(dask-dl.train.restart-wait)"
             )
         time.sleep(0.25)
 

@@ -161,7 +161,7 @@ def fit(
         Fewest trainers a restarted run goes on with, once ``dask-dl.train.restart-wait`` seconds passed without
         as many free workers as it started with (the remaining samples of the epoch are re-sharded; error-feedback
         residuals start from zero). Default ``dask-dl.train.min-trainers`` (null: ``trainers``). A pipeline
-        restarts on as many trainers as it started with.
+        restarts on whole pipelines (a multiple of ``stages``): fewer replicas, the same stages.
     checkpoint_every_steps, checkpoint_every_seconds : optional
         Also checkpoint inside epochs, every this many optimizer steps or seconds (0: off), with the loader's
         position, so a restart or ``resume=True`` loses at most that much and neither repeats nor skips a sample.
@@ -372,7 +372,13 @@ class TrainingRun:
             checkpoint_dir=options.checkpoint_dir,
             global_batch=options.global_batch,
             sink=self,
-            policy=RestartPolicy(options.max_restarts, options.min_trainers, options.restart_wait_s, among),
+            policy=RestartPolicy(
+                options.max_restarts,
+                options.min_trainers,
+                options.restart_wait_s,
+                among,
+                hang_grace_s=options.hang_grace_s,
+            ),
         )
 
     # ---- public ---------------------------------------------------------------------------------------

@@ -362,7 +362,7 @@ def test_a_hung_trainer_does_not_poison_its_workers(store, cluster_client):
 
     import dask
 
-    with dask.config.set({"dask-dl.train.timeout": 3}):
+    with dask.config.set({"dask-dl.train.timeout": 3, "dask-dl.train.hang-grace": 2}):
         run = fit(store, cluster_client, epochs=500, batch_size=1, wait=False, max_restarts=0)
     deadline = time.monotonic() + 60
     while not len(run.history) and time.monotonic() < deadline:
@@ -370,11 +370,18 @@ def test_a_hung_trainer_does_not_poison_its_workers(store, cluster_client):
     victim = run.workers[1]
     pid = cluster_client.run(os.getpid, workers=[victim])[victim]
     os.kill(pid, signal.SIGSTOP)
+    stopped = time.monotonic()
     try:
-        # rank 0's collective times out after dask-dl.train.timeout; the driver gives up on the stopped rank's
-        # teardown and releases both actors: the stopped trainer wakes up afterwards, its actor gone
-        with pytest.raises(TrainingError, match=r"trainer \d on tcp://.* failed in epoch \d+"):
+        # rank 0's collective times out after dask-dl.train.timeout; the stopped rank does not answer the driver
+        # within dask-dl.train.hang-grace: the error names it, and the driver releases both actors without waiting
+        # for its teardown. The stopped trainer wakes up afterwards, its actor gone
+        with pytest.raises(TrainingError, match=rf"trainer 1 on {victim} did not answer for 2 s \(dask-dl.train."
+                                                rf"hang-grace\) after trainer 0 on .* failed in epoch \d+: its "
+                                                r"worker hangs") as info:  # fmt: skip
             run.wait(timeout=120)
+        assert info.value.lost_workers == [victim]
+        # the collective's timeout, the grace, and a loaded machine's slack: not the 30 s of teardown it waited
+        assert time.monotonic() - stopped < 3 + 2 + 20
     finally:
         os.kill(pid, signal.SIGCONT)
     for seed in range(3):  # the same workers, as good as new: no stale group, no advanced group counter

@@ -515,12 +515,16 @@ def test_compressors_that_do_not_apply_fail_before_any_actor(store, cluster_clie
     )
 
 
-def test_pipelines_restart_on_as_many_trainers_as_they_started_with(store, cluster_client):
+def test_pipelines_restart_on_whole_pipelines(store, cluster_client):
     ds = dask_dl.open_dataset(store)
-    with pytest.raises(ConfigurationError, match=r"min_trainers=1 with parallel='pipeline': a pipeline restarts on "
-                                                 r"as many trainers as it started with \(2, 1 pipeline\(s\) of 2 "
-                                                 r"stages\); leave min_trainers out"):  # fmt: skip
+    with pytest.raises(ConfigurationError, match=r"min_trainers=1 with parallel='pipeline' and stages=2: a pipeline "
+                                                 r"restarts on whole pipelines of 2 trainers \(one per stage\); pass "
+                                                 r"min_trainers=2"):  # fmt: skip
         fit(store, cluster_client, parallel="pipeline", min_trainers=1)
+    with pytest.raises(ConfigurationError, match=r"min_trainers=3 .* pass min_trainers=2"):
+        check_run(ds, parallel="pipeline", stages=2, trainers=4, batch_size=4, min_trainers=3, **MODEL)
+    options = check_run(ds, parallel="pipeline", stages=2, trainers=4, batch_size=4, min_trainers=2, **MODEL)
+    assert (options.trainers, options.min_trainers) == (4, 2)
     # step checkpoints apply to every mode, the configured defaults too
     with dask.config.set({"dask-dl.train.checkpoint-every-steps": 5}):
         for parallel in ("ddp", "fsdp", "pipeline"):

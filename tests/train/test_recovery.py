@@ -7,6 +7,7 @@ Four worker processes with nannies (one thread each), real gloo groups, real SIG
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -17,6 +18,7 @@ import dask
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from click.testing import CliRunner
 from distributed import Client, LocalCluster
 from distributed.core import Status
@@ -103,6 +105,10 @@ def test_recovery_options_are_checked_before_anything_runs(tmp_path):
     ds = dask_dl.open_dataset(path)
     options = check_run(ds, trainers=2, batch_size=2)
     assert (options.max_restarts, options.min_trainers, options.restart_wait_s) == (3, 2, 60.0)
+    assert options.hang_grace_s == 30.0
+    refused = pytest.raises(ConfigurationError, match=r"dask-dl.train.hang-grace must be a positive number, got 0")
+    with dask.config.set({"dask-dl.train.hang-grace": 0}), refused:
+        check_run(ds, trainers=2, batch_size=2)
     assert (options.checkpoint_every_steps, options.checkpoint_every_seconds) == (None, 300.0)
     options = check_run(ds, trainers=2, batch_size=2, min_trainers=1, checkpoint_every_steps=10,
                         checkpoint_every_seconds=0)  # fmt: skip
@@ -168,6 +174,17 @@ def wait_until(condition, *, within: float = 120.0, what: str = "") -> None:
         time.sleep(0.01)
 
 
+def validation_loss(store, model: torch.nn.Module) -> float:
+    """The mean loss of ``model`` over the validation split, in this process."""
+    ds = dask_dl.open_dataset(store)
+    val = ChunkLoader(store, ds.sample.values[ds.split.values == "val"], batch_size=16, shuffle=False,
+                      drop_last=False, prefetch=0)  # fmt: skip
+    with torch.no_grad():
+        losses = [F.binary_cross_entropy_with_logits(model.eval()(x), y, reduction="none").mean(1)
+                  for x, y in val.epoch(0)]  # fmt: skip
+    return float(torch.cat(losses).mean())
+
+
 def kill_after_a_step_checkpoint(run, client: Client, ck: Path, *, epoch: int) -> str:
     """SIGKILL trainer 1's worker as soon as epoch ``epoch`` has a step checkpoint (in the middle of the epoch, at a
     step the test does not choose), wait for the run to end; the killed worker's address."""
@@ -176,6 +193,63 @@ def kill_after_a_step_checkpoint(run, client: Client, ck: Path, *, epoch: int) -
     os.kill(pid_of(client, victim), signal.SIGKILL)
     run.wait(timeout=300)
     return victim
+
+
+def test_a_lost_worker_is_noticed_in_seconds_with_many_trainers(store, client, cluster, tmp_path):
+    """With four trainers, survivors blocked on each other (not on the lost rank) noticed the loss only at the
+    collective's timeout; the driver now makes their collectives fail at once. First on this cluster: measured on
+    workers that had trained no group before, where that wait showed every time (124-126 s)."""
+    cluster.scale(5)  # a spare worker: the restart need not wait for the nanny's new one
+    try:
+        client.wait_for_workers(5, timeout=120)
+        options = dict(trainers=4, epochs=3)
+        with dask.config.set({"dask-dl.train.timeout": 120}):
+            run = fit(store, client, **options, wait=False)  # in-memory checkpoints
+        wait_until(lambda: len(run.history) or run.done, what="the first epoch")
+        victim = run.workers[3]
+        os.kill(pid_of(client, victim), signal.SIGKILL)
+        killed = time.time()
+        run.wait(timeout=280)
+        assert run.status == "finished"
+        restarts = run.restarts
+        assert len(restarts) == 1 and restarts.loc[0, "lost_workers"] == victim
+        assert restarts.loc[0, "world_size"] == 4 and victim not in run.workers
+        assert restarts.loc[0, "at"] - killed < 40  # far below the 120 s timeout
+        # the uninterrupted run after it: the run above is the first these workers train
+        assert_same_weights(run.checkpoint()["model"], fit(store, client, **options).checkpoint()["model"])
+    finally:
+        cluster.scale(4)
+        client.wait_for_workers(4, timeout=120)
+
+
+def test_a_hung_trainer_is_left_out_and_the_run_goes_on(store, client, straight, tmp_path):
+    """A stopped worker (SIGSTOP) neither hangs the run nor joins the next group: found hung at the collective's
+    timeout plus dask-dl.train.hang-grace, left out, restarted by its nanny; one restart, the straight weights."""
+    client.wait_for_workers(4, timeout=120)
+    ck = tmp_path / "ck"
+    with dask.config.set({"dask-dl.train.timeout": 5, "dask-dl.train.hang-grace": 2}):
+        run = fit(store, client, checkpoint_dir=str(ck), checkpoint_every_steps=3, max_restarts=1, wait=False)
+    wait_until(lambda: list(ck.glob("step-0002-*.pt")) or run.done, what="a step checkpoint of epoch 2")
+    victim = run.workers[1]
+    pid = pid_of(client, victim)
+    os.kill(pid, signal.SIGSTOP)
+    stopped = time.time()
+    try:
+        run.wait(timeout=300)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # its nanny killed it: nothing left to wake
+            os.kill(pid, signal.SIGCONT)
+    assert run.status == "finished"
+    restarts = run.restarts
+    assert len(restarts) == 1 and restarts.loc[0, "lost_workers"] == victim  # max_restarts=1: not hung again
+    assert restarts.loc[0, "error"].startswith(f"TrainingError: {run.run_id}: trainer 1 on {victim} did not answer")
+    assert victim not in run.workers and restarts.loc[0, "world_size"] == 2
+    # timeout 5 s + grace 2 s, then the restart itself; on main the run waited for the scheduler's worker TTL
+    assert restarts.loc[0, "at"] - stopped < 5 + 2 + 40
+    assert list(run.history["event"]) == ["", "", "restarted", ""]
+    assert_same_weights(run.checkpoint()["model"], straight)
+    wait_until(lambda: victim not in client.scheduler_info()["workers"], what="the nanny's restart of the hung worker")
+    client.wait_for_workers(4, timeout=120)
 
 
 def test_two_runs_on_one_cluster_do_not_interfere(store, client, straight, tmp_path):
@@ -300,6 +374,57 @@ def test_fsdp_workers_that_change_rank_between_runs_save_and_load_their_own_shar
                   resume=True)  # fmt: skip
     assert resumed.workers == [a, b] and list(resumed.history["event"]) == ["", "resumed"]  # b: rank 1 again
     assert_same_weights(resumed.checkpoint()["model"], whole)
+
+
+def test_an_fsdp_run_on_two_trainers_goes_on_with_one(store, client, tmp_path):
+    """FSDP at another world size: the killed rank's worker comes back at a new address, outside the run's
+    workers, so the restart goes on with the one trainer left, its shards re-sharded from the step checkpoint."""
+    client.wait_for_workers(4, timeout=120)
+    pair = sorted(client.scheduler_info()["workers"])[:2]
+    ck = tmp_path / "ck"
+    with dask.config.set({"dask-dl.train.restart-wait": 2}):
+        run = fit(store, client, parallel="fsdp", compression="none", epochs=3, workers=pair, min_trainers=1,
+                  checkpoint_dir=str(ck), checkpoint_every_steps=3, wait=False)  # fmt: skip
+    victim = kill_after_a_step_checkpoint(run, client, ck, epoch=1)
+    assert run.status == "finished" and run.workers == [w for w in pair if w != victim]
+    restarts = run.restarts
+    assert len(restarts) == 1 and restarts.loc[0, "lost_workers"] == victim and restarts.loc[0, "world_size"] == 1
+    assert restarts.loc[0, "resumed_epoch"] == 1 and restarts.loc[0, "resumed_step"] > 0
+    history = run.history.set_index("epoch")
+    assert list(history["event"]) == ["", "restarted", ""]
+    # every row of the interrupted epoch once: 2 trainers before the step checkpoint, the rest on one
+    assert history.loc[1, "samples"] == STEPS * 2 and history.loc[1, "samples_repeated"] == 0
+    assert history.loc[2, "samples"] == STEPS * 2 and history.loc[2, "global_batch"] == 1
+    assert np.isfinite(history["train_loss"]).all() and np.isfinite(history["val_loss"]).all()
+    client.wait_for_workers(4, timeout=120)
+
+
+def test_a_pipeline_that_lost_a_replica_goes_on_with_one(store, client, tmp_path):
+    """2 replicas of a 2-stage pipeline lose replica 1's last stage: the restart goes on with replica 0's stages
+    alone, from the step checkpoint, the epoch's remaining rows re-sharded for one replica."""
+    client.wait_for_workers(4, timeout=120)
+    four = sorted(client.scheduler_info()["workers"])[:4]
+    ck = tmp_path / "ck"
+    with dask.config.set({"dask-dl.train.restart-wait": 2}):
+        run = fit(store, client, parallel="pipeline", stages=2, microbatches=2, batch_size=2, trainers=4,
+                  compression="none", epochs=3, workers=four, min_trainers=2, checkpoint_dir=str(ck),
+                  checkpoint_every_steps=3, wait=False)  # fmt: skip
+    wait_until(lambda: list(ck.glob("step-0001-*.pt")) or run.done, what="a step checkpoint of epoch 1")
+    victim = run.workers[3]
+    os.kill(pid_of(client, victim), signal.SIGKILL)
+    run.wait(timeout=300)
+    assert run.status == "finished" and len(run.workers) == 2 and victim not in run.workers
+    restarts = run.restarts
+    assert len(restarts) == 1 and restarts.loc[0, "lost_workers"] == victim and restarts.loc[0, "world_size"] == 2
+    assert restarts.loc[0, "resumed_epoch"] == 1 and restarts.loc[0, "resumed_step"] > 0
+    history = run.history.set_index("epoch")
+    assert list(history["event"]) == ["", "restarted", ""]
+    assert list(history["global_batch"]) == [4, 2, 2]  # batch_size x replicas
+    assert history.loc[0, "steps"] == 64 // 4 and history.loc[2, "steps"] == 64 // 2
+    assert np.isfinite(history["train_loss"]).all()
+    # the consolidated checkpoint of the replica left scores the validation split as its stages did
+    assert validation_loss(store, run.model()) == pytest.approx(history.loc[2, "val_loss"], rel=1e-5)
+    client.wait_for_workers(4, timeout=120)
 
 
 def test_more_failures_than_max_restarts_is_a_clear_error(store, client):
