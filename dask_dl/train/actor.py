@@ -303,7 +303,7 @@ class TrainingActor:
         sockets_before = before_group()  # what the group opens is what abort_group shuts
         dist.init_process_group(
             "nccl" if cuda else "gloo",
-            init_method=init_method,
+            store=_rendezvous(init_method, rank=rank, world_size=world_size, timeout_s=spec.timeout_s),
             rank=rank,
             world_size=world_size,
             timeout=timedelta(seconds=spec.timeout_s),
@@ -847,6 +847,25 @@ logger = logging.getLogger("dask_dl.train")
 _GROUP_OWNER: weakref.ref | None = None  # the actor whose process group this worker process is in
 _WATCH_S = 1.0  # how often a running trainer checks that its actor is still wanted (its client still there)
 _CLAIM_WAIT_S = 10.0  # how long setup waits for a failed run's trainer to leave its group before judging it stale
+_RENDEZVOUS_MIN_S = 60.0  # the least time ranks wait for each other to arrive: see _rendezvous
+
+
+def _rendezvous(init_method: str, *, rank: int, world_size: int, timeout_s: float) -> dist.TCPStore:
+    """The group's key-value store at ``init_method`` (``tcp://host:port``, hosted by rank 0).
+
+    Ranks arrive seconds apart on a busy cluster (a worker still importing torch, a restart's new worker), so they
+    wait for each other at least ``_RENDEZVOUS_MIN_S``, however short ``dask-dl.train.timeout`` is set to notice a
+    hung collective. A rank that never arrives because its worker died is noticed by the driver, which shuts this
+    wait with the group's other connections (:func:`dask_dl.train.abort.shut_group_sockets`).
+    """
+    address = urlparse(init_method)
+    return dist.TCPStore(
+        address.hostname,
+        address.port,
+        world_size,
+        is_master=rank == 0,
+        timeout=timedelta(seconds=max(float(timeout_s), _RENDEZVOUS_MIN_S)),
+    )
 
 
 def _unpickle_spec(spec: TrainerSpec | bytes, address: str) -> TrainerSpec:
