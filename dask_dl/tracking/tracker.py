@@ -59,6 +59,8 @@ def tracking_uri(tracking: str | os.PathLike | None) -> str | None:
     MissingDependencyError
         mlflow is not installed.
     """
+    if tracking is False:
+        return None
     if tracking is None:
         tracking = config.get("tracking.uri") or os.environ.get("MLFLOW_TRACKING_URI") or None
     if tracking is None or tracking == "":

@@ -218,7 +218,8 @@ def fit(
         shape, the model's source, one step per epoch of every number of the history, and ``history.csv``; an
         ``export_onnx`` of the run uploads the model (``register=`` puts it in the model registry). A tracking
         server that is down or slow never stops or slows training: one warning, and ``run.history`` has it all.
-        Default ``dask-dl.tracking.uri``, else the ``MLFLOW_TRACKING_URI`` environment variable, else none. See
+        Default ``dask-dl.tracking.uri``, else the ``MLFLOW_TRACKING_URI`` environment variable, else none
+        (``False``: none, whatever they say). See
         the tracking how-to. ``run.tracker`` is the run's :class:`~dask_dl.tracking.Tracker` (None untracked).
 
     Returns
@@ -302,7 +303,7 @@ def fit(
             given_tracker.finish("failed")
         raise
     run._lease = lease
-    run.tracker = open_tracker(given_tracker or uri, run_name=run.run_id)
+    run.tracker = open_tracker(given_tracker or uri or False, run_name=run.run_id)
     if run.tracker is not None:
         from dask_dl.tracking.runs import start_fit
 
