@@ -264,3 +264,20 @@ def test_params_flatten_option_groups_generically():
         "optimisation.lr": 0.1, "optimisation.schedule.name": "cosine", "optimisation.schedule.warmup": 5,
         "train_samples": 7, "loss": "numpy:mean", "labels": ("a", "b"), "options": {},
     }  # fmt: skip
+
+
+def test_cli_train_tracking(store, cluster_client, tmp_path):
+    from click.testing import CliRunner
+
+    from dask_dl.cli import cli
+
+    folder = tmp_path / "runs"
+    args = ["train", store, "-m", "small_cnn", "-e", "1", "-b", "8", "-q", "--tracking", str(folder)]
+    result = CliRunner().invoke(cli, [*args, "--scheduler", cluster_client.scheduler.address])
+    assert result.exit_code == 0, result.output
+    uri = f"sqlite:///{folder}/mlflow.db"
+    client = client_for(uri)
+    (logged,) = client.search_runs([client.get_experiment_by_name("dask-dl").experiment_id])
+    assert f"MLflow run {logged.info.run_id} at {uri}" in result.output
+    assert logged.info.status == "FINISHED" and logged.data.params["epochs"] == "1"
+    assert len(client.get_metric_history(logged.info.run_id, "val_auroc_mean")) == 1
