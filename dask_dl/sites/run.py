@@ -214,6 +214,8 @@ class SitesRun:
     error : BaseException or None
     audit : object or None
         On a shared cluster with site resources: the site guard's audit of the run (``audit.violations``).
+    tracker : dask_dl.tracking.Tracker or None
+        The run's MLflow parent run (``fit_sites(tracking=...)``); None when it is not tracked.
     """
 
     def __init__(self, plan: Plan, coordinator: Coordinator) -> None:

@@ -344,6 +344,8 @@ class TrainingRun:
     info : dict
         What the trainers reported when they started: ``weights``, the report of ``fit(weights=...)`` (tensors
         ``missing``, ``unexpected``, ``adapted`` and ``reinitialized``).
+    tracker : dask_dl.tracking.Tracker or None
+        The run's MLflow run (``fit(tracking=...)``); None when it is not tracked.
     """
 
     def __init__(
