@@ -281,3 +281,14 @@ def test_cli_train_tracking(store, cluster_client, tmp_path):
     assert f"MLflow run {logged.info.run_id} at {uri}" in result.output
     assert logged.info.status == "FINISHED" and logged.data.params["epochs"] == "1"
     assert len(client.get_metric_history(logged.info.run_id, "val_auroc_mean")) == 1
+
+
+def test_a_relative_sqlite_database_keeps_its_artifacts_beside_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    tracker = open_tracker("sqlite:///runs.db", run_name="here")
+    tracker.log_text("hello", "notes/hello.txt")
+    tracker.finish("stopped")
+    client = client_for(f"sqlite:///{tmp_path / 'runs.db'}")
+    assert client.get_experiment_by_name("dask-dl").artifact_location == f"file://{tmp_path / 'mlartifacts'}"
+    assert client.get_run(tracker.run_id).info.status == "KILLED"
+    assert (tmp_path / "mlartifacts" / tracker.run_id / "artifacts" / "notes" / "hello.txt").read_text() == "hello"

@@ -215,7 +215,8 @@ class _Writer:
             else:
                 location = None
                 if self.uri.startswith("sqlite:///"):  # MLflow's default is ./mlruns, wherever the user stands
-                    location = "file://" + os.path.join(os.path.dirname(self.uri[len("sqlite:///") :]), "mlartifacts")
+                    database = os.path.abspath(self.uri[len("sqlite:///") :].split("?")[0])
+                    location = "file://" + os.path.join(os.path.dirname(database), "mlartifacts")
                 self._experiments[name] = client.create_experiment(name, artifact_location=location)
         return self._experiments[name]
 
