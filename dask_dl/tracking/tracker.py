@@ -33,7 +33,7 @@ __all__ = ["STATUSES", "Tracker", "TrackingError", "open_tracker", "tracking_uri
 
 logger = logging.getLogger("dask_dl.tracking")
 
-#: a dask_dl run's status -> the MLflow run status it ends with
+#: a dask_dl run's status -> the MLflow run status it ends with (``stopped-...``: KILLED too)
 STATUSES = {"finished": "FINISHED", "stopped": "KILLED", "failed": "FAILED"}
 
 _MAX_PARAM = 6000  # MLflow's longest param value
@@ -394,7 +394,7 @@ class Tracker:
         self._finished = True
         for child in self._children:
             child.finish("failed")
-        state = STATUSES.get(status, "FINISHED")
+        state = STATUSES.get(status, "KILLED" if status.startswith("stopped") else "FINISHED")
         future = self._writer.submit(
             lambda client: client.set_terminated(self._id, state), f"ending run {self.run_name!r}"
         )
