@@ -146,6 +146,9 @@ def test_two_fits_nested_under_one_parent_in_sqlite(store, cluster_client, tmp_p
         assert child.data.params["lr"] == str(lr)
         assert len(client.get_metric_history(child.info.run_id, "train_loss")) == epochs
     assert artifacts(client, runs[0].tracker.run_id) == ["history.csv"]
+    dask_dl.export_onnx(runs[0], tmp_path / "trial-0.onnx")  # no register=: the file goes to the run
+    assert artifacts(client, runs[0].tracker.run_id, "onnx") == ["onnx/trial-0.onnx"]
+    assert client.search_registered_models() == []
     assert artifacts(client, runs[1].tracker.run_id) == ["history.csv", "model"]
     assert by_name["trial 1"].data.params["model"] == "dask_dl.testing.models:tiny_net"
     source = client.download_artifacts(runs[1].tracker.run_id, "model/source.py", str(tmp_path))
