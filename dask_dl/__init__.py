@@ -75,6 +75,7 @@ _LAZY = {
     "connect": "dask_dl.cluster",
     "fit_sites": "dask_dl.sites.run",
     "SitesRun": "dask_dl.sites.run",
+    "open_tracker": "dask_dl.tracking",
 }
 
 __all__ = [

@@ -520,12 +520,16 @@ def check_command(store) -> None:
     help="Send this .py (or zipped package) file to the workers before training (client.upload_file), for a "
     "--model module:function they cannot import otherwise. Repeatable.",
 )  # fmt: skip
+@click.option("--tracking", default=None, metavar="URI",
+              help="Record the run in MLflow: http://host:port, sqlite:///runs.db or a folder (default: config, "
+              "then MLFLOW_TRACKING_URI).")  # fmt: skip
 @scheduler_option
 @quiet_option
 def train_command(
     store, model, epochs, batch_size, trainers, compression, lr, optimizer, checkpoint_dir, resume, seed, augment,
     parallel, stages, microbatches, memory_budget, max_restarts, min_trainers, checkpoint_every, weights,
-    freeze_epochs, head_lr, schedule, precision, accumulate, normalization, upload, scheduler, workers, quiet,
+    freeze_epochs, head_lr, schedule, precision, accumulate, normalization, upload, tracking, scheduler, workers,
+    quiet,
 ) -> None:  # fmt: skip
     """Train a model on the train split of STORE, validating on its val split after every epoch.
 
@@ -556,7 +560,7 @@ def train_command(
             microbatches=microbatches, memory_budget=memory_budget,
             max_restarts=max_restarts, min_trainers=min_trainers, checkpoint_every_steps=checkpoint_every,
             weights=weights, freeze_epochs=freeze_epochs, head_lr=head_lr, schedule=schedule, precision=precision,
-            accumulate=accumulate, normalization=normalization,
+            accumulate=accumulate, normalization=normalization, tracking=tracking,
         )  # fmt: skip
         interrupted = _follow(
             run, lambda shown: _echo_training(run, shown, interactive), "stopping the trainers", shown=(0, 0)
@@ -568,6 +572,8 @@ def train_command(
         if len(run.history):
             click.echo(_final_table(run.history))
         click.echo(f"{run.run_id}: {run.status}")
+        if run.tracker is not None:
+            click.echo(f"MLflow run {run.tracker.run_id} at {run.tracker.uri}")
         run.wait()  # raises what made the run fail
     if interrupted:
         sys.exit(130)

@@ -229,6 +229,7 @@ def export_onnx(
     check: bool = True,
     example: Any = None,
     model: Any = None,
+    register: str | None = None,
 ) -> Path | str:
     """Write a trained model as ONNX, with its labels and preprocessing, and check it against torch.
 
@@ -257,6 +258,10 @@ def export_onnx(
         The architecture for a checkpoint of a user's model that cannot be rebuilt from what it records (a
         ``torch.nn.Module`` passed to ``fit`` by value, or a factory without an import path): the module, or the
         function that builds it. Its weights are replaced by the checkpoint's.
+    register
+        For a run tracked in MLflow (``fit(..., tracking=...)``): a model registry name. The ONNX file becomes
+        a new version of it, tagged with its labels, normalization, input size and task. Without it, a tracked
+        run's export still uploads the file to the run (under ``onnx/``).
 
     Returns
     -------
@@ -267,6 +272,10 @@ def export_onnx(
     ------
     ExportError
         ``path`` exists and ``overwrite`` is False; the source lacks what is needed; the parity check fails.
+    ConfigurationError
+        ``register`` for a source that is not a tracked run.
+    dask_dl.tracking.TrackingError
+        The tracking server did not register the model.
     StoreNotFoundError
         A checkpoint path that does not exist.
 
@@ -278,6 +287,12 @@ def export_onnx(
     """
     from dask_dl.cluster.storage import exists, is_url, publish
 
+    if register is not None and getattr(source, "tracker", None) is None:
+        raise ConfigurationError(
+            f"register={register!r} puts the model into the MLflow registry of the run it was trained in, and this "
+            f"{type(source).__name__} was not tracked; train with fit(..., tracking='http://127.0.0.1:5000') (or "
+            "set dask-dl.tracking.uri), then export_onnx(run, path, register=...)"
+        )
     if exists(path) and not overwrite:
         raise ExportError(f"{os.fspath(path)!r} exists already; pass overwrite=True (CLI: --overwrite) to replace it")
     if is_url(path):  # object storage: write and check a local file, then upload it whole
@@ -285,6 +300,7 @@ def export_onnx(
             local = export_onnx(
                 source, Path(tmp) / os.path.basename(os.fspath(path)), labels=labels, input_size=input_size,
                 normalization=normalization, task=task, opset=opset, check=check, example=example, model=model,
+                register=register,
             )  # fmt: skip
             publish(local, os.fspath(path))
         return os.fspath(path)
@@ -316,6 +332,10 @@ def export_onnx(
             temporary.unlink(missing_ok=True)
     finally:
         net.train(was_training)
+    if getattr(source, "tracker", None) is not None:
+        from dask_dl.tracking.runs import track_export
+
+        track_export(source, path, info, register)
     return path
 
 

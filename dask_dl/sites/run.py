@@ -66,6 +66,7 @@ def fit_sites(
     normalization: dict[str, Any] | None = None,
     client: Client | None = None,
     wait: bool = True,
+    tracking: Any = None,
 ) -> SitesRun:
     """Train one model across sites whose images never leave them; only weights and metrics travel.
 
@@ -121,6 +122,11 @@ def fit_sites(
         The shared cluster of sites given as datasets (default: the current client).
     wait : bool
         Block until the run ends, or return the running :class:`SitesRun` at once.
+    tracking : str, path or Tracker, optional
+        Record the run in MLflow, as for :func:`dask_dl.fit`: a parent run (the plan, the options, the sites'
+        stores and sizes, and per round each site's scores as ``<site>.<column>`` metrics, then ``history.csv``)
+        with one nested run per site and round (that visit's fit, named ``"<site> round <n>"``). Logged by the
+        coordinator: only what already reaches it. Default ``dask-dl.tracking.uri``, else ``MLFLOW_TRACKING_URI``.
 
     Returns
     -------
@@ -145,7 +151,9 @@ def fit_sites(
     from dask_dl.sites.site import connect_sites
     from dask_dl.sites.transfers import Transfers
     from dask_dl.sites.visits import Coordinator
+    from dask_dl.tracking import Tracker, open_tracker, tracking_uri
 
+    uri = tracking if isinstance(tracking, Tracker) else tracking_uri(tracking)  # a bad URI fails before any work
     plan = _check_plan(
         protocol=protocol, rounds=rounds, local_epochs=local_epochs, steps=steps, order=order,
         proportional_steps=proportional_steps, cyclic_lr=cyclic_lr, site_weighted_loss=site_weighted_loss, mu=mu,
@@ -179,7 +187,14 @@ def fit_sites(
     except BaseException:
         for site in connected:
             site.close()
+        if isinstance(tracking, Tracker):
+            tracking.finish("failed")
         raise
+    run.tracker = coordinator.tracker = open_tracker(uri or False, run_name=run.run_id)
+    if run.tracker is not None:
+        from dask_dl.tracking.runs import start_sites
+
+        start_sites(run.tracker, run)
     run._start()
     if wait:
         run.wait()
@@ -199,6 +214,8 @@ class SitesRun:
     error : BaseException or None
     audit : object or None
         On a shared cluster with site resources: the site guard's audit of the run (``audit.violations``).
+    tracker : dask_dl.tracking.Tracker or None
+        The run's MLflow parent run (``fit_sites(tracking=...)``); None when it is not tracked.
     """
 
     def __init__(self, plan: Plan, coordinator: Coordinator) -> None:
@@ -208,6 +225,8 @@ class SitesRun:
         self.sites = [s.name for s in coordinator.sites]
         self.status, self.error = "running", None
         self.audit: Any = None
+        #: the run's MLflow run (:class:`dask_dl.tracking.Tracker`), None when it is not tracked
+        self.tracker: Any = None
         self._guard: Any = None
         self._rows: list[dict[str, Any]] = []
         self._states: list[dict[str, Any]] = []
@@ -348,7 +367,7 @@ class SitesRun:
         from dask_dl.export import export_onnx
 
         if self.protocol != "ensemble":
-            return export_onnx(self.checkpoint(), path, **options)
+            return export_onnx(self, path, **options)  # itself: a tracked run's export goes to its MLflow run
         spec = self._co.model
         defaults = {"labels": list(spec.labels), "input_size": int(spec.input_size), "task": spec.task,
                     "normalization": dict(spec.normalization)}  # fmt: skip
@@ -383,6 +402,10 @@ class SitesRun:
                 self.audit = self._guard.close()  # the final audit, then the guard's plugins go
             for site in self._co.sites:
                 site.close()
+            if self.tracker is not None:  # waits at most dask-dl.tracking.timeout for the server
+                from dask_dl.tracking.runs import end_run
+
+                end_run(self.tracker, self.history, self.status)
         except Exception as exc:  # the run's outcome stands; what failed after it is reported, not raised
             logger.warning("%s: closing the guard or a site's connection failed: %s: %s", self.run_id,
                            type(exc).__name__, exc)  # fmt: skip
@@ -396,6 +419,10 @@ class SitesRun:
             rows.append(_row(round_, site.name, "val", by_site.get(site.name), scores.get(site.name), site))
         if "test" in scores:
             rows.append(_row(round_, "test", "test", None, scores["test"], None))
+        if self.tracker is not None:
+            from dask_dl.tracking.runs import log_sites_round
+
+            log_sites_round(self.tracker, rows)
         with self._lock:
             self._rows.extend(rows)
             if state is not None:

@@ -86,6 +86,9 @@ class Coordinator:
         self.stop_requested = threading.Event()
         #: the weights every protocol starts from (built once, seeded, on the coordinator)
         self.initial: dict[str, Any] | None = None
+        #: the run's MLflow run (:class:`dask_dl.tracking.Tracker`): each visit is a run nested in it
+        self.tracker: Any = None
+        self._visits: dict[str, int] = {}
         self._active: list[Any] = []
         self._lock = threading.Lock()
         self._cursor: dict[str, int] = {}
@@ -135,11 +138,16 @@ class Coordinator:
             visit.error = "stopped"
             return None, visit
         dataset = site.dataset if plan.steps is None else self._slice(site, plan.steps, plan.seed)
+        tracking: Any = False  # an untracked cross-site run has untracked visits, whatever the environment says
+        if self.tracker is not None:  # the visits of a site are its rounds, in every protocol
+            n = self._visits[site.name] = self._visits.get(site.name, -1) + 1
+            tracking = self.tracker.nested(f"{site.name} round {n}", tags={"dask_dl.site": site.name,
+                                                                            "dask_dl.round": n})  # fmt: skip
         try:
             run = fit(
                 dataset, epochs=plan.epochs, lr=plan.lr, seed=plan.seed, trainers=self.trainers,
                 client=site.client, workers=site.workers, start_state=plan.state, proximal_mu=plan.mu,
-                weights_only=True, view="none", wait=False, **self.fit_options,
+                weights_only=True, view="none", wait=False, tracking=tracking, **self.fit_options,
             )  # fmt: skip
         except (ConfigurationError, DatasetError) as exc:  # the arguments or the site's data: the user's to fix
             raise type(exc)(f"site {site.name!r}: {exc}") from exc

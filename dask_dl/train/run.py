@@ -32,6 +32,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from distributed import Client
     from matplotlib.figure import Figure
 
+    from dask_dl.tracking import Tracker
+
 __all__ = ["TrainingRun", "fit"]
 
 logger = logging.getLogger("dask_dl.train")
@@ -80,6 +82,7 @@ def fit(
     proximal_mu: float = 0.0,
     workers: list[str] | None = None,
     weights_only: bool = False,
+    tracking: str | os.PathLike | Tracker | None = None,
 ) -> TrainingRun:
     """Train a model on ``dataset`` with synchronous data-parallel SGD over Dask workers.
 
@@ -208,6 +211,16 @@ def fit(
         For :func:`dask_dl.fit_sites`: without ``checkpoint_dir``, rank 0 keeps only the model's weights for
         ``run.checkpoint()`` (a dict of ``model``, ``epoch`` and ``model_name``), so that no optimizer moment,
         RNG state or history leaves the trainers.
+    tracking : str, path or Tracker, optional
+        Record the run in MLflow (the ``tracking`` extra), from the client: ``http://host:port`` (a tracking
+        server), ``sqlite:///runs.db`` or a folder; a :class:`dask_dl.tracking.Tracker`
+        (``parent.nested("trial 3")``) to log into that run, which fit ends. Every option as a param, the store's
+        shape, the model's source, one step per epoch of every number of the history, and ``history.csv``; an
+        ``export_onnx`` of the run uploads the model (``register=`` puts it in the model registry). A tracking
+        server that is down or slow never stops or slows training: one warning, and ``run.history`` has it all.
+        Default ``dask-dl.tracking.uri``, else the ``MLFLOW_TRACKING_URI`` environment variable, else none
+        (``False``: none, whatever they say). See
+        the tracking how-to. ``run.tracker`` is the run's :class:`~dask_dl.tracking.Tracker` (None untracked).
 
     Returns
     -------
@@ -238,7 +251,10 @@ def fit(
     >>> run.history[["epoch", "train_loss", "val_auroc_mean"]]  # doctest: +SKIP
     """
     from dask_dl.cluster import check_importable, check_visible, close_client, get_client
+    from dask_dl.tracking import Tracker, open_tracker, tracking_uri
 
+    given_tracker = tracking if isinstance(tracking, Tracker) else None
+    uri = None if given_tracker is not None else tracking_uri(tracking)  # a bad URI fails before any work
     options = check_run(
         dataset, model=model, epochs=epochs, batch_size=batch_size, trainers=trainers, compression=compression,
         lr=lr, optimizer=optimizer, warmup_steps=warmup_steps, checkpoint_dir=checkpoint_dir, resume=resume,
@@ -283,8 +299,15 @@ def fit(
             lease.release()
         if owns_client and client is not None:
             close_client(client)
+        if given_tracker is not None:
+            given_tracker.finish("failed")
         raise
     run._lease = lease
+    run.tracker = open_tracker(given_tracker or uri or False, run_name=run.run_id)
+    if run.tracker is not None:
+        from dask_dl.tracking.runs import start_fit
+
+        start_fit(run.tracker, run, dataset)
     _install_dashboard(client)
     run._start()
     if wait:
@@ -321,6 +344,8 @@ class TrainingRun:
     info : dict
         What the trainers reported when they started: ``weights``, the report of ``fit(weights=...)`` (tensors
         ``missing``, ``unexpected``, ``adapted`` and ``reinitialized``).
+    tracker : dask_dl.tracking.Tracker or None
+        The run's MLflow run (``fit(tracking=...)``); None when it is not tracked.
     """
 
     def __init__(
@@ -358,6 +383,8 @@ class TrainingRun:
         self._view = RunView(options.view)
         #: what the trainers reported when they started: ``weights``, the start weights' report (fit's weights=)
         self.info: dict[str, Any] = {}
+        #: the run's MLflow run (:class:`dask_dl.tracking.Tracker`), None when it is not tracked
+        self.tracker: Any = None
         self._history_writer = HistoryWriter(
             options.checkpoint_dir, tensorboard=options.tensorboard, run_id=self.run_id
         )
@@ -551,6 +578,10 @@ class TrainingRun:
             self._rows.append(row)
             rows = list(self._rows)
         self._history_writer.write(rows)
+        if self.tracker is not None:
+            from dask_dl.tracking.runs import log_row
+
+            log_row(self.tracker, row)
         self._publish()
         self._view.update(self.snapshot())
 
@@ -576,6 +607,10 @@ class TrainingRun:
             self._view.update(self.snapshot())
             self._view.close()
             self._history_writer.close()
+            if self.tracker is not None:  # waits at most dask-dl.tracking.timeout for the server
+                from dask_dl.tracking.runs import end_run
+
+                end_run(self.tracker, self.history, status)
             if self._lease is not None:
                 self._lease.release()
             if self._owns_client:  # fit started this cluster for the run: nothing is left running
