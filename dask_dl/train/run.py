@@ -238,6 +238,7 @@ def fit(
     >>> run.history[["epoch", "train_loss", "val_auroc_mean"]]  # doctest: +SKIP
     """
     from dask_dl.cluster import check_importable, check_visible, close_client, get_client
+    from dask_dl.data.order import warn_if_sorted
 
     options = check_run(
         dataset, model=model, epochs=epochs, batch_size=batch_size, trainers=trainers, compression=compression,
@@ -261,6 +262,7 @@ def fit(
             UserWarning,
             stacklevel=2,
         )
+    warn_if_sorted(options.store, split="train", stacklevel=2)  # a store in class-folder order learns poorly
     lease = None
     if options.checkpoint_dir is not None:  # one live run per checkpoint_dir, held until the run ends
         from dask_dl.train.lease import CheckpointLease
