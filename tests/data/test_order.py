@@ -28,7 +28,7 @@ def folders(tmp_path_factory):
 
 def ingest(catalog, store, client, *, order: str = "shuffled", **options):
     with dask.config.set({"dask-dl.ingest.order": order}):
-        return dask_dl.ingest(catalog, store, client=client, **OPTIONS, **options)
+        return dask_dl.ingest(catalog, store, client=client, **{**OPTIONS, **options})
 
 
 def test_ingest_stores_a_seeded_permutation_and_records_it(folders, cluster_client, tmp_path):
@@ -74,13 +74,16 @@ def test_a_store_of_another_order_is_refused_and_bad_settings_are_named(folders,
         ingest(folders, tmp_path / "t.zarr", cluster_client)
 
 
-def test_a_class_sorted_store_warns_in_check_and_fit(folders, cluster_client, tmp_path):
+def test_a_class_sorted_store_warns_in_check_and_fit(cluster_client, tmp_path):
+    """Ten classes of 16 in class folders, chunks of 8: in catalog order a window of 4 chunks holds 4 classes at
+    most, where a full shuffle's 32 samples hold most of the ten."""
+    root = class_folders(tmp_path / "classes", classes=[str(c) for c in range(10)], per_class=16, size=32)
+    catalog = dask_dl.read_folders(root, val_fraction=0.25, test_fraction=0.0)
     sorted_store, shuffled_store = tmp_path / "sorted.zarr", tmp_path / "shuffled.zarr"
-    ingest(folders, sorted_store, cluster_client, order="catalog")
-    ingest(folders, shuffled_store, cluster_client)
+    ingest(catalog, sorted_store, cluster_client, order="catalog", chunk=8, shard=2)
+    ingest(catalog, shuffled_store, cluster_client, chunk=8, shard=2)
     mix = label_mix(sorted_store)
-    # chunks of 4 from one class each, windows of 4 chunks: far from the split's thirds
-    assert mix.far and mix.distance > 0.4 and mix.shuffled < 0.25, mix
+    assert mix.far and mix.distance > 0.55 and mix.shuffled < 0.35, mix
     assert sum(mix.split_mix.values()) == pytest.approx(1.0)
     with pytest.warns(SampleOrderWarning) as caught:
         report = check_store(sorted_store)
@@ -88,7 +91,7 @@ def test_a_class_sorted_store_warns_in_check_and_fit(folders, cluster_client, tm
     message = str(caught[0].message)
     assert message.startswith(f"the train samples of the store {str(sorted_store)!r} are in an order far from shuffled")
     assert f"a label mix {mix.distance:.2f} away from the split's on average, where a full shuffle is" in message
-    assert "windows of 4 chunks (16 samples)" in message
+    assert "windows of 4 chunks (32 samples)" in message
     assert f"dask_dl.ingest(catalog, {str(sorted_store)!r}, overwrite=True)" in message
     assert report.ok and report.notes == (message,) and f"note: {message}" in report.summary()
     with warnings.catch_warnings():
