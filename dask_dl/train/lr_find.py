@@ -188,7 +188,8 @@ def _check_ramp(
             f"start_lr={start_lr!r} must be below end_lr={end_lr!r}: the ramp rises from one to the other; "
             "e.g. start_lr=1e-07, end_lr=10"
         )
-    skip_start = int(positive_int("skip_start", skip_start + 1, example=10)) - 1
+    if isinstance(skip_start, bool) or not isinstance(skip_start, int) or skip_start < 0:
+        raise ConfigurationError(f"skip_start must be an integer >= 0, got {skip_start!r}; e.g. skip_start=10")
     steps = positive_int("steps", steps, example=100)
     if steps < skip_start + 3:
         raise ConfigurationError(

@@ -73,6 +73,7 @@ def test_plot_marks_the_suggestion(finder):
         ({"start_lr": 0}, r"start_lr must be a positive number, got 0"),
         ({"steps": 12}, r"steps=12 leaves fewer than 3 steps after skip_start=10 .* pass steps >= 13"),
         ({"smoothing": 1.0}, r"smoothing must be in \[0, 1\), got 1.0"),
+        ({"skip_start": "10"}, r"skip_start must be an integer >= 0, got '10'"),
         ({"stop_factor": 1}, r"stop_factor must be a number above 1 or None, got 1"),
         ({"lr": 0.1}, r"find_lr takes no lr: the ramp sets it; pass start_lr= and end_lr="),
         ({"epochs": 3}, r"find_lr does not take epochs=: the range test trains one trainer"),
