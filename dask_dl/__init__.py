@@ -50,6 +50,7 @@ _LAZY = {
     "ChunkLoader": "dask_dl.data.loader",
     "fit": "dask_dl.train.run",
     "TrainingRun": "dask_dl.train.run",
+    "find_lr": "dask_dl.train.lr_find",
     "make_compressor": "dask_dl.train.compression",
     "build_model": "dask_dl.models",
     "list_models": "dask_dl.models",
@@ -148,4 +149,5 @@ if TYPE_CHECKING:  # pragma: no cover
     from dask_dl.onnx_info import read_model_info
     from dask_dl.sites.run import SitesRun, fit_sites
     from dask_dl.train.compression import make_compressor
+    from dask_dl.train.lr_find import find_lr
     from dask_dl.train.run import TrainingRun, fit

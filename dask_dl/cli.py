@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -468,8 +469,11 @@ def check_command(store) -> None:
     Prints the problems found with the samples they touch, and exits with status 1 when there is one.
     """
     from dask_dl.data.check import check_store
+    from dask_dl.data.order import SampleOrderWarning
 
-    report = check_store(store)
+    with warnings.catch_warnings():  # the summary says it, as a note
+        warnings.simplefilter("ignore", SampleOrderWarning)
+        report = check_store(store)
     click.echo(report.summary())
     if not report.ok:
         sys.exit(1)
@@ -485,7 +489,10 @@ def check_command(store) -> None:
 @click.option("--batch-size", "-b", type=int, default=None, help="Images per step on each trainer.")
 @click.option("--trainers", "-t", type=int, default=None, help="Data-parallel trainers, one per worker.")
 @registry_option("--compression", "-c", registry=COMPRESSORS, what="Gradient compressor")
-@click.option("--lr", type=float, default=None, help="Learning rate.")
+@click.option(
+    "--lr", default=None, metavar="LR|find", callback=lambda ctx, param, value: _lr(value),
+    help="Learning rate; find: run a learning-rate range test first (dask_dl.find_lr) and train with its suggestion.",
+)  # fmt: skip
 @click.option("--optimizer", type=click.Choice(OPTIMIZERS), default=None, help="Optimizer (default: config).")
 @click.option("--checkpoint-dir", default=None, help="Directory or fsspec URL for one checkpoint per epoch.")
 @click.option("--resume", is_flag=True, help="Continue from the latest checkpoint in --checkpoint-dir.")
@@ -553,6 +560,10 @@ def train_command(
         if normalization == "stats":
             normalization = channel_stats(dataset)  # one pass over the train split, on the cluster
             click.echo(f"normalization of the train split: mean {normalization['mean']}, std {normalization['std']}")
+        if lr == "find":
+            lr = _found_lr(dataset, client, model=model, batch_size=batch_size, optimizer=optimizer, seed=seed,
+                           augment=augment, weights=weights, accumulate=accumulate,
+                           normalization=normalization)  # fmt: skip
         run = fit(
             dataset, model=model, epochs=epochs, batch_size=batch_size, trainers=n_trainers, compression=compression,
             lr=lr, optimizer=optimizer, checkpoint_dir=checkpoint_dir, resume=resume, seed=seed, augment=augment,
@@ -577,6 +588,33 @@ def train_command(
         run.wait()  # raises what made the run fail
     if interrupted:
         sys.exit(130)
+
+
+def _lr(value: str | None) -> float | str | None:
+    """``--lr``: a number, or ``find``."""
+    if value is None:
+        return None
+    if value.strip().lower() == "find":
+        return "find"
+    try:
+        return float(value)
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is neither a number nor 'find'; e.g. --lr 0.001 or --lr find") from None
+
+
+def _found_lr(dataset: Any, client: Any, **options: Any) -> float:
+    """``--lr find``: the range test's suggestion, printed with how to see the curve."""
+    from dask_dl.train.lr_find import find_lr
+
+    finder = find_lr(dataset, client=client, **{k: v for k, v in options.items() if v is not None})
+    if finder.suggestion is None:
+        raise click.ClickException(
+            f"the learning-rate range test stopped after {len(finder.results)} steps ({finder.stopped}), too few to "
+            "suggest a learning rate; pass --lr NUMBER"
+        )
+    click.echo(f"learning-rate range test: {len(finder.results)} steps ({finder.stopped}), suggested lr "
+               f"{finder.suggestion:.3g} (the curve: dask_dl.find_lr(ds, ...).plot())")  # fmt: skip
+    return finder.suggestion
 
 
 def _upload(client: Any, path: str) -> None:

@@ -220,7 +220,7 @@ def test_train_from_start_weights_says_what_it_loaded_and_the_head_rate(store, c
     result = CliRunner().invoke(cli, [*args, "--weights", str(tmp_path / "pre.pt"), "--head-lr", "0.01"])
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
-    assert " lr=0.001 head_lr=0.01 train_loss=" in lines[0]
+    assert " lr=0.003 head_lr=0.01 train_loss=" in lines[0]
     assert lines[1] == (
         f"weights {str(tmp_path / 'pre.pt')!r}: 1 adapted (features.0.weight), 2 reinitialized (fc.bias, fc.weight), "
         "0 missing, 0 unexpected"

@@ -56,7 +56,9 @@ def test_a_deterministic_run_repeats_itself_bit_for_bit(tmp_path, cluster_client
     dask_dl.ingest(squares_collection(tmp_path), store, size=32, chunk=8, shard=2, client=cluster_client,
                    progress=False)  # fmt: skip
     ds = dask_dl.open_dataset(store)
-    options = dict(model="small_cnn", model_kwargs={"width": 8}, epochs=2, batch_size=8, trainers=2, lr=0.05)
+    options = dict(
+        model="small_cnn", model_kwargs={"width": 8}, epochs=2, batch_size=8, trainers=2, lr=0.05, optimizer="sgd"
+    )
     assert dask.config.get("dask-dl.train.deterministic") is True
     first, second = (dask_dl.fit(ds, seed=3, client=cluster_client, **options).checkpoint()["model"] for _ in "ab")
     assert all(torch.equal(first[k], second[k]) for k in first)

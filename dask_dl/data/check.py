@@ -16,6 +16,7 @@ import numpy as np
 import pandas as pd
 
 from dask_dl.data import store as contract
+from dask_dl.data.order import warn_if_sorted
 from dask_dl.data.schema import SPLITS
 from dask_dl.data.store import StoreFiles, StoreLayout, lost_shards, open_store
 from dask_dl.errors import DaskDLError
@@ -40,12 +41,16 @@ class StoreCheck:
         (the rows it touches, e.g. ``"16..23"``, empty for the whole store) and ``problem``.
     chunks_read
         Chunks decoded.
+    notes
+        What is not damage but will hurt training: a sample order far from shuffled
+        (:class:`~dask_dl.data.order.SampleOrderWarning`, also warned).
     """
 
     store: str
     layout: StoreLayout | None
     problems: pd.DataFrame = field(repr=False)
     chunks_read: int = 0
+    notes: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -54,9 +59,11 @@ class StoreCheck:
 
     def summary(self) -> str:
         """Human-readable lines, as ``dask-dl check`` prints them."""
+        notes = [f"  note: {note}" for note in self.notes]
         if self.ok:
             n = self.layout.n if self.layout else 0
-            return f"{self.store}: ok ({n} samples, {self.chunks_read} chunks decoded, every shard present)"
+            ok = f"{self.store}: ok ({n} samples, {self.chunks_read} chunks decoded, every shard present)"
+            return "\n".join([ok, *notes])
         lines = [f"{self.store}: {len(self.problems)} problem(s)"]
         for row in self.problems.itertuples():
             where = f" samples {row.samples}" if row.samples else ""
@@ -65,7 +72,7 @@ class StoreCheck:
             "  repair: delete the damaged shard files and their _dask_dl/status/shard-*.json, then run ingest again "
             "(it rewrites only missing shards), or ingest into a new store"
         )
-        return "\n".join(lines)
+        return "\n".join(lines + notes)
 
 
 def _span(rows: Any) -> str:
@@ -125,7 +132,11 @@ def check_store(store: str | os.PathLike) -> StoreCheck:
     problems += _shards(files, layout)
     chunk_problems, read = _chunks(group, layout, group[contract.VALID][:] if contract.VALID in group else None)
     problems += chunk_problems
-    return StoreCheck(url, layout, pd.DataFrame(problems, columns=_COLUMNS), chunks_read=read)
+    order = None
+    if layout.complete and not any(p[0] == "arrays" for p in problems):  # not damage: the store reads as written
+        order = warn_if_sorted(url, split="train", stacklevel=2)
+    notes = (order.message(),) if order is not None and order.far else ()
+    return StoreCheck(url, layout, pd.DataFrame(problems, columns=_COLUMNS), chunks_read=read, notes=notes)
 
 
 def _arrays(group: Any, layout: StoreLayout) -> list[tuple[str, str, str]]:

@@ -1,7 +1,9 @@
 """Ingest a catalog into a sharded Zarr 3 store with one Dask task per shard.
 
-The layout of the store is the contract in :mod:`dask_dl.data.store`; row ``i`` of the store is row ``i`` of the
-validated catalog. Beside the arrays, in the store's ``_dask_dl/`` group:
+The layout of the store is the contract in :mod:`dask_dl.data.store`. Row ``i`` of the store is row
+``catalog_row[i]`` of the validated catalog: a seeded random permutation by default (``dask-dl.ingest.order``), so
+that every chunk the loader reads mixes labels as a full shuffle does, whatever the catalog's order. Beside the
+arrays, in the store's ``_dask_dl/`` group:
 
 - ``status/shard-000012.json``: written (atomically) after shard 12 is written; it is how a restarted run knows
   which shards are done, and it holds that shard's per-row status (ok, reason, message: for a kept image, what the
@@ -39,7 +41,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 import zarr
-from zarr.codecs import ZstdCodec
 
 from dask_dl import allocator, config
 from dask_dl.checks import one_of, positive_int
@@ -61,8 +62,6 @@ __all__ = ["IngestResult", "ingest", "read_rejects"]
 
 logger = logging.getLogger(__name__)
 
-# label/valid/coordinate arrays are small: chunk them by at least this many rows to keep the file count low
-_META_ROWS = 65536
 _STATUS_COLUMNS = ["row", "image_id", "ok", "reason", "message"]
 
 
@@ -148,6 +147,11 @@ def ingest(
     One task per Zarr shard (``chunk * shard`` images) writes that whole shard, so no two tasks ever touch the
     same shard file. Re-running on a store a killed run left behind writes only the missing shards.
 
+    The samples are stored in a seeded random permutation of the catalog (``dask-dl.ingest.order: shuffled``,
+    ``order-seed``), so that the chunks a loader reads mix labels as a full shuffle does whatever the catalog's
+    order (class folders list one class after another); :func:`dask_dl.data.store.catalog_rows` gives each
+    sample's catalog row. ``order: catalog`` keeps the catalog's order.
+
     Parameters
     ----------
     catalog
@@ -211,6 +215,9 @@ def ingest(
     # from this process's folder, as the store's is
     catalog = catalog.assign(path=catalog["path"].map(absolute))
     layout, options = _layout(catalog, size=size, chunk=chunk, shard=shard, min_size=min_size, channels=channels)
+    # the hash of the image ids is over the catalog's order; the permutation depends on n and the seed only, so a
+    # resumed run cuts the same shards
+    catalog = catalog.iloc[layout.catalog_rows()].reset_index(drop=True)
     share = _share("max_reject_share", config.get("ingest.max-reject-share", max_reject_share))
     reading = {  # the driver's settings, not each worker's
         "max_image_bytes": positive_int("max-image-bytes", config.get("ingest.max-image-bytes")),
@@ -316,6 +323,8 @@ def _layout(
         task=one_of("task", task_of(catalog), contract.TASKS),
         n=len(catalog),
         channels=one_of("channels", config.get("ingest.channels", channels), CHANNELS),
+        order=one_of("dask-dl.ingest.order", config.get("ingest.order"), contract.ORDERS),
+        order_seed=_seed(config.get("ingest.order-seed")),
     )
     min_size = config.get("ingest.min-size", min_size)
     image_ids = "\n".join(catalog["image_id"]).encode()
@@ -327,11 +336,20 @@ def _layout(
     return layout, options
 
 
+def _seed(value: Any) -> int:
+    if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < 0:
+        raise ConfigurationError(
+            f"dask-dl.ingest.order-seed must be an integer >= 0, got {value!r}; e.g. "
+            "dask.config.set({'dask-dl.ingest.order-seed': 0})"
+        )
+    return int(value)
+
+
 def _differences(attrs: dict[str, Any], layout: StoreLayout, options: dict[str, Any]) -> list[str]:
     stored = {**attrs.get(contract.INGEST_ATTRIBUTE, {}), **attrs.get(contract.ATTRIBUTE, {})}
     asked = {**{k: v for k, v in layout.to_dict().items() if k != "complete"}, **options}
-    names = {"image_ids_sha256": "catalog (hash of the image ids)"}
-    defaults = {"channels": 1}  # stores of round one did not write it
+    names = {"image_ids_sha256": "catalog (hash of the image ids)", "order": "sample order (dask-dl.ingest.order)"}
+    defaults = {"channels": 1, "order": "catalog", "order_seed": 0}  # stores written before these existed
     return [
         f"{names.get(key, key)}: store has {stored.get(key, defaults.get(key))!r}, asked for {value!r}"
         for key, value in asked.items()
@@ -387,55 +405,17 @@ def _prepare_store(
     group = zarr.open_group(contract.zarr_store(url), mode="a" if fresh else "r+", zarr_format=3)
     group.attrs.update(_attrs(layout, options))
     if contract.IMAGE not in group:  # also when a run was killed right after writing the attributes
-        _create_image(group, layout, options)
+        contract.create_image(group, layout, compressor=options["compressor"])
     group.require_group(contract.META_GROUP)
     _write_table_arrays(group, catalog, layout)
     return group
 
 
-def _create_image(group: zarr.Group, layout: StoreLayout, options: dict[str, Any]) -> None:
-    image = layout.image_shape
-    group.create_array(
-        contract.IMAGE,
-        shape=(layout.n, *image),
-        dtype="uint8",
-        chunks=(layout.chunk, *image),
-        shards=(layout.shard_rows, *image),
-        # spelled out: StoreLayout.shard_key relies on this encoding of the Zarr 3 specification
-        chunk_key_encoding={"name": "default", "separator": "/"},
-        compressors=ZstdCodec(level=3) if options["compressor"] == "zstd" else None,
-        fill_value=0,
-        dimension_names=layout.image_dims,
-        attributes={"coordinates": " ".join(contract.COORDS)},
-    )
-
-
 def _write_table_arrays(group: zarr.Group, catalog: pd.DataFrame, layout: StoreLayout) -> None:
-    """(Re)write ``label``, ``valid`` (all False) and the coordinates from the catalog."""
-    n, labels = layout.n, list(layout.labels)
-    rows = min(n, -(-_META_ROWS // layout.shard_rows) * layout.shard_rows)
-
-    def create(name: str, values: np.ndarray, **kwargs: Any) -> None:
-        dims = contract.DIMS[name]
-        array = group.create_array(
-            name,
-            shape=values.shape,
-            dtype=values.dtype if values.dtype.kind != "U" else str,
-            chunks=(rows, *values.shape[1:]) if dims[0] == contract.SAMPLE else values.shape,
-            dimension_names=dims,
-            overwrite=True,
-            **kwargs,
-        )
-        array[...] = values
-
-    coords = {"coordinates": " ".join(contract.COORDS)}
-    label = catalog[labels].to_numpy(np.uint8).reshape(n, len(labels))
-    create(contract.LABEL, label, attributes=coords)
-    create(contract.VALID, np.zeros(n, bool), attributes=coords)
-    create(contract.SAMPLE, np.arange(n, dtype=np.int64))
-    create(contract.FINDING, np.array(labels, dtype=str))
-    for name in contract.COORDS:
-        create(name, catalog[name].to_numpy(dtype=str))
+    """(Re)write the per-sample arrays from the (permuted) catalog: labels, valid all False, coordinates."""
+    label = catalog[list(layout.labels)].to_numpy(np.uint8).reshape(layout.n, len(layout.labels))
+    coords = {name: catalog[name].to_numpy(dtype=str) for name in contract.COORDS}
+    contract.write_sample_arrays(group, layout, label=label, coords=coords)
 
 
 # ---- shards ------------------------------------------------------------------------------------------------

@@ -42,6 +42,7 @@ from dask_dl import config
 from dask_dl.checks import byte_count, positive_int
 from dask_dl.data import store as contract
 from dask_dl.data.position import EpochPosition
+from dask_dl.data.shards import ShardReader
 from dask_dl.data.store import open_store
 from dask_dl.errors import ConfigurationError, DatasetError, StoreError
 from dask_dl.normalize import check_normalization, normalize
@@ -225,7 +226,7 @@ class ChunkLoader:
 
         self.source, group, layout = open_store(store)
         self._image = group[contract.IMAGE]
-        self._shards = _LocalShards.of(self.source, self._image, layout)
+        self._shards = ShardReader.of(self.source, self._image, layout)
         self.chunk = layout.chunk
         self.image_size = layout.size
         self.channels = layout.channels
@@ -625,86 +626,6 @@ class _Producer:
         self._stopped.set()
         if self._thread is not threading.current_thread():
             self._thread.join()
-
-
-class _LocalShards:
-    """Reads inner chunks of a local store's sharded ``image`` array straight from the shard files.
-
-    Measured on a 1-core worker (small_cnn, 32 px, chunks of 16): one ``image[a:b]`` read of a 16 KB chunk costs
-    2-4 ms, almost all of it zarr's hand-over of the request to its event-loop thread and back (the zstd decode
-    takes 0.07 ms), which made the loader 1.5x slower than the step it feeds. Here a chunk read is one
-    ``pread`` of its bytes (the shard index is read once per shard, its CRC32C checked as zarr checks it) and
-    one zstd decode, in the calling thread. Only for the layout ingest writes (sharding, inner bytes and zstd or
-    no compressor, index with bytes + crc32c at the end) on a local path; any other store reads through zarr.
-    """
-
-    _EMPTY = np.uint64(2**64 - 1)
-
-    def __init__(self, root: str, layout: Any, *, zstd: bool) -> None:
-        from numcodecs import Zstd
-
-        self._root, self._layout, self._per_shard = root, layout, layout.shard
-        self._shape = (layout.chunk, *layout.image_shape)
-        self._nbytes = int(np.prod(self._shape))
-        self._zstd = Zstd() if zstd else None
-        self._index: dict[int, np.ndarray | None] = {}
-
-    @classmethod
-    def of(cls, source: str, image: Any, layout: Any) -> _LocalShards | None:
-        """The fast reader for ``image`` of the store at ``source``, or None where zarr must read."""
-        from zarr.codecs import BytesCodec, Crc32cCodec, ShardingCodec, ZstdCodec
-        from zarr.codecs.sharding import ShardingCodecIndexLocation
-
-        if "://" in source and not source.startswith("file://"):
-            return None
-        root = source.removeprefix("file://")
-        codecs = getattr(image.metadata, "codecs", ())
-        if image.dtype != np.uint8 or len(codecs) != 1 or not isinstance(codecs[0], ShardingCodec):
-            return None
-        sharding = codecs[0]
-        inner, index = [type(c) for c in sharding.codecs], [type(c) for c in sharding.index_codecs]
-        if inner not in ([BytesCodec, ZstdCodec], [BytesCodec]) or index != [BytesCodec, Crc32cCodec]:
-            return None
-        if sharding.index_location != ShardingCodecIndexLocation.end or not os.path.isdir(root):
-            return None
-        if tuple(int(v) for v in sharding.chunk_shape) != (layout.chunk, *layout.image_shape):
-            return None
-        return cls(root, layout, zstd=ZstdCodec in inner)
-
-    def _path(self, shard: int) -> str:
-        return os.path.join(self._root, *self._layout.shard_key(shard).split("/"))
-
-    def _shard_index(self, shard: int, f: Any) -> np.ndarray:
-        import google_crc32c
-
-        size = 16 * self._per_shard
-        f.seek(-(size + 4), os.SEEK_END)
-        raw = f.read(size + 4)
-        if len(raw) != size + 4 or google_crc32c.value(raw[:size]) != int.from_bytes(raw[size:], "little"):
-            raise StoreError(f"the index of shard {shard} ({self._path(shard)}) is damaged (CRC32C mismatch)")
-        return np.frombuffer(raw[:size], dtype="<u8").reshape(self._per_shard, 2)
-
-    def read(self, chunk: int) -> np.ndarray:
-        """Images of inner chunk ``chunk``, shape ``chunk_shape`` (zeros where zarr stored nothing)."""
-        shard, inner = divmod(chunk, self._per_shard)
-        try:
-            f = open(self._path(shard), "rb")  # noqa: SIM115 (closed below, after the index and the data reads)
-        except FileNotFoundError:
-            return np.zeros(self._shape, np.uint8)  # zarr writes no file for an all-zero shard
-        with f:
-            index = self._index.get(shard)
-            if index is None:
-                index = self._index[shard] = self._shard_index(shard, f)
-            offset, nbytes = index[inner]
-            if offset == self._EMPTY:
-                return np.zeros(self._shape, np.uint8)
-            f.seek(int(offset))
-            data = f.read(int(nbytes))
-        if self._zstd is None:
-            return np.frombuffer(data, np.uint8).reshape(self._shape).copy()
-        out = np.empty(self._nbytes, np.uint8)
-        self._zstd.decode(data, out=out)
-        return out.reshape(self._shape)
 
 
 # ---- checks -------------------------------------------------------------------------------------------------------

@@ -13,7 +13,16 @@ array           shape, dtype           notes
 ``valid``       (n,) bool              False for rejected rows
 coordinates     (n,) str               ``image_id``, ``patient_id``, ``split``, ``site``; ``finding`` (labels);
                                        ``sample`` int64 = row number 0..n-1
+``_dask_dl/     (n,) int64             the catalog row each sample came from (:func:`catalog_rows`)
+catalog_row``
 ==============  =====================  ==========================================================================
+
+Sample order: with ``order="shuffled"`` (the default, ``dask-dl.ingest.order``) row ``i`` of the store holds row
+``catalog_row[i]`` of the validated catalog, a seeded random permutation (``order_seed``). The loader reads whole
+chunks and mixes a few of them per batch, so the labels of a chunk must already be mixed as a full shuffle mixes
+them: in catalog order, a collection of class folders puts every class in a run of its own and the batches hold
+one or two classes. ``order="catalog"`` keeps the catalog's order (stores written before the order existed read
+as such).
 
 Grey stores keep exactly the layout of the first format (no ``channel`` axis of length 1), so every store written
 before colour existed reads as it did. Colour is channel-last, like an RGB image file, Pillow and scikit-image
@@ -37,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 from dask_dl.errors import StoreError, StoreNotFoundError
 
 if TYPE_CHECKING:  # pragma: no cover
+    import numpy as np
     import zarr
 
 __all__ = [
@@ -48,6 +58,7 @@ __all__ = [
     "REJECTS_KEY",
     "STATUS_PREFIX",
     "StoreLayout",
+    "catalog_rows",
     "open_store",
 ]
 
@@ -77,6 +88,10 @@ STATUS_PREFIX = f"{META_GROUP}/status/"
 REJECTS_KEY = f"{META_GROUP}/rejects.parquet"
 LEASE_KEY = f"{META_GROUP}/lease.json"
 TASKS: tuple[str, ...] = ("multilabel", "multiclass")
+#: Sample orders of a store: a seeded permutation of the catalog, or the catalog's own order.
+ORDERS: tuple[str, ...] = ("shuffled", "catalog")
+#: The array (in :data:`META_GROUP`) holding each sample's catalog row.
+CATALOG_ROW = "catalog_row"
 
 
 @dataclass(frozen=True)
@@ -99,6 +114,9 @@ class StoreLayout:
         Rows (samples) in the store, rejected ones included.
     channels
         Image channels: 1 (grey, ``image(sample, y, x)``) or 3 (RGB, ``image(sample, y, x, channel)``).
+    order, order_seed
+        ``"shuffled"``: sample ``i`` is row ``catalog_rows()[i]`` of the catalog, a permutation seeded by
+        ``order_seed``; ``"catalog"``: the catalog's order.
     complete
         True once every shard is written and verified, ``valid`` and the rejects table are final.
     format
@@ -120,6 +138,8 @@ class StoreLayout:
     task: str
     n: int
     channels: int = 1
+    order: str = "catalog"
+    order_seed: int = 0
     complete: bool = False
     format: int = field(default=FORMAT)
 
@@ -145,6 +165,14 @@ class StoreLayout:
     def n_shards(self) -> int:
         """Shards of the image array."""
         return -(-self.n // self.shard_rows)
+
+    def catalog_rows(self) -> np.ndarray:
+        """The catalog row each sample holds, in sample order (what ingest writes, as ``_dask_dl/catalog_row``)."""
+        import numpy as np
+
+        if self.order == "catalog":
+            return np.arange(self.n, dtype=np.int64)
+        return np.random.default_rng([self.order_seed, self.n]).permutation(self.n).astype(np.int64)
 
     def shard_rows_of(self, shard: int) -> range:
         """The rows of shard ``shard``."""
@@ -192,6 +220,8 @@ class StoreLayout:
                 task=str(meta.get("task", "multilabel")),
                 n=int(meta["n"]),
                 channels=int(meta.get("channels", 1)),
+                order=str(meta.get("order", "catalog")),
+                order_seed=int(meta.get("order_seed", 0)),
                 complete=bool(meta.get("complete", False)),
             )
         except (KeyError, TypeError, ValueError) as exc:
@@ -199,6 +229,70 @@ class StoreLayout:
                 f"the 'dask_dl' attribute of {where} is damaged ({type(exc).__name__}: {exc}); ingest again with "
                 "overwrite=True"
             ) from None
+
+
+# ---- the arrays, as ingest creates them ---------------------------------------------------------------------
+
+#: label/valid/coordinate arrays are small: chunked by at least this many rows to keep the file count low
+META_ROWS = 65536
+
+
+def create_image(group: zarr.Group, layout: StoreLayout, *, compressor: str) -> None:
+    """Create the empty ``image`` array of ``layout`` in ``group``: chunks of ``chunk`` images inside shards of
+    ``shard`` chunks, zstd level 3 (``compressor="zstd"``) or none (``"none"``), zeros where nothing is written."""
+    from zarr.codecs import ZstdCodec
+
+    image = layout.image_shape
+    group.create_array(
+        IMAGE,
+        shape=(layout.n, *image),
+        dtype="uint8",
+        chunks=(layout.chunk, *image),
+        shards=(layout.shard_rows, *image),
+        # spelled out: shard_key and dask_dl.data.shards rely on this encoding of the Zarr 3 specification
+        chunk_key_encoding={"name": "default", "separator": "/"},
+        compressors=ZstdCodec(level=3) if compressor == "zstd" else None,
+        fill_value=0,
+        dimension_names=layout.image_dims,
+        attributes={"coordinates": " ".join(COORDS)},
+    )
+
+
+def write_sample_arrays(
+    group: zarr.Group, layout: StoreLayout, *, label: np.ndarray, coords: dict[str, np.ndarray]
+) -> None:
+    """(Re)write every array but ``image``: ``label`` ``(n, n_labels)``, ``valid`` (all False until ingest
+    finishes), ``sample``, ``finding``, the string coordinates ``coords`` (one per name of :data:`COORDS`) and
+    ``_dask_dl/catalog_row``."""
+    import numpy as np
+
+    n = layout.n
+    rows = min(n, -(-META_ROWS // layout.shard_rows) * layout.shard_rows)
+
+    def create(name: str, values: np.ndarray, **kwargs: Any) -> None:
+        dims = DIMS[name]
+        array = group.create_array(
+            name,
+            shape=values.shape,
+            dtype=values.dtype if values.dtype.kind != "U" else str,
+            chunks=(rows, *values.shape[1:]) if dims[0] == SAMPLE else values.shape,
+            dimension_names=dims,
+            overwrite=True,
+            **kwargs,
+        )
+        array[...] = values
+
+    attributes = {"coordinates": " ".join(COORDS)}
+    create(LABEL, np.asarray(label, dtype=np.uint8), attributes=attributes)
+    create(VALID, np.zeros(n, bool), attributes=attributes)
+    create(SAMPLE, np.arange(n, dtype=np.int64))
+    create(FINDING, np.array(layout.labels, dtype=str))
+    for name in COORDS:
+        create(name, np.asarray(coords[name], dtype=str))
+    meta = group.require_group(META_GROUP)
+    meta.create_array(CATALOG_ROW, shape=(n,), dtype=np.int64, chunks=(rows,), overwrite=True)[...] = (
+        layout.catalog_rows()
+    )
 
 
 # ---- files beside the arrays (fsspec, no zarr internals) ---------------------------------------------------
@@ -400,6 +494,25 @@ def _open_group(url: str) -> zarr.Group:
         ) from None
     except (ValueError, TypeError) as exc:
         raise StoreError(f"{url!r} is not a Zarr 3 group ({exc}); open a store written by dask_dl.ingest") from None
+
+
+def catalog_rows(store: Any) -> np.ndarray:
+    """The row of the ingested catalog each sample of ``store`` came from: ``catalog.iloc[catalog_rows(store)]``
+    lines the catalog up with the store's samples, ``np.argsort(catalog_rows(store))`` gives the samples in catalog
+    order.
+
+    Parameters
+    ----------
+    store
+        What :func:`open_store` takes.
+    """
+    import numpy as np
+
+    _, group, layout = open_store(store, require_complete=False)
+    key = f"{META_GROUP}/{CATALOG_ROW}"
+    if key not in group:  # a store in catalog order written before the order was recorded
+        return layout.catalog_rows()
+    return np.asarray(group[key][:], dtype=np.int64)
 
 
 def lost_shards(files: StoreFiles, layout: StoreLayout) -> list[int]:

@@ -252,6 +252,7 @@ def fit(
     """
     from dask_dl.cluster import check_importable, check_visible, close_client, get_client
     from dask_dl.tracking import Tracker, open_tracker, tracking_uri
+    from dask_dl.data.order import warn_if_sorted
 
     given_tracker = tracking if isinstance(tracking, Tracker) else None
     uri = None if given_tracker is not None else tracking_uri(tracking)  # a bad URI fails before any work
@@ -277,6 +278,7 @@ def fit(
             UserWarning,
             stacklevel=2,
         )
+    warn_if_sorted(options.store, split="train", stacklevel=2)  # a store in class-folder order learns poorly
     lease = None
     if options.checkpoint_dir is not None:  # one live run per checkpoint_dir, held until the run ends
         from dask_dl.train.lease import CheckpointLease

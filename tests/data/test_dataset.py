@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import dask.config
 import numpy as np
 import pandas as pd
 import pytest
@@ -46,6 +47,15 @@ def make_catalog_on_disk(root: Path) -> pd.DataFrame:
     return make_catalog(pd.DataFrame(rows), LABELS)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def catalog_order():
+    """These tests name samples by their catalog row: store them in catalog order, here and in the subprocesses
+    some tests start (the shuffled default order is tested in test_order.py)."""
+    with pytest.MonkeyPatch.context() as patch, dask.config.set({"dask-dl.ingest.order": "catalog"}):
+        patch.setenv("DASK_DASK_DL__INGEST__ORDER", "catalog")
+        yield
+
+
 @pytest.fixture(scope="module")
 def ingested(cluster_client, tmp_path_factory):
     root = tmp_path_factory.mktemp("dataset")
@@ -69,7 +79,7 @@ def test_open_dataset_contract(ingested):
     assert ds.valid.values.all()
     assert ds.attrs["dask_dl"] == {
         "format": 1, "size": 16, "chunk": 2, "shard": 3, "labels": LABELS, "task": "multilabel", "n": N,
-        "channels": 1, "complete": True,
+        "channels": 1, "order": "catalog", "order_seed": 0, "complete": True,
     }  # fmt: skip
     assert ds.encoding["source"] == str(store)
     # lazy, every variable chunked alike, and no dask chunk straddles two Zarr chunks (of 2 images)

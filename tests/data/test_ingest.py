@@ -40,6 +40,15 @@ LABELS = ["Effusion", "Mass", "Nodule"]
 SIZE, CHUNK, SHARD = 32, 4, 2  # 8 images per shard
 
 
+@pytest.fixture(scope="module", autouse=True)
+def catalog_order():
+    """These tests name samples by their catalog row: store them in catalog order, here and in the subprocesses
+    some tests start (the shuffled default order is tested in test_order.py)."""
+    with pytest.MonkeyPatch.context() as patch, dask.config.set({"dask-dl.ingest.order": "catalog"}):
+        patch.setenv("DASK_DASK_DL__INGEST__ORDER", "catalog")
+        yield
+
+
 def make_collection(root: Path, n: int = 36, bad: dict[int, str] | None = None) -> pd.DataFrame:
     """``n`` PNGs (80-112 px, some not square) and their catalog; rows in ``bad`` get a broken file."""
     return png_collection(root, n, labels=LABELS, bad=bad)
@@ -73,7 +82,7 @@ def test_round_trip(cluster_client, tmp_path):
     group = zarr.open_group(store, mode="r")
     assert group.attrs["dask_dl"] == {
         "format": 1, "size": SIZE, "chunk": CHUNK, "shard": SHARD, "labels": LABELS, "task": "multilabel",
-        "n": n, "channels": 1, "complete": True,
+        "n": n, "channels": 1, "order": "catalog", "order_seed": 0, "complete": True,
     }  # fmt: skip
     image = group["image"]
     assert (image.shape, image.dtype, image.chunks, image.shards) == (

@@ -379,6 +379,7 @@ def test_loads_what_dask_dl_ingest_wrote(tmp_path):
     from dask_dl.data.dataset import open_dataset
     from dask_dl.data.ingest import ingest
     from dask_dl.data.schema import make_catalog
+    from dask_dl.data.store import catalog_rows
 
     n = 22
     rows = []
@@ -399,8 +400,10 @@ def test_loads_what_dask_dl_ingest_wrote(tmp_path):
     ):
         ingest(catalog, store, size=16, chunk=4, shard=2, client=client, progress=False)
 
+    of = catalog_rows(store)  # the catalog row each sample holds: ingest stores a seeded permutation
+    assert sorted(of.tolist()) == list(range(n)) and of.tolist() != list(range(n))
     samples = open_dataset(store, split="train").sample.values
-    expected = [i for i in range(n) if i != 9 and i // 2 not in (3, 7)]
+    expected = [s for s in range(n) if of[s] != 9 and of[s] // 2 not in (3, 7)]
     np.testing.assert_array_equal(samples, expected)
     seen = []
     for rank in range(2):
@@ -408,8 +411,8 @@ def test_loads_what_dask_dl_ingest_wrote(tmp_path):
         assert loader.labels == LABELS and loader.image_size == 16
         for x, y, batch in loader.epoch(0, with_samples=True):
             pixels = ((x * 0.25 + 0.5) * 255).round().to(torch.int64).numpy()
-            np.testing.assert_array_equal(pixels, np.broadcast_to((10 + 11 * batch)[:, None, None, None], x.shape))
-            np.testing.assert_array_equal(y.numpy(), label_of(batch))
+            np.testing.assert_array_equal(pixels, np.broadcast_to((10 + 11 * of[batch])[:, None, None, None], x.shape))
+            np.testing.assert_array_equal(y.numpy(), label_of(of[batch]))
             seen.append(batch)
     np.testing.assert_array_equal(np.concatenate(seen), expected)
 

@@ -23,7 +23,7 @@ from dask_dl.sites.score import Ensemble, ModelSpec, score
 from dask_dl.sites.synthetic import synthetic_sites
 from dask_dl.testing.train import squares_collection
 
-OPTIONS = dict(model="small_cnn", model_kwargs={"width": 8}, batch_size=8, lr=0.05, seed=0)
+OPTIONS = dict(model="small_cnn", model_kwargs={"width": 8}, batch_size=8, lr=0.05, optimizer="sgd", seed=0)
 SIZES = {"A": 48, "B": 64, "C": 32}
 
 
@@ -310,7 +310,7 @@ def test_cyclic_and_fedavg_learn_nearly_as_well_as_pooling(tmp_path_factory, clu
     """
     data = synthetic_sites(tmp_path_factory.mktemp("hospitals"), n_images=1500, seed=learning_seed, client=cluster3)
     sites, test = _datasets(data.stores), dask_dl.open_dataset(data.test)
-    options = dict(model="small_cnn", batch_size=16, lr=0.05, seed=learning_seed)
+    options = dict(model="small_cnn", batch_size=16, lr=0.05, optimizer="sgd", seed=learning_seed)
     pooled = dask_dl.fit(dask_dl.open_dataset(data.pooled), epochs=8, trainers=1, client=cluster3, **options)
     spec = ModelSpec(name="small_cnn", labels=tuple(pooled.checkpoint()["labels"]), task="multilabel", input_size=32)
     baseline = score(data.test, test.sample.values, [pooled.checkpoint()["model"]], spec)["auroc_mean"]

@@ -19,7 +19,7 @@ from dask_dl import TrainingError
 from dask_dl.sites.weights import state_nbytes
 from dask_dl.testing.train import squares_collection
 
-OPTIONS = dict(model="small_cnn", model_kwargs={"width": 8}, batch_size=8, lr=0.05, seed=0)
+OPTIONS = dict(model="small_cnn", model_kwargs={"width": 8}, batch_size=8, lr=0.05, optimizer="sgd", seed=0)
 
 
 def _site_cluster() -> LocalCluster:

@@ -12,7 +12,7 @@ import dask_dl
 from dask_dl.sites import guard
 from dask_dl.testing.train import squares_collection
 
-OPTIONS = dict(model="small_cnn", model_kwargs={"width": 8}, batch_size=8, lr=0.05, seed=0)
+OPTIONS = dict(model="small_cnn", model_kwargs={"width": 8}, batch_size=8, lr=0.05, optimizer="sgd", seed=0)
 
 
 @pytest.fixture(scope="module")

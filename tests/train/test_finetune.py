@@ -49,7 +49,7 @@ def pretrained(tmp_path_factory) -> tuple[str, dict[str, torch.Tensor]]:
 
 
 def fit(store, client, **kwargs):
-    options = dict(model="small_cnn", model_kwargs=SMALL, epochs=1, batch_size=8, trainers=2, lr=0.05)
+    options = dict(model="small_cnn", model_kwargs=SMALL, epochs=1, batch_size=8, trainers=2, lr=0.05, optimizer="sgd")
     return dask_dl.fit(dask_dl.open_dataset(store), client=client, **{**options, **kwargs})
 
 

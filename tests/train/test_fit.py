@@ -56,7 +56,9 @@ def in_process_group(client: Client) -> list[bool]:
 
 
 def fit(store, client, **kwargs):
-    options = dict(model="small_cnn", model_kwargs={"width": 8}, epochs=1, batch_size=8, trainers=2, lr=0.05)
+    options = dict(
+        model="small_cnn", model_kwargs={"width": 8}, epochs=1, batch_size=8, trainers=2, lr=0.05, optimizer="sgd"
+    )
     return dask_dl.fit(dask_dl.open_dataset(store), client=client, **{**options, **kwargs})
 
 
@@ -633,7 +635,7 @@ FIT_WITHOUT_CLIENT = """
 import sys
 import dask_dl
 run = dask_dl.fit(dask_dl.open_dataset(sys.argv[1]), model="small_cnn", model_kwargs={"width": 8}, epochs=1,
-                  batch_size=8, trainers=2, lr=0.05)
+                  batch_size=8, trainers=2, lr=0.05, optimizer="sgd")
 cluster = run.client.cluster
 shape = tuple(run.model()(__import__("torch").zeros(1, 1, 32, 32)).shape)
 print(run.status, run.client.status, cluster.status.name, shape)

@@ -53,7 +53,7 @@ def store(tmp_path_factory, cluster_client) -> str:
 
 
 def fit(store, client, **kwargs):
-    options = dict(epochs=1, batch_size=8, trainers=2, lr=0.05)
+    options = dict(epochs=1, batch_size=8, trainers=2, lr=0.05, optimizer="sgd")
     return dask_dl.fit(dask_dl.open_dataset(store), client=client, **{**options, **kwargs})
 
 
@@ -312,7 +312,7 @@ def test_loss_names_and_callables(store, cluster_client):
 
 
 def test_accumulate_equals_the_larger_batch(store, cluster_client):
-    common = dict(model=tiny_net, seed=5, lr=0.2)
+    common = dict(model=tiny_net, seed=5, lr=0.2, optimizer="sgd")
     big = fit(store, cluster_client, batch_size=8, **common)
     micro = fit(store, cluster_client, batch_size=4, accumulate=2, **common)
     assert list(micro.history["global_batch"]) == [16] == list(big.history["global_batch"])

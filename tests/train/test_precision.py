@@ -30,7 +30,9 @@ def store(tmp_path_factory, cluster_client) -> str:
 
 
 def fit(store, client, **kwargs):
-    options = dict(model="small_cnn", model_kwargs={"width": 8}, epochs=1, batch_size=8, trainers=2, lr=0.05)
+    options = dict(
+        model="small_cnn", model_kwargs={"width": 8}, epochs=1, batch_size=8, trainers=2, lr=0.05, optimizer="sgd"
+    )
     return dask_dl.fit(dask_dl.open_dataset(store), client=client, **{**options, **kwargs})
 
 

@@ -33,7 +33,7 @@ from dask_dl.testing import data as kit
 from dask_dl.testing.train import squares_collection
 
 OPTIONS = dict(
-    model="small_cnn", model_kwargs={"width": 8}, epochs=4, batch_size=1, trainers=2, lr=0.05,
+    model="small_cnn", model_kwargs={"width": 8}, epochs=4, batch_size=1, trainers=2, lr=0.05, optimizer="sgd",
     compression="onebit", warmup_steps=2, seed=5,
 )  # fmt: skip
 STEPS = 32  # per epoch: 64 images / (2 trainers x 1)
