@@ -251,8 +251,8 @@ def fit(
     >>> run.history[["epoch", "train_loss", "val_auroc_mean"]]  # doctest: +SKIP
     """
     from dask_dl.cluster import check_importable, check_visible, close_client, get_client
-    from dask_dl.tracking import Tracker, open_tracker, tracking_uri
     from dask_dl.data.order import warn_if_sorted
+    from dask_dl.tracking import Tracker, open_tracker, tracking_uri
 
     given_tracker = tracking if isinstance(tracking, Tracker) else None
     uri = None if given_tracker is not None else tracking_uri(tracking)  # a bad URI fails before any work
