@@ -75,6 +75,8 @@ _LAZY = {
     "connect": "dask_dl.cluster",
     "fit_sites": "dask_dl.sites.run",
     "SitesRun": "dask_dl.sites.run",
+    "sweep": "dask_dl.sweeps.run",
+    "Sweep": "dask_dl.sweeps.run",
 }
 
 __all__ = [
@@ -146,5 +148,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from dask_dl.models.weights import load_weights
     from dask_dl.onnx_info import read_model_info
     from dask_dl.sites.run import SitesRun, fit_sites
+    from dask_dl.sweeps.run import Sweep, sweep
     from dask_dl.train.compression import make_compressor
     from dask_dl.train.run import TrainingRun, fit
