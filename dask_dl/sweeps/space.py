@@ -101,10 +101,12 @@ def check_space(space: Any) -> dict[str, Any] | Callable[[Any], dict[str, Any]]:
                 f"list its values: CategoricalDistribution([...])"
             )
         if isinstance(dist, FloatDistribution) and not takes_float:
-            fix = "use IntDistribution" if takes_int else "list its values: CategoricalDistribution([...])"
-            raise ConfigurationError(
-                f"space[{key!r}] is {dist!r}, but fit's {key} takes no float ({options[key]}); {fix}"
+            what, fix = (
+                ("takes no float", "use IntDistribution")
+                if takes_int
+                else ("takes no number", "list its values: CategoricalDistribution([...])")
             )
+            raise ConfigurationError(f"space[{key!r}] is {dist!r}, but fit's {key} {what} ({options[key]}); {fix}")
         if isinstance(dist, CategoricalDistribution) and not dist.choices:
             raise ConfigurationError(f"space[{key!r}] has no choices; list at least one value")
     return dict(space)
