@@ -1008,6 +1008,8 @@ def _echo_rounds(run, shown: int, quiet: bool) -> int:
     return len(curves)
 
 
+cli.add_command(importlib.import_module("dask_dl.sweeps.command").sweep_command)
+
 # ---- end of commands --------------------------------------------------------------------------------------
 
 main = cli

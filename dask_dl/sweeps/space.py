@@ -7,7 +7,8 @@ number distribution on an option that takes no number. :func:`space_from_yaml` r
 
 YAML form: a list is a choice (``model: [small_cnn, resnet18]``); a mapping with ``low`` and ``high`` is a
 range, of integers when both bounds are integers (``epochs: {low: 1, high: 5, step: 1}``), else of floats
-(``lr: {low: 1e-4, high: 0.3, log: true}``); a plain value is fixed for every trial (``batch_size: 16``).
+(``lr: {low: 1e-4, high: 0.3, log: true}``); anything else is fixed for every trial (``batch_size: 16``,
+``model_kwargs: {width: 8}``).
 """
 
 from __future__ import annotations
@@ -139,6 +140,13 @@ def _number(key: str, name: str, value: Any) -> int | float:
         ) from None
 
 
+def _scalar(value: Any) -> Any:
+    """A YAML value, with ``1e-4`` read as the number it means (YAML 1.1 wants ``1.0e-4`` and reads a string)."""
+    if isinstance(value, str) and re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+", value):
+        return float(value)
+    return value
+
+
 def space_from_yaml(mapping: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """Return ``(space, fixed)`` from the YAML form of a space (see the module's docstring).
 
@@ -158,8 +166,8 @@ def space_from_yaml(mapping: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     fixed: dict[str, Any] = {}
     for key, value in mapping.items():
         if isinstance(value, list):
-            space[key] = CategoricalDistribution(value)
-        elif isinstance(value, Mapping):
+            space[key] = CategoricalDistribution([_scalar(v) for v in value])
+        elif isinstance(value, Mapping) and ({"low", "high"} & set(value)):
             unknown = sorted(set(value) - {"low", "high", "log", "step"})
             if unknown or not {"low", "high"} <= set(value):
                 raise ConfigurationError(
@@ -174,5 +182,5 @@ def space_from_yaml(mapping: Any) -> tuple[dict[str, Any], dict[str, Any]]:
             else:
                 space[key] = FloatDistribution(float(low), float(high), log=log, step=step)
         else:
-            fixed[key] = value
+            fixed[key] = _scalar(value)
     return space, fixed

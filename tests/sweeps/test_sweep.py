@@ -226,3 +226,50 @@ def test_resume_after_sigkill_trains_no_complete_trial_again(store, cluster_clie
             assert len(now) == epochs
             assert sorted(after[n].intermediate_values) == list(range(1, epochs + 1))
     assert math.isfinite(result.best.metric)
+
+
+# ---- the command -----------------------------------------------------------------------------------------------
+
+
+def test_space_from_yaml_maps_onto_optuna_distributions():
+    import yaml
+
+    from dask_dl.sweeps.space import space_from_yaml
+
+    text = "lr: {low: 1e-4, high: 0.3, log: true}\nepochs: {low: 1, high: 5, step: 2}\nmodel: [small_cnn, resnet18]\n"
+    assert space_from_yaml({"lr": ["1e-5", 0.1]})[0] == {"lr": CategoricalDistribution([1e-5, 0.1])}
+    space, fixed = space_from_yaml(yaml.safe_load(text + "batch_size: 16\nhead_lr: 1e-3\n"))
+    assert space == {
+        "lr": FloatDistribution(1e-4, 0.3, log=True),
+        "epochs": IntDistribution(1, 5, step=2),
+        "model": CategoricalDistribution(["small_cnn", "resnet18"]),
+    }
+    assert fixed == {"batch_size": 16, "head_lr": 1e-3}
+    with pytest.raises(ConfigurationError, match="a range has low, high and optionally log and step, got"):
+        space_from_yaml({"lr": {"low": 1e-4, "hi": 0.3}})
+    assert space_from_yaml({"model_kwargs": {"width": 8}}) == ({}, {"model_kwargs": {"width": 8}})
+
+
+def test_sweep_command_end_to_end_and_resumed(store, cluster_client, tmp_path):
+    from click.testing import CliRunner
+
+    from dask_dl.cli import cli
+
+    space = tmp_path / "space.yaml"
+    space.write_text("lr: [0.1, 1e-5]\nepochs: 1\nbatch_size: 8\nmodel: small_cnn\nmodel_kwargs: {width: 8}\n")
+    args = ["sweep", store, "--space", str(space), "--trials", "2", "--sampler", "grid", "--pruner", "none",
+            "--storage", str(tmp_path / "sweep.db"), "--scheduler", cluster_client.scheduler.address]  # fmt: skip
+    result = CliRunner().invoke(cli, args)
+    print(result.output)
+    assert result.exit_code == 0, result.output
+    lines = result.output.strip().splitlines()
+    assert sorted(line.split(" after ")[0] for line in lines[:2]) == ["trial 0 complete", "trial 1 complete"]
+    assert lines[-2].startswith("best: trial ") and "lr=0.1 " in lines[-2] + " "
+    assert lines[-1] == f"checkpoint: {tmp_path}/sweep.db-trials/trial-{lines[-2].split()[2]}/epoch-0000.pt".replace(
+        f"trial-{lines[-2].split()[2]}", f"trial-{int(lines[-2].split()[2]):04d}"
+    )
+    again = CliRunner().invoke(cli, [*args, "--resume"])  # nothing left to run: the same best, no trial trained
+    assert again.exit_code == 0, again.output
+    assert again.output.strip().splitlines()[-2:] == lines[-2:]
+    refused = CliRunner().invoke(cli, args)
+    assert refused.exit_code == 1 and "pass resume=True to continue it" in refused.output
