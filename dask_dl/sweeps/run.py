@@ -309,6 +309,16 @@ class Sweep:
         trial = self.study.best_trial
         return Best(trial.number, dict(trial.params), float(trial.value), trial.user_attrs["checkpoint"])
 
+    def history(self, number: int) -> pd.DataFrame:
+        """The history table of trial ``number`` (its ``history.parquet``), e.g. for :func:`dask_dl.compare`."""
+        from dask_dl.train.history import HISTORY_FILE
+
+        trial = self.study.trials[number]
+        folder = trial.user_attrs.get("checkpoint_dir")
+        if folder is None or not os.path.exists(os.path.join(folder, HISTORY_FILE)):
+            raise TrainingError(f"trial {number} has no history yet (it finished no epoch)")
+        return pd.read_parquet(os.path.join(folder, HISTORY_FILE))
+
     # ---- control ----------------------------------------------------------------------------------------
 
     def stop(self) -> Sweep:
