@@ -281,6 +281,9 @@ class Sweep:
                     "error": trial.user_attrs.get("error") or (record.error if record is not None else None),
                 }
             )
+        if not rows:  # the same columns before the first trial starts
+            columns = ["number", "state", "params", self.metric, "best", "epochs", "seconds", "checkpoint", "error"]
+            return pd.DataFrame(columns=columns)
         return pd.DataFrame(rows)
 
     def _pick(self, values: list[float]) -> float:

@@ -273,3 +273,24 @@ def test_sweep_command_end_to_end_and_resumed(store, cluster_client, tmp_path):
     assert again.output.strip().splitlines()[-2:] == lines[-2:]
     refused = CliRunner().invoke(cli, args)
     assert refused.exit_code == 1 and "pass resume=True to continue it" in refused.output
+
+
+def test_stop_leaves_running_trials_for_resume(store, cluster_client, tmp_path):
+    storage = tmp_path / "sweep.db"
+    space = {"lr": CategoricalDistribution([0.1, 0.2])}
+    options = dict(trials=2, sampler="grid", pruner="none", epochs=3, storage=storage, client=cluster_client, **FIXED)
+    running = dask_dl.sweep(dask_dl.open_dataset(store), space, wait=False, **options)
+    deadline = time.monotonic() + 120
+    while not any(len(c) for c in running.results["val_auroc_mean"]):  # an epoch is done and checkpointed
+        assert time.monotonic() < deadline and not running.done
+        time.sleep(0.2)
+    running.stop().wait()
+    stopped = running.results
+    print(stopped[["number", "state", "epochs"]])
+    assert set(stopped["state"]) <= {"stopped", "complete"} and "stopped" in set(stopped["state"])
+    assert {
+        t.state.name for t in running.study.trials if t.number in set(stopped.query("state == 'stopped'")["number"])
+    } == {"RUNNING"}
+    resumed = dask_dl.sweep(dask_dl.open_dataset(store), space, resume=True, **options)
+    assert list(resumed.results["state"]) == ["complete", "complete"]
+    assert list(resumed.results["epochs"]) == [3, 3]
