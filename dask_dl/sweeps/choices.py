@@ -69,8 +69,9 @@ def grid_size(sampler: Any) -> int | None:
 def make_pruner(pruner: Any, *, epochs: int | None = None) -> Any:
     """Return an Optuna pruner for a name of :data:`PRUNERS` (or the pruner given).
 
-    ``asha`` is successive halving (asynchronous: a trial is promoted or stopped at each rung on what has
-    reached that rung so far, never waiting for others); ``hyperband`` runs several such brackets over 1 to
+    ``asha`` is successive halving with a reduction factor of 3 (asynchronous: at each rung, 1, 3, 9 ... epochs,
+    a trial goes on only if it is in the best third of the trials that reached the rung so far; it never waits
+    for the others); ``hyperband`` runs several such brackets over 1 to
     ``epochs`` epochs; ``median`` stops a trial below the median of earlier trials at the same epoch.
     """
     import optuna
@@ -78,9 +79,9 @@ def make_pruner(pruner: Any, *, epochs: int | None = None) -> Any:
     if isinstance(pruner, optuna.pruners.BasePruner):
         return pruner
     if pruner == "asha":
-        return optuna.pruners.SuccessiveHalvingPruner(min_resource=1, reduction_factor=2)
+        return optuna.pruners.SuccessiveHalvingPruner(min_resource=1, reduction_factor=3)
     if pruner == "hyperband":
-        return optuna.pruners.HyperbandPruner(min_resource=1, max_resource=epochs or "auto", reduction_factor=2)
+        return optuna.pruners.HyperbandPruner(min_resource=1, max_resource=epochs or "auto", reduction_factor=3)
     if pruner == "median":
         return optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=0)
     if pruner in ("none", None):
