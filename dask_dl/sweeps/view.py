@@ -50,6 +50,9 @@ def plot_trials(results: pd.DataFrame, *, metric: str, best: int | None = None) 
         ax.annotate(str(row["number"]), (epochs[-1], curve[-1]), fontsize=7, xytext=(3, 0), textcoords="offset points")
     ax.set(xlabel="epochs trained", ylabel=metric, title=f"{metric} per trial" + (f" (best: {best})" if best is not
            None else ""))  # fmt: skip
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # epochs are whole
     if seen:
         ax.legend(fontsize=8)
     fig.tight_layout()
