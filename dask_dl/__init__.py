@@ -77,6 +77,8 @@ _LAZY = {
     "fit_sites": "dask_dl.sites.run",
     "SitesRun": "dask_dl.sites.run",
     "open_tracker": "dask_dl.tracking",
+    "sweep": "dask_dl.sweeps.run",
+    "Sweep": "dask_dl.sweeps.run",
 }
 
 __all__ = [
@@ -148,6 +150,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from dask_dl.models.weights import load_weights
     from dask_dl.onnx_info import read_model_info
     from dask_dl.sites.run import SitesRun, fit_sites
+    from dask_dl.sweeps.run import Sweep, sweep
     from dask_dl.train.compression import make_compressor
     from dask_dl.train.lr_find import find_lr
     from dask_dl.train.run import TrainingRun, fit

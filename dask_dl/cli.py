@@ -1052,6 +1052,8 @@ def _echo_rounds(run, shown: int, quiet: bool) -> int:
     return len(curves)
 
 
+cli.add_command(importlib.import_module("dask_dl.sweeps.command").sweep_command)
+
 # ---- end of commands --------------------------------------------------------------------------------------
 
 main = cli

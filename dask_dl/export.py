@@ -142,7 +142,7 @@ def _resolve(source: Any, model: Any = None) -> tuple[nn.Module, dict[str, Any]]
     if isinstance(source, dict):
         return _from_checkpoint(source, model)
     if isinstance(source, str | os.PathLike):
-        return _from_checkpoint(_load_checkpoint_file(source), model)
+        return _from_checkpoint(_load_checkpoint_file(os.fspath(source)), model)
     if callable(getattr(source, "checkpoint", None)):
         spec_model = getattr(getattr(source, "spec", None), "model_source", None)
         if model is None and spec_model is not None and spec_model.kind in ("module", "factory"):
