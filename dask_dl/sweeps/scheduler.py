@@ -30,6 +30,8 @@ __all__ = ["Scheduler", "TrialRecord", "worker_groups"]
 logger = logging.getLogger("dask_dl.sweep")
 
 POLL_S = 0.2
+MOVE_WAIT_S = 120.0  # how long a trial that lost a worker waits for a group to go on with
+MOVES = 3  # how often a trial that lost a worker goes on on other workers before it is recorded failed
 
 
 def worker_groups(client: Client, size: int, *, most: int | None = None) -> list[tuple[str, ...]]:
@@ -70,6 +72,7 @@ class TrialRecord:
     error: str | None = None
     pruning: bool = False
     reported: set[int] = field(default_factory=set)
+    moves: int = 0  # times the trial went on on other workers after it lost one
 
 
 def _tell(study: Any, trial: Any, *args: Any, **kwargs: Any) -> None:
@@ -110,6 +113,10 @@ class Scheduler(threading.Thread):
         self.new_trials, self.continued = new_trials, list(continued)
         self.free: list[tuple[str, ...]] = list(groups)
         self.root, self.tracking = root, tracking
+        self.groups = len(groups)  # the most trials at a time, also after lost workers' groups are made anew
+        self.spare: list[str] = []  # workers of broken groups, waiting for the rest of a group
+        self.moves: dict[int, int] = {}  # trial number -> times it went on elsewhere after a lost worker
+        self._moving_since = 0.0
         self.records: dict[int, TrialRecord] = {}
         self.lock = threading.Lock()
         self.error: BaseException | None = None
@@ -131,14 +138,35 @@ class Scheduler(threading.Thread):
             self.error = exc
             self._stop_all()
         finally:
+            self._finish_tracking()
             self.finished.set()
             self._changed()
+
+    def _finish_tracking(self) -> None:
+        """End the sweep's parent run: its trials' table as an artifact, the best value as a metric."""
+        if self.tracking is None:
+            return
+        try:
+            rows = [{"number": t.number, "state": t.state.name.lower(), "value": t.value, **t.params}
+                    for t in self.study.get_trials(deepcopy=False)]  # fmt: skip
+            import pandas as pd
+
+            self.tracking.log_table(pd.DataFrame(rows), "trials.csv")
+            done = [r["value"] for r in rows if r["state"] == "complete" and r["value"] is not None]
+            if done:
+                self.tracking.log_epoch({f"best_{self.metric}": self.study.best_value}, step=0)
+        except Exception as exc:  # tracking never fails a sweep
+            logger.warning("sweep: could not log its trials to MLflow: %s: %s", type(exc).__name__, exc)
+        self.tracking.finish("failed" if self.error is not None else "finished")
 
     def _loop(self) -> None:
         while True:
             if self._halt.is_set():
                 self._stop_all()
                 return
+            if self.spare and not self.free and self.continued:
+                self._regroup()
+                self._give_up_moving()
             while self.free and (self.continued or self.new_trials > 0) and not self._halt.is_set():
                 self._start(self.free.pop(0))
             active = [r for r in self._records() if r.state == "running"]
@@ -178,7 +206,7 @@ class Scheduler(threading.Thread):
             raise
         folder = frozen.user_attrs.get("checkpoint_dir") if resumed else None
         folder = folder or os.path.join(self.root, f"trial-{trial.number:04d}")
-        record = TrialRecord(trial.number, trial, params, folder, group)
+        record = TrialRecord(trial.number, trial, params, folder, group, moves=self.moves.get(trial.number, 0))
         if resumed:
             record.reported = set(frozen.intermediate_values)
             record.curve = dict(frozen.intermediate_values)
@@ -188,8 +216,8 @@ class Scheduler(threading.Thread):
         kwargs = {**self.fixed, **params}
         kwargs.setdefault("view", "none")
         kwargs.update(workers=list(group), checkpoint_dir=folder, resume=resumed, client=self.client, wait=False)
-        if self.tracking is not None:
-            kwargs["tracking"] = self.tracking
+        if self.tracking is not None:  # the sweep's parent run: each trial is a run nested in it
+            kwargs["tracking"] = self.tracking.nested(f"trial {trial.number}", tags={"optuna.trial": trial.number})
         from dask_dl.train.run import fit
 
         try:
@@ -241,7 +269,12 @@ class Scheduler(threading.Thread):
         if run.status == "stopped" and not record.pruning:  # the sweep was stopped: resume=True continues it
             record.state = "stopped"
         elif run.status == "failed":
-            self._fail(record, run.error)
+            live = self.client.scheduler_info(n_workers=-1)["workers"]
+            lost = [a for a in record.group if a not in live or a in (getattr(run.error, "lost_workers", None) or ())]
+            if lost and record.moves < MOVES:
+                self._move(record, lost)
+            else:
+                self._fail(record, run.error)
             return
         elif record.pruning and len(rows) < run.epochs:
             record.state = "pruned"
@@ -270,6 +303,56 @@ class Scheduler(threading.Thread):
         record.trial.set_user_attr("error", record.error)
         _tell(self.study, record.trial, state=optuna.trial.TrialState.FAIL)
         self._free(record)
+
+    def _move(self, record: TrialRecord, lost: list[str]) -> None:
+        """Go on with a trial whose run lost a worker (beyond its own restarts) on another group, from its newest
+        checkpoint: its run was pinned to its group, whose lost worker comes back (if at all) at a new address."""
+        record.state = "moving"
+        self.moves[record.number] = record.moves + 1
+        self._moving_since = time.monotonic()
+        self.spare += [a for a in record.group if a not in set(lost)]
+        self.continued.insert(0, self.study._storage.get_trial(record.trial._trial_id))
+        logger.warning("trial %d lost %s (%s); it goes on from its newest checkpoint on other workers",
+                       record.number, ", ".join(lost), record.run.error)  # fmt: skip
+        self._regroup()
+        self._changed()
+
+    def _regroup(self) -> None:
+        """Make groups of the spare workers and of workers new to the cluster (a nanny's restarted worker), up to
+        the sweep's number of groups."""
+        live = set(self.client.scheduler_info(n_workers=-1)["workers"])
+        running = [r for r in self._records() if r.state == "running" and r.run is not None and not r.run.done]
+        used = {a for r in running for a in r.group} | {a for g in self.free for a in g}
+        self.spare = [a for a in self.spare if a in live and a not in used]
+        new = sorted(live - used - set(self.spare) - busy_workers(self.client))
+        pool, size = self.spare + new, int(self.fixed["trainers"])
+        while len(pool) >= size and len(running) + len(self.free) < self.groups:
+            self.free.append(tuple(pool[:size]))
+            pool = pool[size:]
+        self.spare = [a for a in pool if a in set(self.spare)]
+
+    def _give_up_moving(self) -> None:
+        """Fail the trials waiting to go on elsewhere when no group has formed for ``MOVE_WAIT_S`` and nothing runs
+        (the lost workers did not come back and no others are free)."""
+        running = [r for r in self._records() if r.state == "running"]
+        if self.free or running or time.monotonic() < self._moving_since + MOVE_WAIT_S:
+            return
+        import optuna
+
+        while self.continued:
+            frozen = self.continued.pop(0)
+            error = (
+                f"ClusterError: trial {frozen.number} lost a worker and no {self.fixed['trainers']} free worker(s) "
+                f"came for {MOVE_WAIT_S:g} s to go on with; add workers and resume the sweep"
+            )
+            logger.warning("trial %d failed: %s", frozen.number, error)
+            with self.lock:
+                if frozen.number in self.records:
+                    self.records[frozen.number].state, self.records[frozen.number].error = "failed", error
+            trial = optuna.Trial(self.study, frozen._trial_id)
+            trial.set_user_attr("error", error)
+            _tell(self.study, trial, state=optuna.trial.TrialState.FAIL)
+        self._changed()
 
     def _free(self, record: TrialRecord) -> None:
         self.free.append(record.group)

@@ -101,6 +101,64 @@ def test_define_by_run_space(store, cluster_client):
         assert params["lr"] <= (0.3 if params["optimizer"] == "sgd" else 0.01)
 
 
+def test_a_tracked_sweep_is_a_parent_run_with_a_nested_run_per_trial(store, cluster_client, tmp_path):
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'runs.db'}"
+    result = dask_dl.sweep(
+        dask_dl.open_dataset(store), {"lr": CategoricalDistribution([0.05, 0.1])}, trials=2, sampler="grid",
+        pruner="none", epochs=2, tracking=uri, client=cluster_client, **FIXED,
+    )  # fmt: skip
+    mlflow = MlflowClient(uri)
+    (experiment,) = [e for e in mlflow.search_experiments() if e.name == "dask-dl"]
+    runs = mlflow.search_runs([experiment.experiment_id])
+    (parent,) = [r for r in runs if r.data.tags.get("dask_dl.kind") == "sweep"]
+    assert parent.info.status == "FINISHED" and parent.info.run_name == f"sweep {result.study.study_name}"
+    assert parent.data.params["trials"] == "2" and parent.data.params["metric"] == "val_auroc_mean"
+    assert parent.data.metrics["best_val_auroc_mean"] == pytest.approx(result.best.metric)
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert sorted(c.info.run_name for c in children) == ["trial 0", "trial 1"]
+    for child in children:
+        number = int(child.data.tags["optuna.trial"])
+        lr = result.results.set_index("number").loc[number, "params_lr"]
+        assert child.info.status == "FINISHED" and child.data.params["lr"] == str(lr)
+        assert len(mlflow.get_metric_history(child.info.run_id, "val_auroc_mean")) == 2
+    table = mlflow.download_artifacts(parent.info.run_id, "trials.csv", str(tmp_path))
+    assert sorted(pd.read_csv(table)["number"]) == [0, 1]
+
+
+def test_a_trial_whose_worker_is_killed_goes_on_from_its_checkpoint(store, tmp_path):
+    """The trial's run is pinned to its worker, which its nanny restarts at a new address: the sweep moves the trial
+    to a group with the new worker (or the other trial's, once free), from its newest epoch checkpoint."""
+    import dask
+    from distributed import Client, LocalCluster
+
+    epochs = 3
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster, \
+            Client(cluster) as client, dask.config.set({"dask-dl.train.restart-wait": 2}):  # fmt: skip
+        result = dask_dl.sweep(
+            dask_dl.open_dataset(store), {"lr": CategoricalDistribution([0.05, 0.1])}, trials=2, sampler="grid",
+            pruner="none", epochs=epochs, batch_size=2, checkpoint_dir=str(tmp_path), client=client, wait=False,
+            **{k: v for k, v in FIXED.items() if k != "batch_size"},
+        )  # fmt: skip
+        first = tmp_path / "trial-0000" / "epoch-0000.pt"
+        deadline = time.monotonic() + 240
+        while not first.exists():
+            assert time.monotonic() < deadline and not result.done, "trial 0 wrote no epoch checkpoint"
+            time.sleep(0.05)
+        written = first.stat().st_mtime_ns
+        victim = result._scheduler.records[0].group[0]
+        os.kill(client.run(os.getpid, workers=[victim])[victim], signal.SIGKILL)
+        result.wait()
+        results = result.results.set_index("number")
+        print(results[["state", "epochs", "error"]])
+        assert list(results["state"]) == ["complete", "complete"]
+        assert len(result.study.trials) == 2  # the same trial went on, no new one
+        assert sorted(result.study.trials[0].intermediate_values) == [1, 2, 3]
+        assert first.stat().st_mtime_ns == written  # went on from its checkpoint, not from the start
+        assert victim not in result._scheduler.records[0].group and result._scheduler.records[0].moves == 1
+
+
 # ---- bad input: one error each, before any trial --------------------------------------------------------------
 
 
