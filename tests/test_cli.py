@@ -269,7 +269,7 @@ def test_upload_sends_your_model_to_workers_that_cannot_import_it(store, cluster
 
 
 def test_the_final_table_of_train_fits_100_columns_with_every_label():
-    from dask_dl.cli import _final_table
+    from dask_dl.cli.train import _final_table
     from dask_dl.data.schema import NIH_LABELS
 
     per_label = {f"val_auroc_{label}": 0.5 + 0.01 * i for i, label in enumerate(NIH_LABELS)}

@@ -373,7 +373,7 @@ def test_the_auroc_of_every_split_is_its_own_column():
     one AUROC column per split, and says which one measures the model."""
     from click.testing import CliRunner
 
-    from dask_dl.cli import _echo_auroc
+    from dask_dl.cli.models import _echo_auroc
 
     table = pd.DataFrame({
         "split": ["train"] * 4 + ["test"] * 4 + ["val"] * 2,

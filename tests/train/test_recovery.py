@@ -25,7 +25,7 @@ from distributed.core import Status
 
 import dask_dl
 from dask_dl import ConfigurationError, TrainingError
-from dask_dl.cli import _echo_training
+from dask_dl.cli.train import _echo_training
 from dask_dl.data.loader import ChunkLoader
 from dask_dl.data.position import EpochPosition
 from dask_dl.errors import CheckpointError
