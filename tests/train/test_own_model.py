@@ -24,7 +24,6 @@ from dask_dl.checkpoint import load_checkpoint
 from dask_dl.models import nets
 from dask_dl.models.source import adapt_first_conv, build_from_checkpoint, check_fits, head_name, model_source
 from dask_dl.testing.models import TinyNet, broken_net, tiny_net
-from dask_dl.testing.train import squares_collection
 
 SIZE = 32
 
@@ -42,14 +41,6 @@ class NotebookNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(torch.relu(self.conv(x)).mean(dim=(2, 3)))
-
-
-@pytest.fixture(scope="module")
-def store(tmp_path_factory, cluster_client) -> str:
-    root = tmp_path_factory.mktemp("squares")
-    path = str(root / "squares.zarr")
-    dask_dl.ingest(squares_collection(root), path, size=SIZE, chunk=8, shard=2, client=cluster_client, progress=False)
-    return path
 
 
 def fit(store, client, **kwargs):

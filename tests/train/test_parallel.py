@@ -27,7 +27,7 @@ from dask_dl.data.loader import ChunkLoader
 from dask_dl.errors import CheckpointError
 from dask_dl.models import MODELS, build_model
 from dask_dl.normalize import normalize
-from dask_dl.testing.train import squares_collection
+from dask_dl.testing.train import fit_squares, squares_collection
 from dask_dl.train.checkpoint import save_checkpoint
 from dask_dl.train.options import check_run
 from dask_dl.train.parallel import check_parallel, data_shard
@@ -38,17 +38,8 @@ N_TRAIN, SIZE, LR = 64, 32, 0.05
 MODEL = dict(model="small_cnn", model_kwargs={"width": 8})
 
 
-@pytest.fixture(scope="module")
-def store(tmp_path_factory, cluster_client) -> str:
-    root = tmp_path_factory.mktemp("squares")
-    path = str(root / "squares.zarr")
-    dask_dl.ingest(squares_collection(root), path, size=SIZE, chunk=8, shard=2, client=cluster_client, progress=False)
-    return path
-
-
 def fit(store, client, **kwargs):
-    options = dict(**MODEL, epochs=1, batch_size=8, trainers=2, lr=LR, seed=3)
-    return dask_dl.fit(dask_dl.open_dataset(store), client=client, **{**options, **kwargs})
+    return fit_squares(store, client, **{**MODEL, "lr": LR, "seed": 3, **kwargs})
 
 
 def train_samples(store) -> np.ndarray:

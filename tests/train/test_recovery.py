@@ -30,7 +30,6 @@ from dask_dl.data.loader import ChunkLoader
 from dask_dl.data.position import EpochPosition
 from dask_dl.errors import CheckpointError
 from dask_dl.testing import data as kit
-from dask_dl.testing.train import squares_collection
 
 OPTIONS = dict(
     model="small_cnn", model_kwargs={"width": 8}, epochs=4, batch_size=1, trainers=2, lr=0.05,
@@ -135,14 +134,6 @@ def client(cluster):
     with Client(cluster) as client:
         client.run(lambda: __import__("torch"))  # every worker imports torch once, side by side
         yield client
-
-
-@pytest.fixture(scope="module")
-def store(tmp_path_factory, client) -> str:
-    root = tmp_path_factory.mktemp("squares")
-    path = str(root / "squares.zarr")
-    dask_dl.ingest(squares_collection(root), path, size=32, chunk=8, shard=2, client=client, progress=False)
-    return path
 
 
 @pytest.fixture(scope="module")
