@@ -34,6 +34,9 @@ from dask_dl.testing.chaos import (
 )
 from dask_dl.testing.train import squares_collection
 
+# Workers killed, paused and restarted under real work: minutes, for the full run only.
+pytestmark = pytest.mark.slow
+
 IMAGES = 3000  # 64 px: 94 ingest tasks of 32 images, a few seconds calm on 2 workers
 # one worker down at a time, the next killed once its replacement is up (and 2 s old): a task the killed worker ran
 # is re-run by the other, not again on a dying one (4 deaths while running one task make the scheduler give it up)

@@ -15,6 +15,9 @@ from dask_dl.cluster import connect, gpu_workers, make
 from dask_dl.errors import ClusterError, ConfigurationError
 from dask_dl.testing.cluster import small_story
 
+# A gateway server and its clusters start per test: for the full run only.
+pytestmark = pytest.mark.slow
+
 dask_gateway = pytest.importorskip("dask_gateway")
 
 

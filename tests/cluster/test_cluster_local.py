@@ -28,6 +28,9 @@ from dask_dl.cluster import connect, cpu_workers, get_client, gpu_workers, worke
 from dask_dl.errors import ClusterError
 from dask_dl.testing.cluster import small_story, worker_of_tasks, write_tls_files
 
+# A TLS cluster, the small story on it and dask-dl runs in processes of their own: for the full run only.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def tls_client():

@@ -17,6 +17,9 @@ from dask_dl.cluster import check_visible, connect, set_storage_options
 from dask_dl.data.store import StoreFiles
 from dask_dl.testing.cluster import small_story
 
+# An S3 server (moto) and the stores written to it: for the full run only.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture
 def bucket(s3_server):

@@ -20,6 +20,9 @@ import yaml
 from dask_dl.cluster import connect, cpu_workers, gpu_workers
 from dask_dl.testing.cluster import small_story
 
+# A SLURM cluster's jobs start in seconds each: for the full run only.
+pytestmark = pytest.mark.slow
+
 if importlib.util.find_spec("dask_jobqueue") is None:  # not importorskip: importing it replaces the SIGINT handler
     pytest.skip("dask-jobqueue is not installed (pip install 'dask-dl[hpc]')", allow_module_level=True)
 

@@ -23,6 +23,9 @@ from dask_dl.sites.score import Ensemble, ModelSpec, score
 from dask_dl.sites.synthetic import synthetic_sites
 from dask_dl.testing.train import squares_collection
 
+# Rounds of trainers at three sites per test: for the full run only.
+pytestmark = pytest.mark.slow
+
 OPTIONS = dict(model="small_cnn", model_kwargs={"width": 8}, batch_size=8, lr=0.05, seed=0)
 SIZES = {"A": 48, "B": 64, "C": 32}
 

@@ -19,6 +19,9 @@ from dask_dl import TrainingError
 from dask_dl.sites.weights import state_nbytes
 from dask_dl.testing.train import squares_collection
 
+# A cluster per site, started and stopped per test: for the full run only.
+pytestmark = pytest.mark.slow
+
 OPTIONS = dict(model="small_cnn", model_kwargs={"width": 8}, batch_size=8, lr=0.05, seed=0)
 
 

@@ -186,6 +186,7 @@ def kill_after_a_step_checkpoint(run, client: Client, ck: Path, *, epoch: int) -
     return victim
 
 
+@pytest.mark.slow  # a 4-worker cluster whose workers are killed
 def test_a_lost_worker_is_noticed_in_seconds_with_many_trainers(store, client, cluster, tmp_path):
     """With four trainers, survivors blocked on each other (not on the lost rank) noticed the loss only at the
     collective's timeout; the driver now makes their collectives fail at once. First on this cluster: measured on
@@ -213,6 +214,7 @@ def test_a_lost_worker_is_noticed_in_seconds_with_many_trainers(store, client, c
         client.wait_for_workers(4, timeout=120)
 
 
+@pytest.mark.slow  # a 4-worker cluster whose workers are killed
 def test_a_hung_trainer_is_left_out_and_the_run_goes_on(store, client, straight, tmp_path):
     """A stopped worker (SIGSTOP) neither hangs the run nor joins the next group: found hung at the collective's
     timeout plus dask-dl.train.hang-grace, left out, restarted by its nanny; one restart, the straight weights."""
@@ -243,6 +245,7 @@ def test_a_hung_trainer_is_left_out_and_the_run_goes_on(store, client, straight,
     client.wait_for_workers(4, timeout=120)
 
 
+@pytest.mark.slow  # a 4-worker cluster whose workers are killed
 def test_two_runs_on_one_cluster_do_not_interfere(store, client, straight, tmp_path):
     # the second starts as soon as fit returns the first: the first's actors are placed by then, so the second
     # sees those workers busy and trains on the other two
@@ -255,6 +258,7 @@ def test_two_runs_on_one_cluster_do_not_interfere(store, client, straight, tmp_p
     assert_same_weights(second.checkpoint()["model"], straight)
 
 
+@pytest.mark.slow  # a 4-worker cluster whose workers are killed
 def test_a_killed_trainer_recovers_with_identical_weights(store, client, straight, tmp_path):
     ck = tmp_path / "ck"
     run = fit(store, client, checkpoint_dir=str(ck), checkpoint_every_steps=3, wait=False)
@@ -283,6 +287,7 @@ def test_a_killed_trainer_recovers_with_identical_weights(store, client, straigh
     assert printed[3].endswith(" (restarted)") and "(restarted)" not in printed[4]
 
 
+@pytest.mark.slow  # a 4-worker cluster whose workers are killed
 def test_a_worker_lost_before_its_trainer_started_is_a_restart(store, client, straight):
     """A trainer's actor may only start on its worker: when the worker died first (here while a task held its one
     thread; in the wild while it imported torch), the run waited for it for good."""
@@ -319,6 +324,7 @@ def _actor_waits(dask_scheduler, prefix: str) -> bool:
     return any(str(k).startswith(prefix) and ts.state == "processing" for k, ts in dask_scheduler.tasks.items())
 
 
+@pytest.mark.slow  # a 4-worker cluster whose workers are killed
 def test_resume_from_a_step_checkpoint_is_identical(store, client, straight, tmp_path):
     ck = tmp_path / "ck"
     run = fit(store, client, checkpoint_dir=str(ck), checkpoint_every_steps=5, wait=False)
@@ -333,6 +339,7 @@ def test_resume_from_a_step_checkpoint_is_identical(store, client, straight, tmp
     assert_same_weights(resumed.checkpoint()["model"], straight)
 
 
+@pytest.mark.slow  # a 4-worker cluster whose workers are killed
 def test_a_killed_fsdp_trainer_recovers_from_sharded_step_checkpoints(store, client, tmp_path):
     """The same kill in an FSDP run: the restart loads the step checkpoint's shards and the loader's position, and
     the run ends with the weights of an uninterrupted FSDP run, bit for bit."""
@@ -352,6 +359,7 @@ def test_a_killed_fsdp_trainer_recovers_from_sharded_step_checkpoints(store, cli
     client.wait_for_workers(4, timeout=120)
 
 
+@pytest.mark.slow  # a 4-worker cluster whose workers are killed
 def test_fsdp_workers_that_change_rank_between_runs_save_and_load_their_own_shards(store, client, tmp_path):
     """A worker that was rank 1 of one FSDP run and is rank 0 of the next (and back): DTensor's caches once handed
     the new run tensors on the old run's mesh, so the worker saved (and loaded) its old rank's shard."""
@@ -367,6 +375,7 @@ def test_fsdp_workers_that_change_rank_between_runs_save_and_load_their_own_shar
     assert_same_weights(resumed.checkpoint()["model"], whole)
 
 
+@pytest.mark.slow  # a 4-worker cluster whose workers are killed
 def test_an_fsdp_run_on_two_trainers_goes_on_with_one(store, client, tmp_path):
     """FSDP at another world size: the killed rank's worker comes back at a new address, outside the run's
     workers, so the restart goes on with the one trainer left, its shards re-sharded from the step checkpoint."""
@@ -390,6 +399,7 @@ def test_an_fsdp_run_on_two_trainers_goes_on_with_one(store, client, tmp_path):
     client.wait_for_workers(4, timeout=120)
 
 
+@pytest.mark.slow  # a 4-worker cluster whose workers are killed
 def test_a_pipeline_that_lost_a_replica_goes_on_with_one(store, client, tmp_path):
     """2 replicas of a 2-stage pipeline lose replica 1's last stage: the restart goes on with replica 0's stages
     alone, from the step checkpoint, the epoch's remaining rows re-sharded for one replica."""
@@ -418,6 +428,7 @@ def test_a_pipeline_that_lost_a_replica_goes_on_with_one(store, client, tmp_path
     client.wait_for_workers(4, timeout=120)
 
 
+@pytest.mark.slow  # a 4-worker cluster whose workers are killed
 def test_more_failures_than_max_restarts_is_a_clear_error(store, client):
     client.wait_for_workers(4, timeout=120)
     run = fit(store, client, epochs=500, max_restarts=1, wait=False)  # no checkpoint_dir: in-memory checkpoints
@@ -434,6 +445,7 @@ def test_more_failures_than_max_restarts_is_a_clear_error(store, client):
     client.wait_for_workers(4, timeout=120)
 
 
+@pytest.mark.slow  # a 4-worker cluster whose workers are killed
 def test_a_worker_lost_for_good_finishes_on_fewer_trainers(store, client, cluster, tmp_path):
     """Last in this module: the cluster keeps one worker fewer."""
     client.wait_for_workers(4, timeout=120)
@@ -462,6 +474,7 @@ def test_a_worker_lost_for_good_finishes_on_fewer_trainers(store, client, cluste
         assert history.loc[later, "samples"] == 63 and history.loc[later, "samples_repeated"] == 0
 
 
+@pytest.mark.slow  # a 4-worker cluster whose workers are killed
 def test_an_fsdp_run_that_lost_a_worker_for_good_goes_on_with_its_shards_resharded(store, client, cluster, tmp_path):
     """After the test above (last in this module with it): FSDP on every worker left, one of them lost for good;
     the restart on one trainer fewer loads the step checkpoint's shards re-sharded and the epoch's remaining rows."""
