@@ -107,7 +107,7 @@ def shared_data() -> Path:
 
 @pytest.fixture
 def cpu_hog():
-    """A CPU-bound process beside the test: the busy machine on which shutdown used to print tracebacks."""
+    """A CPU-bound process beside the test: a busy machine, where a slow shutdown prints tracebacks."""
     import subprocess
     import sys
 

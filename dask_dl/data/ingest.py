@@ -331,7 +331,7 @@ def _differences(attrs: dict[str, Any], layout: StoreLayout, options: dict[str, 
     stored = {**attrs.get(contract.INGEST_ATTRIBUTE, {}), **attrs.get(contract.ATTRIBUTE, {})}
     asked = {**{k: v for k, v in layout.to_dict().items() if k != "complete"}, **options}
     names = {"image_ids_sha256": "catalog (hash of the image ids)"}
-    defaults = {"channels": 1}  # stores of round one did not write it
+    defaults = {"channels": 1}  # a store without the entry holds grey images
     return [
         f"{names.get(key, key)}: store has {stored.get(key, defaults.get(key))!r}, asked for {value!r}"
         for key, value in asked.items()

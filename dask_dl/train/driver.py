@@ -14,7 +14,7 @@ A failed group ends at once on every trainer: the driver makes the survivors' pe
 (:meth:`~dask_dl.train.actor.TrainingActor.abort_group`) instead of waiting for their timeout. When a rank fails
 and the scheduler lost no worker, the driver asks every other rank where it is: one that does not answer within
 ``dask-dl.train.hang-grace`` seconds hangs (stopped, swapping, deadlocked); the failure is blamed on its worker,
-and the driver no longer waits for its teardown.
+and the driver does not wait for its teardown.
 
 Recovery (``max_restarts > 0``): when a trainer's worker is lost or hangs, or a collective fails, the driver takes
 the newest checkpoint (the newest good file of ``checkpoint_dir``, epoch or step; without a directory, the

@@ -316,7 +316,7 @@ def test_read_dicom_errors(dicom_root, tmp_path, monkeypatch):
 
 
 def test_one_bad_header_skips_one_file(tmp_path, ramp12, caplog):
-    """An unknown VR in (0028,0030) no longer makes read_dicom refuse the folder: that file is skipped, by name."""
+    """An unknown VR in (0028,0030) does not make read_dicom refuse the folder: that file is skipped, by name."""
     root = tmp_path / "dicoms"
     write_dicom(root / "good.dcm", ramp12, uid="1.2.3.1", PixelSpacing=[0.1, 0.1])
     write_dicom(root / "bad.dcm", ramp12, uid="1.2.3.2", PixelSpacing=[0.1, 0.1])

@@ -231,8 +231,8 @@ def test_a_module_the_workers_cannot_import_is_refused_before_training_then_sent
 def test_a_module_whose_import_fails_only_on_the_workers_is_an_error_of_the_run(store, cluster_client, tmp_path,
                                                                                   monkeypatch):  # fmt: skip
     """The workers find the module (the check before the run passes) but importing it fails there: a dependency
-    only the driver has. distributed leaves an actor call whose arguments fail to unpickle unanswered, and fit
-    waited for good; the trainers now unpickle the run's spec themselves and say why they cannot."""
+    only the driver has. distributed leaves an actor call whose arguments fail to unpickle unanswered, so the
+    trainers unpickle the run's spec themselves and say why they cannot (fit would otherwise wait for good)."""
     name = f"mymodels_{uuid.uuid4().hex[:8]}"
     (tmp_path / f"{name}.py").write_text(textwrap.dedent("""
         import os
@@ -274,7 +274,7 @@ def test_a_module_whose_import_fails_only_on_the_workers_is_an_error_of_the_run(
 
 def test_a_base_exception_on_a_trainer_reaches_the_driver_with_its_cause(store, cluster_client):
     """torch.distributed.checkpoint raises CheckpointException, a BaseException; Dask's actor calls pass on
-    Exceptions only, and the driver used to report "Unable to contact Actor's worker" instead of the cause."""
+    Exceptions only: without care the driver reports "Unable to contact Actor's worker" instead of the cause."""
     cause = r"RuntimeError: CheckpointException: rank 1: OSError: \[Errno 28\] No space left on device"
     with pytest.raises(TrainingError, match=rf"trainer \d on \S+ failed in epoch 0: {cause}") as failed:
         fit(store, cluster_client, model=broken_net, max_restarts=0)

@@ -228,7 +228,7 @@ def test_step_checkpoints_resume_inside_an_epoch_bit_for_bit(store, cluster_clie
 
 def test_a_damaged_shard_file_fails_the_resume_with_its_cause(store, cluster_client, tmp_path):
     """torch.distributed.checkpoint's errors are BaseExceptions, which Dask's actor calls do not pass on: the
-    driver used to report "Unable to contact Actor's worker" instead of what went wrong."""
+    driver must report what went wrong, not "Unable to contact Actor's worker"."""
     directory = tmp_path / "ck"
     fit(store, cluster_client, parallel="fsdp", checkpoint_dir=str(directory))
     shard = directory / "epoch-0000.dcp" / "__1_0.distcp"

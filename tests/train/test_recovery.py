@@ -188,9 +188,9 @@ def kill_after_a_step_checkpoint(run, client: Client, ck: Path, *, epoch: int) -
 
 @pytest.mark.slow  # a 4-worker cluster whose workers are killed
 def test_a_lost_worker_is_noticed_in_seconds_with_many_trainers(store, client, cluster, tmp_path):
-    """With four trainers, survivors blocked on each other (not on the lost rank) noticed the loss only at the
-    collective's timeout; the driver now makes their collectives fail at once. First on this cluster: measured on
-    workers that had trained no group before, where that wait showed every time (124-126 s)."""
+    """With four trainers, survivors blocked on each other (not on the lost rank) would notice the loss only at
+    the collective's timeout (124-126 s); the driver makes their collectives fail at once. First on this cluster:
+    on workers that had trained no group before, that wait showed every time."""
     cluster.scale(5)  # a spare worker: the restart need not wait for the nanny's new one
     try:
         client.wait_for_workers(5, timeout=120)
