@@ -171,9 +171,16 @@ def test_predict_under_chaos_equals_a_calm_one(calm, model, client):
 # ---- fit: a trainer's worker killed once per epoch ------------------------------------------------------------
 
 OPTIONS = dict(
-    model="small_cnn", model_kwargs={"width": 8}, epochs=3, batch_size=1, trainers=2, lr=0.05,
-    compression="onebit", warmup_steps=2, seed=5,
-)  # fmt: skip  # tests/train/test_recovery.py's run, one epoch shorter: 32 steps per epoch
+    model="small_cnn",
+    model_kwargs={"width": 8},
+    epochs=3,
+    batch_size=1,
+    trainers=2,
+    lr=0.05,
+    compression="onebit",
+    warmup_steps=2,
+    seed=5,
+)  # tests/train/test_recovery.py's run, one epoch shorter: 32 steps per epoch
 
 
 def wait_until(condition, *, within: float = 120.0, what: str = "") -> None:
@@ -197,8 +204,9 @@ def test_fit_with_a_trainer_killed_every_epoch_ends_with_an_uninterrupted_runs_w
         straight = dask_dl.fit(dataset, client=client, **OPTIONS).checkpoint()["model"]
 
         ck = tmp_path / "ck"
-        run = dask_dl.fit(dataset, client=client, **OPTIONS, checkpoint_dir=str(ck), checkpoint_every_steps=3,
-                          wait=False)  # fmt: skip
+        run = dask_dl.fit(
+            dataset, client=client, **OPTIONS, checkpoint_dir=str(ck), checkpoint_every_steps=3, wait=False
+        )
         killer = WorkerKiller(client, among=lambda: run.workers, keep=0)
         for epoch in range(OPTIONS["epochs"]):
             # in the middle of the epoch, after a step checkpoint: the restart goes on from that step
@@ -245,8 +253,9 @@ def test_an_ingest_that_pauses_its_workers_for_memory_slows_down_and_loses_nothi
     ingest(catalog, calm, client, chunk=1)  # on the module's cluster: no memory limit
     # the nanny would restart a worker at 95 % of its limit: pausing is what is tested here, not that
     with dask.config.set({"distributed.worker.memory.terminate": False}):
-        cluster = LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0",
-                               memory_limit="2 GiB")  # fmt: skip
+        cluster = LocalCluster(
+            n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0", memory_limit="2 GiB"
+        )
     with cluster, Client(cluster) as tight:
         # every worker ingests a large image first: what a worker imports and keeps after one (codecs, glibc's
         # arenas) is its idle memory here

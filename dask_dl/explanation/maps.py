@@ -343,9 +343,14 @@ def _occlusion(forward, pixels, targets, options) -> np.ndarray:
     maps = []
     for j in targets:
         attribution = occlusion.attribute(
-            pixels, sliding_window_shapes=(pixels.shape[1], window, window), strides=(1, stride, stride), target=j,
-            baselines=baseline, perturbations_per_eval=per_eval, show_progress=False,
-        )  # fmt: skip
+            pixels,
+            sliding_window_shapes=(pixels.shape[1], window, window),
+            strides=(1, stride, stride),
+            target=j,
+            baselines=baseline,
+            perturbations_per_eval=per_eval,
+            show_progress=False,
+        )
         maps.append(attribution[:, 0].detach().float().cpu().numpy())
     return np.stack(maps, axis=1)
 

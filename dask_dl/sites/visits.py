@@ -137,10 +137,20 @@ class Coordinator:
         dataset = site.dataset if plan.steps is None else self._slice(site, plan.steps, plan.seed)
         try:
             run = fit(
-                dataset, epochs=plan.epochs, lr=plan.lr, seed=plan.seed, trainers=self.trainers,
-                client=site.client, workers=site.workers, start_state=plan.state, proximal_mu=plan.mu,
-                weights_only=True, view="none", wait=False, **self.fit_options,
-            )  # fmt: skip
+                dataset,
+                epochs=plan.epochs,
+                lr=plan.lr,
+                seed=plan.seed,
+                trainers=self.trainers,
+                client=site.client,
+                workers=site.workers,
+                start_state=plan.state,
+                proximal_mu=plan.mu,
+                weights_only=True,
+                view="none",
+                wait=False,
+                **self.fit_options,
+            )
         except (ConfigurationError, DatasetError) as exc:  # the arguments or the site's data: the user's to fix
             raise type(exc)(f"site {site.name!r}: {exc}") from exc
         except Exception as exc:  # the site's cluster is gone, or refuses the work: reported, not raised
@@ -231,9 +241,15 @@ class Coordinator:
         for site in self.live:
             try:
                 futures[site.name] = site.client.submit(
-                    score, site.store, site.val_samples, states, self.model, workers=site.workers,
-                    key=f"dask-dl-score-{site.name}-{uuid.uuid4().hex[:8]}", pure=False,
-                )  # fmt: skip
+                    score,
+                    site.store,
+                    site.val_samples,
+                    states,
+                    self.model,
+                    workers=site.workers,
+                    key=f"dask-dl-score-{site.name}-{uuid.uuid4().hex[:8]}",
+                    pure=False,
+                )
             except Exception as exc:  # a site gone since the visits
                 futures[site.name] = exc
         out: dict[str, dict[str, Any]] = {}

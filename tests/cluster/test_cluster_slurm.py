@@ -66,8 +66,9 @@ def test_batch_script_path_trains_with_cluster_slurm_and_cancels_its_jobs_also_o
     (tmp_path / "site.yaml").write_text(yaml.safe_dump(site))
     store = story_store["story"].store
 
-    done = _cli(["train", store, "--cluster", "slurm", "--jobs", "1", "--trainers", "1", "--epochs", "1", "-q"],
-                tmp_path)  # fmt: skip
+    done = _cli(
+        ["train", store, "--cluster", "slurm", "--jobs", "1", "--trainers", "1", "--epochs", "1", "-q"], tmp_path
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "epoch=0" in done.stdout and ": finished" in done.stdout
     assert slurm.wait_until_gone() == []

@@ -47,8 +47,12 @@ def test_load_weights_adapts_first_layer_and_reinitializes_the_head(pretrained, 
     net = build_model("small_cnn", num_outputs=2, in_channels=1, **SMALL)
     fresh_head = net.fc.weight.detach().clone()
     report = load_weights(net, path)
-    assert report == {"missing": [], "unexpected": [], "adapted": ["features.0.weight"],
-                      "reinitialized": ["fc.bias", "fc.weight"]}  # fmt: skip
+    assert report == {
+        "missing": [],
+        "unexpected": [],
+        "adapted": ["features.0.weight"],
+        "reinitialized": ["fc.bias", "fc.weight"],
+    }
     torch.testing.assert_close(net.features[0].weight, state["features.0.weight"].sum(dim=1, keepdim=True))
     torch.testing.assert_close(net.features[1].running_var, state["features.1.running_var"])
     assert torch.equal(net.fc.weight, fresh_head)
@@ -115,8 +119,9 @@ def test_schedules_match_torch():
     ours = [schedule_factor(check_schedule("onecycle"), t, total) for t in range(total)]
     np.testing.assert_allclose(ours, onecycle, rtol=1e-6, atol=1e-9)
     cosine = _torch_lrs(lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=total), total)
-    np.testing.assert_allclose([schedule_factor(check_schedule("cosine"), t, total) for t in range(total)], cosine,
-                               rtol=1e-6, atol=1e-9)  # fmt: skip
+    np.testing.assert_allclose(
+        [schedule_factor(check_schedule("cosine"), t, total) for t in range(total)], cosine, rtol=1e-6, atol=1e-9
+    )
     warm = check_schedule({"name": "warmup-cosine", "warmup_steps": 4})
     assert [schedule_factor(warm, t, total) for t in range(5)] == [0.25, 0.5, 0.75, 1.0, 1.0]
     assert schedule_factor(warm, total - 1, total) == pytest.approx(0.5 * (1 + math.cos(math.pi * 35 / 36)))
@@ -133,8 +138,15 @@ def test_schedule_errors():
 
 def test_plateau_lowers_the_rate_after_patience_epochs():
     net = build_model("small_cnn", num_outputs=2, **SMALL)
-    tuner = Tuner(net, head=None, lr=0.1, head_lr=None, freeze_epochs=0, total_steps=10,
-                  schedule=check_schedule({"name": "plateau", "patience": 1, "factor": 0.5}))  # fmt: skip
+    tuner = Tuner(
+        net,
+        head=None,
+        lr=0.1,
+        head_lr=None,
+        freeze_epochs=0,
+        total_steps=10,
+        schedule=check_schedule({"name": "plateau", "patience": 1, "factor": 0.5}),
+    )
     opt = torch.optim.SGD(tuner.param_groups(), lr=0.1)
     seen = []
     for loss in (1.0, 0.9, 0.95, 0.95, 0.8, 0.9, 0.9):
@@ -148,8 +160,9 @@ def test_plateau_lowers_the_rate_after_patience_epochs():
 
 def test_frozen_backbone_stays_as_loaded_under_onebit(store, cluster_client, pretrained):
     path, state = pretrained
-    run = fit_squares(store, cluster_client, weights=path, freeze_epochs=1, head_lr=0.2, compression="onebit",
-              warmup_steps=0)  # fmt: skip
+    run = fit_squares(
+        store, cluster_client, weights=path, freeze_epochs=1, head_lr=0.2, compression="onebit", warmup_steps=0
+    )
     assert run.info["weights"]["reinitialized"] == ["fc.bias", "fc.weight"]
     assert run.info["weights"]["adapted"] == ["features.0.weight"]
     trained = run.checkpoint()["model"]

@@ -111,8 +111,9 @@ def test_two_trainers_validate_with_the_checkpointed_model(store, cluster_client
     they take rank 0's, so the validation loss is that of the checkpointed model on every validation image."""
     run = fit_squares(store, cluster_client, trainers=2, batch_size=8, epochs=2, compression="none")
     ds = dask_dl.open_dataset(store)
-    val = ChunkLoader(store, ds.sample.values[ds.split.values == "val"], batch_size=8, shuffle=False,
-                      drop_last=False, prefetch=0)  # fmt: skip
+    val = ChunkLoader(
+        store, ds.sample.values[ds.split.values == "val"], batch_size=8, shuffle=False, drop_last=False, prefetch=0
+    )
     model, total, count = run.model(), 0.0, 0
     assert any(b.abs().sum() > 0 for name, b in model.named_buffers() if "running_mean" in name)
     with torch.no_grad():
@@ -365,9 +366,12 @@ def test_a_hung_trainer_does_not_poison_its_workers(store, cluster_client):
         # rank 0's collective times out after dask-dl.train.timeout; the stopped rank does not answer the driver
         # within dask-dl.train.hang-grace: the error names it, and the driver releases both actors without waiting
         # for its teardown. The stopped trainer wakes up afterwards, its actor gone
-        with pytest.raises(TrainingError, match=rf"trainer 1 on {victim} did not answer for 2 s \(dask-dl.train."
-                                                rf"hang-grace\) after trainer 0 on .* failed in epoch \d+: its "
-                                                r"worker hangs") as info:  # fmt: skip
+        with pytest.raises(
+            TrainingError,
+            match=rf"trainer 1 on {victim} did not answer for 2 s \(dask-dl.train."
+            rf"hang-grace\) after trainer 0 on .* failed in epoch \d+: its "
+            r"worker hangs",
+        ) as info:
             run.wait(timeout=120)
         assert info.value.lost_workers == [victim]
         # the collective's timeout, the grace, and a loaded machine's slack: not the 30 s of teardown it waited
@@ -519,10 +523,14 @@ def test_compressed_run_shorter_than_its_warmup_warns(store, cluster_client):
     # 64 samples / (8 x 2 trainers) = 4 steps per epoch, 2 epochs: 8 steps, all within a warm-up of 8
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # raised, so that nothing is placed: the warning comes before the actors
-        with pytest.raises(UserWarning, match=r"compression='onebit' starts after warmup_steps=8 .* 8 steps in all "
-                           r"\(2 epochs x 4 steps of global batch 16\).*warmup_steps < 8"):  # fmt: skip
-            dask_dl.fit(ds, compression="onebit", warmup_steps=8, epochs=2, batch_size=8, trainers=2,
-                        client=cluster_client)  # fmt: skip
+        with pytest.raises(
+            UserWarning,
+            match=r"compression='onebit' starts after warmup_steps=8 .* 8 steps in all "
+            r"\(2 epochs x 4 steps of global batch 16\).*warmup_steps < 8",
+        ):
+            dask_dl.fit(
+                ds, compression="onebit", warmup_steps=8, epochs=2, batch_size=8, trainers=2, client=cluster_client
+            )
         # one step past the warm-up, or no compressor at all: no warning
         for options in (dict(compression="onebit", warmup_steps=7), dict(compression="none", warmup_steps=100)):
             run = dask_dl.fit(ds, epochs=2, batch_size=8, trainers=2, client=cluster_client, wait=False, **options)
@@ -579,9 +587,20 @@ def test_every_compressor_learns(synthetic_store, cluster_client, learning_seed)
     scores = {}
     for compression in ("none", "fp16", "bf16", "onebit", "onebit2", "powersgd"):
         options = {"rank": 8} if compression == "powersgd" else {}
-        run = dask_dl.fit(ds, model="small_cnn", epochs=6, batch_size=16, trainers=2, lr=0.05, optimizer="sgd",
-                          compression=compression, compression_options=options, warmup_steps=5, seed=learning_seed,
-                          client=cluster_client)  # fmt: skip
+        run = dask_dl.fit(
+            ds,
+            model="small_cnn",
+            epochs=6,
+            batch_size=16,
+            trainers=2,
+            lr=0.05,
+            optimizer="sgd",
+            compression=compression,
+            compression_options=options,
+            warmup_steps=5,
+            seed=learning_seed,
+            client=cluster_client,
+        )
         scores[compression] = float(run.history["val_auroc_mean"].iloc[-1])
         assert run.history["bytes_sent"].iloc[-1] > 0
     print("val AUROC", {k: round(v, 3) for k, v in scores.items()})
@@ -635,8 +654,9 @@ def test_fit_closes_the_cluster_it_started(store, cpu_hog):
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-c", FIT_WITHOUT_CLIENT, store], capture_output=True, text=True,
-                          timeout=240)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", FIT_WITHOUT_CLIENT, store], capture_output=True, text=True, timeout=240
+    )
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output
     # no client given and none current: fit started a local cluster, and closed it (client first) at the end,

@@ -165,8 +165,14 @@ def check_ddp_training(rank, world):
             ddp, optimizer, compressor = fresh()
             losses = _train(ddp, optimizer, compressor, batches[:8])
             saved = io.BytesIO()
-            torch.save({"model": ddp.module.state_dict(), "optimizer": optimizer.state_dict(),
-                        "compressor": compressor.state_dict()}, saved)  # fmt: skip
+            torch.save(
+                {
+                    "model": ddp.module.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "compressor": compressor.state_dict(),
+                },
+                saved,
+            )
             _train(ddp, optimizer, compressor, batches[8:])
             straight = torch.cat([p.detach().reshape(-1) for p in ddp.module.parameters()])
             saved.seek(0)
@@ -265,8 +271,10 @@ def check_onebit2_ddp_bytes(rank, world):
     ddp, optimizer, compressor, buckets = fresh()
     straight = steps(ddp, optimizer, compressor, buckets, batches[:3])
     saved = io.BytesIO()
-    torch.save({"model": ddp.module.state_dict(), "optimizer": optimizer.state_dict(),
-                "compressor": compressor.state_dict()}, saved)  # fmt: skip
+    torch.save(
+        {"model": ddp.module.state_dict(), "optimizer": optimizer.state_dict(), "compressor": compressor.state_dict()},
+        saved,
+    )
     straight += steps(ddp, optimizer, compressor, buckets, batches[3:])
     weights = torch.cat([p.detach().reshape(-1) for p in ddp.module.parameters()])
     saved.seek(0)

@@ -32,9 +32,16 @@ from dask_dl.errors import CheckpointError
 from dask_dl.testing import data as kit
 
 OPTIONS = dict(
-    model="small_cnn", model_kwargs={"width": 8}, epochs=4, batch_size=1, trainers=2, lr=0.05,
-    compression="onebit", warmup_steps=2, seed=5,
-)  # fmt: skip
+    model="small_cnn",
+    model_kwargs={"width": 8},
+    epochs=4,
+    batch_size=1,
+    trainers=2,
+    lr=0.05,
+    compression="onebit",
+    warmup_steps=2,
+    seed=5,
+)
 STEPS = 32  # per epoch: 64 images / (2 trainers x 1)
 
 
@@ -99,8 +106,9 @@ def test_a_malformed_position_is_refused():
 def test_recovery_options_are_checked_before_anything_runs(tmp_path):
     from dask_dl.train.options import check_run
 
-    path = kit.write_store(tmp_path / "s.zarr", n=32, size=8, chunk=4, labels=["a"],
-                           split_of=lambda i: "train" if i < 24 else "val")  # fmt: skip
+    path = kit.write_store(
+        tmp_path / "s.zarr", n=32, size=8, chunk=4, labels=["a"], split_of=lambda i: "train" if i < 24 else "val"
+    )
     ds = dask_dl.open_dataset(path)
     options = check_run(ds, trainers=2, batch_size=2)
     assert (options.max_restarts, options.min_trainers, options.restart_wait_s) == (3, 2, 60.0)
@@ -109,8 +117,9 @@ def test_recovery_options_are_checked_before_anything_runs(tmp_path):
     with dask.config.set({"dask-dl.train.hang-grace": 0}), refused:
         check_run(ds, trainers=2, batch_size=2)
     assert (options.checkpoint_every_steps, options.checkpoint_every_seconds) == (None, 300.0)
-    options = check_run(ds, trainers=2, batch_size=2, min_trainers=1, checkpoint_every_steps=10,
-                        checkpoint_every_seconds=0)  # fmt: skip
+    options = check_run(
+        ds, trainers=2, batch_size=2, min_trainers=1, checkpoint_every_steps=10, checkpoint_every_seconds=0
+    )
     assert (options.min_trainers, options.checkpoint_every_steps, options.checkpoint_every_seconds) == (1, 10, None)
     with pytest.raises(ConfigurationError, match=r"min_trainers=3 is more than trainers=2.*min_trainers <= 2"):
         check_run(ds, trainers=2, batch_size=2, min_trainers=3)
@@ -168,11 +177,13 @@ def wait_until(condition, *, within: float = 120.0, what: str = "") -> None:
 def validation_loss(store, model: torch.nn.Module) -> float:
     """The mean loss of ``model`` over the validation split, in this process."""
     ds = dask_dl.open_dataset(store)
-    val = ChunkLoader(store, ds.sample.values[ds.split.values == "val"], batch_size=16, shuffle=False,
-                      drop_last=False, prefetch=0)  # fmt: skip
+    val = ChunkLoader(
+        store, ds.sample.values[ds.split.values == "val"], batch_size=16, shuffle=False, drop_last=False, prefetch=0
+    )
     with torch.no_grad():
-        losses = [F.binary_cross_entropy_with_logits(model.eval()(x), y, reduction="none").mean(1)
-                  for x, y in val.epoch(0)]  # fmt: skip
+        losses = [
+            F.binary_cross_entropy_with_logits(model.eval()(x), y, reduction="none").mean(1) for x, y in val.epoch(0)
+        ]
     return float(torch.cat(losses).mean())
 
 
@@ -299,8 +310,10 @@ def test_a_worker_lost_before_its_trainer_started_is_a_restart(store, client, st
     wait_until(lambda: client.processing([victim])[victim], what="the task that holds the worker's thread")
     run = fit(store, client, wait=False)
     assert run.workers[1] == victim
-    wait_until(lambda: client.run_on_scheduler(_actor_waits, prefix=f"dask-dl-trainer-{run.run_id}-1"),
-               what="rank 1's actor waiting for the worker's thread")  # fmt: skip
+    wait_until(
+        lambda: client.run_on_scheduler(_actor_waits, prefix=f"dask-dl-trainer-{run.run_id}-1"),
+        what="rank 1's actor waiting for the worker's thread",
+    )
     os.kill(pid_of(client, victim), signal.SIGKILL)
     run.wait(timeout=300)
     busy.cancel()
@@ -369,8 +382,7 @@ def test_fsdp_workers_that_change_rank_between_runs_save_and_load_their_own_shar
     whole = fit(store, client, **options, epochs=2, workers=[a, b]).checkpoint()["model"]
     first = fit(store, client, **options, epochs=1, workers=[b, c], checkpoint_dir=str(tmp_path / "ck"))
     assert first.workers == [b, c] and first.status == "finished"  # b: rank 1, then rank 0
-    resumed = fit(store, client, **options, epochs=2, workers=[a, b], checkpoint_dir=str(tmp_path / "ck"),
-                  resume=True)  # fmt: skip
+    resumed = fit(store, client, **options, epochs=2, workers=[a, b], checkpoint_dir=str(tmp_path / "ck"), resume=True)
     assert resumed.workers == [a, b] and list(resumed.history["event"]) == ["", "resumed"]  # b: rank 1 again
     assert_same_weights(resumed.checkpoint()["model"], whole)
 
@@ -383,8 +395,18 @@ def test_an_fsdp_run_on_two_trainers_goes_on_with_one(store, client, tmp_path):
     pair = sorted(client.scheduler_info()["workers"])[:2]
     ck = tmp_path / "ck"
     with dask.config.set({"dask-dl.train.restart-wait": 2}):
-        run = fit(store, client, parallel="fsdp", compression="none", epochs=3, workers=pair, min_trainers=1,
-                  checkpoint_dir=str(ck), checkpoint_every_steps=3, wait=False)  # fmt: skip
+        run = fit(
+            store,
+            client,
+            parallel="fsdp",
+            compression="none",
+            epochs=3,
+            workers=pair,
+            min_trainers=1,
+            checkpoint_dir=str(ck),
+            checkpoint_every_steps=3,
+            wait=False,
+        )
     victim = kill_after_a_step_checkpoint(run, client, ck, epoch=1)
     assert run.status == "finished" and run.workers == [w for w in pair if w != victim]
     restarts = run.restarts
@@ -407,9 +429,22 @@ def test_a_pipeline_that_lost_a_replica_goes_on_with_one(store, client, tmp_path
     four = sorted(client.scheduler_info()["workers"])[:4]
     ck = tmp_path / "ck"
     with dask.config.set({"dask-dl.train.restart-wait": 2}):
-        run = fit(store, client, parallel="pipeline", stages=2, microbatches=2, batch_size=2, trainers=4,
-                  compression="none", epochs=3, workers=four, min_trainers=2, checkpoint_dir=str(ck),
-                  checkpoint_every_steps=3, wait=False)  # fmt: skip
+        run = fit(
+            store,
+            client,
+            parallel="pipeline",
+            stages=2,
+            microbatches=2,
+            batch_size=2,
+            trainers=4,
+            compression="none",
+            epochs=3,
+            workers=four,
+            min_trainers=2,
+            checkpoint_dir=str(ck),
+            checkpoint_every_steps=3,
+            wait=False,
+        )
     wait_until(lambda: list(ck.glob("step-0001-*.pt")) or run.done, what="a step checkpoint of epoch 1")
     victim = run.workers[3]
     os.kill(pid_of(client, victim), signal.SIGKILL)
@@ -453,8 +488,9 @@ def test_a_worker_lost_for_good_finishes_on_fewer_trainers(store, client, cluste
     # with 4 ranks, a survivor that waits on another survivor (not on the lost rank) sees the failure only at the
     # collective's timeout: a short one keeps this test short
     with dask.config.set({"dask-dl.train.restart-wait": 2, "dask-dl.train.timeout": 10}):
-        run = fit(store, client, trainers=4, checkpoint_dir=str(ck), checkpoint_every_steps=2, min_trainers=1,
-                  wait=False)  # fmt: skip
+        run = fit(
+            store, client, trainers=4, checkpoint_dir=str(ck), checkpoint_every_steps=2, min_trainers=1, wait=False
+        )
     wait_until(lambda: list(ck.glob("step-0001-*.pt")) or run.done, what="a step checkpoint of epoch 1")
     victim = run.workers[2]
     (nanny,) = [n for n in cluster.workers.values() if n.worker_address == victim]
@@ -482,8 +518,18 @@ def test_an_fsdp_run_that_lost_a_worker_for_good_goes_on_with_its_shards_reshard
     assert workers >= 2
     ck = tmp_path / "ck"
     with dask.config.set({"dask-dl.train.restart-wait": 2, "dask-dl.train.timeout": 10}):
-        run = fit(store, client, parallel="fsdp", compression="none", epochs=3, trainers=workers,
-                  checkpoint_dir=str(ck), checkpoint_every_steps=2, min_trainers=1, wait=False)  # fmt: skip
+        run = fit(
+            store,
+            client,
+            parallel="fsdp",
+            compression="none",
+            epochs=3,
+            trainers=workers,
+            checkpoint_dir=str(ck),
+            checkpoint_every_steps=2,
+            min_trainers=1,
+            wait=False,
+        )
     wait_until(lambda: list(ck.glob("step-0001-*.pt")) or run.done, what="a step checkpoint of epoch 1")
     victim = run.workers[-1]
     (nanny,) = [n for n in cluster.workers.values() if n.worker_address == victim]
