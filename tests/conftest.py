@@ -37,6 +37,9 @@ def _cuda_available() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:  # a test that measures learning trains for real, a fuzz run draws thousands of cases:
+        if "learning" in item.keywords or "fuzz" in item.keywords:  # both belong to the full run only
+            item.add_marker(pytest.mark.slow)
     if not any("gpu" in item.keywords for item in items):
         return
     if _cuda_available():

@@ -136,6 +136,7 @@ def test_a_stopped_demo_says_that_running_it_again_goes_on(monkeypatch, tmp_path
     )
 
 
+@pytest.mark.slow  # the installed command twice, each with a local cluster of its own
 def test_train_and_export_a_model_of_your_own_from_the_current_folder(store, tmp_path, monkeypatch):
     """``dask-dl train -m mymodels:build`` in the folder of mymodels.py, as `python -m` would import it: the local
     cluster's worker processes import it too, and ``dask-dl export`` rebuilds the model from the checkpoint."""
