@@ -268,6 +268,8 @@ def predict(
 
     Examples
     --------
+    On a store and a model of yours (not run as a doctest: they need the files and a cluster):
+
     >>> ds = dask_dl.open_dataset("cxr.zarr", split="test")  # doctest: +SKIP
     >>> probs = dask_dl.predict(ds, "cxr.onnx")  # doctest: +SKIP
     >>> probs.to_zarr("scores.zarr")  # doctest: +SKIP

@@ -190,6 +190,8 @@ def channel_stats(dataset: xr.Dataset | xr.DataArray, *, split: str | None = "tr
 
     Examples
     --------
+    On a store of yours (not run as a doctest: it needs the store and a cluster):
+
     >>> stats = channel_stats(dask_dl.open_dataset("derm.zarr"))  # doctest: +SKIP
     >>> run = dask_dl.fit(ds, normalization=stats)  # doctest: +SKIP
     """

@@ -104,6 +104,8 @@ def explain(
 
     Examples
     --------
+    With a trained run and its test split (not run as a doctest: it needs both and a cluster):
+
     >>> maps = dask_dl.explain(test, run, labels=["Effusion"], method="gradcam")  # doctest: +SKIP
     >>> dask_dl.explanation.maps.write_maps(maps, "maps.zarr")  # doctest: +SKIP
     """

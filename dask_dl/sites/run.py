@@ -138,6 +138,8 @@ def fit_sites(
 
     Examples
     --------
+    On the stores of two sites (not run as a doctest: it needs the stores and a cluster):
+
     >>> run = fit_sites({"A": open_dataset("a.zarr"), "B": open_dataset("b.zarr")},
     ...                 protocol="fedavg", rounds=5, model="small_cnn")  # doctest: +SKIP
     >>> run.curves  # doctest: +SKIP
