@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import doctest
 import importlib
+import sys
 from pathlib import Path
 
 import pytest
 
 import dask_dl
+from dask_dl.registry import Registry
 
 PACKAGE = Path(dask_dl.__file__).parent
 
@@ -35,12 +37,29 @@ def test_the_package_has_examples_to_run():
     assert len(MODULES) >= 40, MODULES  # a finder that found none would pass every test below
 
 
+def _registries() -> list[tuple[Registry, dict]]:
+    """Every registry of the dask_dl modules imported so far, with a copy of its entries."""
+    found = {}
+    for name, module in list(sys.modules.items()):
+        if name.startswith("dask_dl"):
+            for value in list(vars(module).values()):
+                if isinstance(value, Registry):
+                    found[id(value)] = (value, dict(value._entries))
+    return list(found.values())
+
+
 @pytest.mark.parametrize("name", MODULES)
 def test_docstring_examples_run(name):
     module = importlib.import_module(name)
     report: list[str] = []
     runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
     tests = [t for t in doctest.DocTestFinder(exclude_empty=True).find(module, name) if t.examples]
-    for test in tests:
-        runner.run(test, out=report.append)
+    before = _registries()
+    try:
+        for test in tests:
+            runner.run(test, out=report.append)
+    finally:  # an example that registers a model must not add it for the tests after it (registries are global)
+        for registry, entries in before:
+            registry._entries.clear()
+            registry._entries.update(entries)
     assert runner.failures == 0, "".join(report)
