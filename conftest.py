@@ -47,6 +47,12 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+def pytest_collection_modifyitems(config, items):
+    for item in items:  # each notebook runs top to bottom in a kernel of its own, minutes in all: the full run only
+        if item.path.suffix == ".ipynb":
+            item.add_marker(pytest.mark.slow)
+
+
 def pytest_sessionfinish(session, exitstatus):
     if exitstatus == pytest.ExitCode.TESTS_FAILED:
         return

@@ -59,18 +59,28 @@ def ingest_and_predict(root: Path, args) -> list[dict]:
         LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster,
         Client(cluster) as client,
     ):
-        dask_dl.synthesize(root / "nih", n_images=args.images, size=args.source_size, seed=2, corrupt_fraction=0.01,
-                           client=client)  # fmt: skip
+        dask_dl.synthesize(
+            root / "nih", n_images=args.images, size=args.source_size, seed=2, corrupt_fraction=0.01, client=client
+        )
         catalog = dask_dl.read_catalog(root / "nih")
         dask_dl.ingest(catalog, str(root / "warm.zarr"), client=client, **options)  # imports, caches
         calm, started, ended = timed(lambda: dask_dl.ingest(catalog, str(root / "calm.zarr"), client=client, **options))
         calm_s = ended - started
         with WorkerKiller(client, seed=1, max_kills=args.ingest_kills, **chaos) as killer:
-            _, started, ended = timed(lambda: dask_dl.ingest(catalog, str(root / "chaos.zarr"), client=client,
-                                                             **options))  # fmt: skip
+            _, started, ended = timed(
+                lambda: dask_dl.ingest(catalog, str(root / "chaos.zarr"), client=client, **options)
+            )
         differ = store_differences(str(root / "calm.zarr"), str(root / "chaos.zarr"))
-        rows.append(dict(stage="ingest", kills=landed(killer.kills, started, ended), calm_s=calm_s,
-                         chaos_s=ended - started, matched=not differ, differs=", ".join(differ)))  # fmt: skip
+        rows.append(
+            dict(
+                stage="ingest",
+                kills=landed(killer.kills, started, ended),
+                calm_s=calm_s,
+                chaos_s=ended - started,
+                matched=not differ,
+                differs=", ".join(differ),
+            )
+        )
         print(rows[-1], flush=True)
 
         dataset = dask_dl.open_dataset(str(root / "calm.zarr"))
@@ -87,8 +97,16 @@ def ingest_and_predict(root: Path, args) -> list[dict]:
         with WorkerKiller(client, seed=2, max_kills=args.predict_kills, **chaos) as killer:
             scores, started, ended = timed(lambda: dask_dl.predict(dataset, model, client=client).compute())
         matched = bool(np.array_equal(scores, expected))
-        rows.append(dict(stage="predict", kills=landed(killer.kills, started, ended), calm_s=calm_s,
-                         chaos_s=ended - started, matched=matched, differs="" if matched else "scores"))  # fmt: skip
+        rows.append(
+            dict(
+                stage="predict",
+                kills=landed(killer.kills, started, ended),
+                calm_s=calm_s,
+                chaos_s=ended - started,
+                matched=matched,
+                differs="" if matched else "scores",
+            )
+        )
         print(rows[-1], flush=True)
         client.wait_for_workers(args.workers, timeout=300)  # a worker closed while it starts may hang the close
     return rows
@@ -102,8 +120,18 @@ def fit(root: Path, args) -> dict:
     from dask_dl.testing.chaos import WorkerKiller
     from dask_dl.testing.train import squares_collection
 
-    options = dict(model="small_cnn", model_kwargs={"width": 8}, epochs=args.epochs, batch_size=1, trainers=2,
-                   lr=0.05, compression="onebit", warmup_steps=2, seed=5, max_restarts=args.epochs)  # fmt: skip
+    options = dict(
+        model="small_cnn",
+        model_kwargs={"width": 8},
+        epochs=args.epochs,
+        batch_size=1,
+        trainers=2,
+        lr=0.05,
+        compression="onebit",
+        warmup_steps=2,
+        seed=5,
+        max_restarts=args.epochs,
+    )
     with (
         LocalCluster(n_workers=3, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster,
         Client(cluster) as client,
@@ -117,8 +145,9 @@ def fit(root: Path, args) -> dict:
         calm_s = ended - started
         ck = root / "ck"
         started = time.time()
-        run = dask_dl.fit(dataset, client=client, **options, checkpoint_dir=str(ck), checkpoint_every_steps=3,
-                          wait=False)  # fmt: skip
+        run = dask_dl.fit(
+            dataset, client=client, **options, checkpoint_dir=str(ck), checkpoint_every_steps=3, wait=False
+        )
         killer = WorkerKiller(client, among=lambda: run.workers, keep=0)
         for epoch in range(args.epochs):
             while not list(ck.glob(f"step-{epoch:04d}-*.pt")) and not run.done:
@@ -138,8 +167,14 @@ def fit(root: Path, args) -> dict:
         if set(run.restarts["world_size"]) != {2}:
             differ.append(f"world sizes {sorted(set(run.restarts['world_size']))}")
         client.wait_for_workers(3, timeout=300)
-    return dict(stage="fit", kills=len(killer.kills), calm_s=calm_s, chaos_s=chaos_s, matched=not differ,
-                differs=", ".join(differ[:3]))  # fmt: skip
+    return dict(
+        stage="fit",
+        kills=len(killer.kills),
+        calm_s=calm_s,
+        chaos_s=chaos_s,
+        matched=not differ,
+        differs=", ".join(differ[:3]),
+    )
 
 
 def memory(root: Path, args) -> dict:
@@ -157,21 +192,30 @@ def memory(root: Path, args) -> dict:
     for kind in ("calm", "paused"):
         # the nanny would restart a worker at 95 % of its limit: pausing is what is measured here, not that
         with dask.config.set({"distributed.worker.memory.terminate": False}):
-            cluster = LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0",
-                                   memory_limit="4 GiB")  # fmt: skip
+            cluster = LocalCluster(
+                n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0", memory_limit="4 GiB"
+            )
         with cluster, Client(cluster) as client:
             # a large image on every worker first: what a worker keeps after one (codecs, glibc's arenas) is idle
             warm = catalog.iloc[:6]
             dask_dl.ingest(warm, str(root / f"warm-{kind}.zarr"), client=client, **{**options, "shard": 1})
             if kind == "paused":
                 pause_workers_above(client, side * side // 2)
-            _, started, ended = timed(lambda k=kind, c=client: dask_dl.ingest(catalog, str(root / f"{k}.zarr"),
-                                                                              client=c, **options))  # fmt: skip
+            _, started, ended = timed(
+                lambda k=kind, c=client: dask_dl.ingest(catalog, str(root / f"{k}.zarr"), client=c, **options)
+            )
             seconds[kind] = ended - started
             pauses = sum(paused_workers(client).values())
     differ = store_differences(str(root / "calm.zarr"), str(root / "paused.zarr"))
-    return dict(stage="memory", kills=0, pauses=pauses, calm_s=seconds["calm"], chaos_s=seconds["paused"],
-                matched=not differ, differs=", ".join(differ))  # fmt: skip
+    return dict(
+        stage="memory",
+        kills=0,
+        pauses=pauses,
+        calm_s=seconds["calm"],
+        chaos_s=seconds["paused"],
+        matched=not differ,
+        differs=", ".join(differ),
+    )
 
 
 def main() -> None:
@@ -186,9 +230,13 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=4, help="fit epochs, one kill in each")
     parser.add_argument("--fit-images", type=int, default=128, help="training images (steps per epoch: half)")
     parser.add_argument("--large", type=int, default=16, help="7000 px images for the memory stage")
-    parser.add_argument("--stages", nargs="+", default=["ingest", "predict", "fit", "memory"],
-                        choices=["ingest", "predict", "fit", "memory"], help="stages to run (ingest and predict "
-                        "run together)")  # fmt: skip
+    parser.add_argument(
+        "--stages",
+        nargs="+",
+        default=["ingest", "predict", "fit", "memory"],
+        choices=["ingest", "predict", "fit", "memory"],
+        help="stages to run (ingest and predict run together)",
+    )
     args = parser.parse_args()
 
     import pandas as pd

@@ -77,9 +77,12 @@ def worker(args) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://{args.master}:{args.port}", rank=args.rank, world_size=args.world,
+        "gloo",
+        init_method=f"tcp://{args.master}:{args.port}",
+        rank=args.rank,
+        world_size=args.world,
         timeout=timedelta(seconds=120),
-    )  # fmt: skip
+    )
     buckets = ddp_buckets(ALEXNET)
     gen = torch.Generator().manual_seed(args.rank)
     grads = [torch.randn(sum(math.prod(s) for s in b), generator=gen) * 1e-3 for b in buckets]
@@ -180,9 +183,26 @@ def setup_network(world: int, rate: str | None) -> list[str]:
             burst = f"{max(int(bits / 8 / 100), 2**20)}b"  # >= rate / HZ, or tbf cannot reach the rate
             for dev, where in ((inner, ["ip", "netns", "exec", ns]), (host, [])):
                 subprocess.run(
-                    [*where, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst", burst,
-                     "latency", "100ms"], check=True, capture_output=True, text=True,
-                )  # fmt: skip
+                    [
+                        *where,
+                        "tc",
+                        "qdisc",
+                        "add",
+                        "dev",
+                        dev,
+                        "root",
+                        "tbf",
+                        "rate",
+                        rate,
+                        "burst",
+                        burst,
+                        "latency",
+                        "100ms",
+                    ],
+                    check=True,
+                    capture_output=True,
+                    text=True,
+                )
     return [f"ddlb{r}" for r in range(world)]
 
 
@@ -270,8 +290,10 @@ def main() -> None:
     finally:
         teardown()
     costs = local_costs(max(args.steps, 3))
-    print(f"\ncompress + decompress on one rank, one thread, no network (a copy of the gradient into allocated memory: "
-          f"{costs['memcpy'] * 1e3:.1f} ms)")  # fmt: skip
+    print(
+        f"\ncompress + decompress on one rank, one thread, no network (a copy of the gradient into allocated memory: "
+        f"{costs['memcpy'] * 1e3:.1f} ms)"
+    )
     for name in COMPRESSORS:
         line = f"  {name:10} {costs[name]:8.3f} s  {costs[name] / costs['memcpy']:8.1f} x copy"
         if f"{name}-eager" in costs:

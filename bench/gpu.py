@@ -89,24 +89,44 @@ def main() -> None:
     with connect(**options) as client:
         store = make_store(args.root, images=args.images, size=args.size, client=client)
         trainer, cpus = gpu_workers(client)[:1], cpu_workers(client)
-        gpu_name = client.run(lambda: torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                              workers=trainer)[trainer[0]]  # fmt: skip
+        gpu_name = client.run(
+            lambda: torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", workers=trainer
+        )[trainer[0]]
         print(f"{args.size} px, batch {args.batch_size}, device {gpu_name}, torch {torch.__version__}")
         for model in args.models.split(","):
-            run = dask_dl.fit(dask_dl.open_dataset(store), model=model, epochs=args.epochs, batch_size=args.batch_size,
-                              trainers=1, lr=0.01, client=client)  # fmt: skip
+            run = dask_dl.fit(
+                dask_dl.open_dataset(store),
+                model=model,
+                epochs=args.epochs,
+                batch_size=args.batch_size,
+                trainers=1,
+                lr=0.01,
+                client=client,
+            )
             h = run.history.iloc[1:] if len(run.history) > 1 else run.history
             ours = float(h["images_per_s"].max())
             common = dict(model=model, batch_size=args.batch_size, device=args.device, pure=False, workers=trainer)
             plain = client.submit(plain_images_per_s, store, steps=args.steps, fast=False, **common).result()
             fast = client.submit(plain_images_per_s, store, steps=args.steps, fast=True, **common).result()
-            cpu = client.submit(plain_images_per_s, store, model=model, batch_size=args.batch_size,
-                                steps=args.cpu_steps, device="cpu", fast=False, pure=False,
-                                workers=cpus[:1] if cpus else trainer).result()  # fmt: skip
-            print(f"{model:10s} dask_dl {ours:9.1f} img/s | plain fp32 {plain:9.1f} | plain bf16+channels_last "
-                  f"{fast:9.1f} | plain fp32 on one CPU worker {cpu:8.1f}")  # fmt: skip
-            print(f"{model:10s} dask_dl / plain fp32 {ours / plain:6.3f}   dask_dl / plain bf16 {ours / fast:6.3f}   "
-                  f"GPU / CPU (plain fp32) {plain / cpu:8.1f}x")  # fmt: skip
+            cpu = client.submit(
+                plain_images_per_s,
+                store,
+                model=model,
+                batch_size=args.batch_size,
+                steps=args.cpu_steps,
+                device="cpu",
+                fast=False,
+                pure=False,
+                workers=cpus[:1] if cpus else trainer,
+            ).result()
+            print(
+                f"{model:10s} dask_dl {ours:9.1f} img/s | plain fp32 {plain:9.1f} | plain bf16+channels_last "
+                f"{fast:9.1f} | plain fp32 on one CPU worker {cpu:8.1f}"
+            )
+            print(
+                f"{model:10s} dask_dl / plain fp32 {ours / plain:6.3f}   dask_dl / plain bf16 {ours / fast:6.3f}   "
+                f"GPU / CPU (plain fp32) {plain / cpu:8.1f}x"
+            )
 
 
 if __name__ == "__main__":

@@ -44,8 +44,16 @@ def write_sources(n: int, side: int) -> pd.DataFrame:
             noisy = np.asarray(low, np.float32) + rng.normal(0, 4, (side, side))
             Image.fromarray(np.clip(noisy, 0, 255).astype(np.uint8)).save(path.with_suffix(".tmp.png"))
             os.replace(path.with_suffix(".tmp.png"), path)
-        rows.append({"image_id": path.name, "path": str(path), "patient_id": f"p{i}", "site": "bench",
-                     "split": "train", "Finding": i % 2})  # fmt: skip
+        rows.append(
+            {
+                "image_id": path.name,
+                "path": str(path),
+                "patient_id": f"p{i}",
+                "site": "bench",
+                "split": "train",
+                "Finding": i % 2,
+            }
+        )
     return make_catalog(pd.DataFrame(rows), ["Finding"])
 
 
@@ -55,9 +63,14 @@ def single_process(catalog: pd.DataFrame, store: str, *, size: int, chunk: int, 
     started = time.perf_counter()
     n, rows = len(catalog), chunk * shard
     image = zarr.create_array(
-        store, shape=(n, size, size), dtype="uint8", chunks=(chunk, size, size), shards=(rows, size, size),
-        compressors=zarr.codecs.ZstdCodec(level=3), dimension_names=("sample", "y", "x"),
-    )  # fmt: skip
+        store,
+        shape=(n, size, size),
+        dtype="uint8",
+        chunks=(chunk, size, size),
+        shards=(rows, size, size),
+        compressors=zarr.codecs.ZstdCodec(level=3),
+        dimension_names=("sample", "y", "x"),
+    )
     for start in range(0, n, rows):
         paths = catalog["path"].iloc[start : start + rows]
         image[start : start + len(paths)] = np.stack([load_image(p, size=size) for p in paths])
@@ -128,9 +141,11 @@ def main() -> None:
     print(f"dask_dl.ingest, {args.workers} workers {parallel:8.1f} images/s")
     print(f"{args.workers} separate loops (no Dask) {ceiling:8.1f} images/s")
     speedup = parallel / loop
-    print(f"speed-up {speedup:.2f}x; parallel efficiency (speed-up / workers) {speedup / args.workers:.2f} "
-          f"(target >= 0.90; load {os.getloadavg()[0]:.1f}); {args.workers} separate processes reach "
-          f"{ceiling / loop / args.workers:.2f} on this machine in this run")  # fmt: skip
+    print(
+        f"speed-up {speedup:.2f}x; parallel efficiency (speed-up / workers) {speedup / args.workers:.2f} "
+        f"(target >= 0.90; load {os.getloadavg()[0]:.1f}); {args.workers} separate processes reach "
+        f"{ceiling / loop / args.workers:.2f} on this machine in this run"
+    )
     print(
         f"dask_dl.ingest / {args.workers} separate processes: {parallel / ceiling:.2f} (what the cluster's own "
         "processes, the driver's work before and after the tasks and Dask's per-task cost leave of the machine)"

@@ -58,8 +58,9 @@ def _rank(rank: int, args: argparse.Namespace, rendezvous: str, out: str) -> Non
     from dask_dl.train.parallel.wrap import wrap_model
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=args.ranks,
-                            timeout=timedelta(seconds=300))  # fmt: skip
+    dist.init_process_group(
+        "gloo", init_method=rendezvous, rank=rank, world_size=args.ranks, timeout=timedelta(seconds=300)
+    )
 
     def loss_fn(logits, y):
         return F.binary_cross_entropy_with_logits(logits, y)
@@ -68,8 +69,15 @@ def _rank(rank: int, args: argparse.Namespace, rendezvous: str, out: str) -> Non
     for mode in ("ddp", "fsdp", "pipeline"):
         torch.manual_seed(0)
         model = build_model(args.model, num_outputs=2)
-        spec = SimpleNamespace(parallel=mode, stages=args.ranks, microbatches=args.microbatches, schedule="1f1b",
-                               model_name=args.model, batch_size=args.batch, input_size=args.size)  # fmt: skip
+        spec = SimpleNamespace(
+            parallel=mode,
+            stages=args.ranks,
+            microbatches=args.microbatches,
+            schedule="1f1b",
+            model_name=args.model,
+            batch_size=args.batch,
+            input_size=args.size,
+        )
         if mode == "ddp":
             wrapped = DistributedDataParallel(model)
             module = model
@@ -133,11 +141,15 @@ def main() -> None:
     with torch.device("meta"):
         model = build_model(args.model, num_outputs=2)
     n = sum(p.numel() for p in model.parameters())
-    print(f"{args.model} ({n / 1e6:.2f}M parameters) at {args.size} px, {args.ranks} gloo ranks x 1 thread, "
-          f"batch {args.batch}, {args.steps} timed steps; pipeline: {args.ranks} stages, {args.microbatches} "
-          f"micro-batches, 1f1b; wall {time.perf_counter() - started:.0f} s")  # fmt: skip
-    print(f"{'mode':9} {'params+grads+optim (largest rank)':>36} {'vs ddp':>7} {'estimate':>11} {'images/s':>9} "
-          f"{'vs ddp':>7}")  # fmt: skip
+    print(
+        f"{args.model} ({n / 1e6:.2f}M parameters) at {args.size} px, {args.ranks} gloo ranks x 1 thread, "
+        f"batch {args.batch}, {args.steps} timed steps; pipeline: {args.ranks} stages, {args.microbatches} "
+        f"micro-batches, 1f1b; wall {time.perf_counter() - started:.0f} s"
+    )
+    print(
+        f"{'mode':9} {'params+grads+optim (largest rank)':>36} {'vs ddp':>7} {'estimate':>11} {'images/s':>9} "
+        f"{'vs ddp':>7}"
+    )
     base = None
     for mode, r in results.items():
         largest = max(r["held"], key=lambda h: sum(h.values()))
@@ -145,8 +157,10 @@ def main() -> None:
         estimate = estimate_memory(model, parallel=mode, trainers=args.ranks, stages=args.ranks).total
         if base is None:
             base = (total, r["images_per_s"])
-        print(f"{mode:9} {format_bytes(total):>36} {total / base[0]:>7.2f} {format_bytes(estimate):>11} "
-              f"{r['images_per_s']:>9.1f} {r['images_per_s'] / base[1]:>7.2f}")  # fmt: skip
+        print(
+            f"{mode:9} {format_bytes(total):>36} {total / base[0]:>7.2f} {format_bytes(estimate):>11} "
+            f"{r['images_per_s']:>9.1f} {r['images_per_s'] / base[1]:>7.2f}"
+        )
     sys.stdout.flush()
 
 

@@ -101,9 +101,13 @@ def training_parser(doc: str, *, epochs: int) -> argparse.ArgumentParser:
 def main() -> None:
     parser = training_parser(__doc__, epochs=7)
     parser.add_argument("--threads", type=int, default=1, help="threads of the trainer's worker")
-    parser.add_argument("--cpu", type=int, default=None,
-                        help="pin the worker to this CPU (a 1-core worker: the loader's threads cannot borrow a "
-                             "second core the plain loop does not use); default: not pinned")  # fmt: skip
+    parser.add_argument(
+        "--cpu",
+        type=int,
+        default=None,
+        help="pin the worker to this CPU (a 1-core worker: the loader's threads cannot borrow a "
+        "second core the plain loop does not use); default: not pinned",
+    )
     args = parser.parse_args()
 
     from distributed import Client, LocalCluster
@@ -124,8 +128,16 @@ def main() -> None:
         half = max(1, (args.epochs - 1) // 2)
         plain = dict(model=args.model, batch_size=args.batch_size, steps=steps, lr=0.01, seed=0, passes=half)
         before = client.submit(plain_loop, store, train, **plain, pure=False).result()
-        run = dask_dl.fit(ds, model=args.model, epochs=args.epochs, batch_size=args.batch_size, trainers=1, lr=0.01,
-                          compression="none", client=client)  # fmt: skip
+        run = dask_dl.fit(
+            ds,
+            model=args.model,
+            epochs=args.epochs,
+            batch_size=args.batch_size,
+            trainers=1,
+            lr=0.01,
+            compression="none",
+            client=client,
+        )
         after = client.submit(plain_loop, store, train, **plain, pure=False).result()
 
     h = run.history.iloc[1:] if len(run.history) > 1 else run.history  # epoch 0 warms up
@@ -133,13 +145,19 @@ def main() -> None:
     loop_s = h["compute_s"] + h["comm_s"] + h["data_wait_s"]
     wait_share = float(np.median(h["data_wait_s"] / loop_s))
     plain_s = np.array(before + after)
-    print(f"model {args.model}, {args.size} px, batch {args.batch_size}, {steps} steps/epoch, "
-          f"{args.threads} thread(s), pinned to CPU {args.cpu}, torch {__import__('torch').__version__}, "
-          f"load {os.getloadavg()[0]:.1f}")  # fmt: skip
-    print(f"plain PyTorch loop   {1000 * plain_s.min():8.2f} ms/step best, {1000 * np.median(plain_s):8.2f} median "
-          f"({len(before)} passes before dask_dl, {len(after)} after)")  # fmt: skip
-    print(f"dask_dl, 1 trainer   {1000 * steps_s.min():8.2f} ms/step best, {1000 * np.median(steps_s):8.2f} median "
-          f"(epochs 2..{args.epochs})")  # fmt: skip
+    print(
+        f"model {args.model}, {args.size} px, batch {args.batch_size}, {steps} steps/epoch, "
+        f"{args.threads} thread(s), pinned to CPU {args.cpu}, torch {__import__('torch').__version__}, "
+        f"load {os.getloadavg()[0]:.1f}"
+    )
+    print(
+        f"plain PyTorch loop   {1000 * plain_s.min():8.2f} ms/step best, {1000 * np.median(plain_s):8.2f} median "
+        f"({len(before)} passes before dask_dl, {len(after)} after)"
+    )
+    print(
+        f"dask_dl, 1 trainer   {1000 * steps_s.min():8.2f} ms/step best, {1000 * np.median(steps_s):8.2f} median "
+        f"(epochs 2..{args.epochs})"
+    )
     inline = " (on one CPU the loader works in the trainer's thread: its mixing and normalizing)" if args.cpu else ""
     print(f"data wait share      {100 * wait_share:8.2f} % (target < 5 %){inline}")
     print(

@@ -151,8 +151,16 @@ def run_fit(args: argparse.Namespace, store: str, client) -> dict:
     import dask_dl
 
     ds = dask_dl.open_dataset(store)
-    options = dict(model="small_cnn", batch_size=args.batch_size, trainers=2, lr=args.lr, optimizer="sgd",
-                   compression="none", seed=args.seed, client=client)  # fmt: skip
+    options = dict(
+        model="small_cnn",
+        batch_size=args.batch_size,
+        trainers=2,
+        lr=args.lr,
+        optimizer="sgd",
+        compression="none",
+        seed=args.seed,
+        client=client,
+    )
     started = time.perf_counter()
     run = dask_dl.fit(ds, epochs=args.epochs, **options)
     wall = time.perf_counter() - started
@@ -200,13 +208,17 @@ def main() -> None:
             runs["ours"].append(run_fit(args, store, client))
         ddp, ours = ({k: float(np.median([r[k] for r in rs])) for k in rs[0]} for rs in runs.values())
 
-    print(f"small_cnn, {args.size} px, {args.images} images, batch {args.batch_size} x 2 ranks, {args.epochs} epochs, "
-          f"SGD momentum lr {args.lr}, gloo, 1 thread per rank, load {os.getloadavg()[0]:.1f}")  # fmt: skip
+    print(
+        f"small_cnn, {args.size} px, {args.images} images, batch {args.batch_size} x 2 ranks, {args.epochs} epochs, "
+        f"SGD momentum lr {args.lr}, gloo, 1 thread per rank, load {os.getloadavg()[0]:.1f}"
+    )
     print(f"{'':22s} {'images/s':>9s} {'wall s':>8s} {'val AUROC':>10s}")
     for name, r in (("torchrun DDP loop", ddp), ("dask_dl.fit", ours)):
         print(f"{name:22s} {r['images_per_s']:9.1f} {r['wall_s']:8.2f} {r['auroc']:10.3f}")
-    print(f"dask_dl / DDP: images/s {ours['images_per_s'] / ddp['images_per_s']:.3f} (target >= 1.0), "
-          f"wall {ours['wall_s'] / ddp['wall_s']:.3f}, AUROC {ours['auroc'] - ddp['auroc']:+.3f}")  # fmt: skip
+    print(
+        f"dask_dl / DDP: images/s {ours['images_per_s'] / ddp['images_per_s']:.3f} (target >= 1.0), "
+        f"wall {ours['wall_s'] / ddp['wall_s']:.3f}, AUROC {ours['auroc'] - ddp['auroc']:+.3f}"
+    )
     each = ", ".join(f"{o['images_per_s'] / d['images_per_s']:.3f}" for d, o in zip(*runs.values(), strict=True))
     print(f"images/s ratio of each run, in order: {each}")
 

@@ -72,11 +72,14 @@ def main() -> None:
         zarr.create_array(store, data=images, chunks=(args.chunk, size, size))
         torch.manual_seed(0)
         model = build_model(args.model, num_outputs=14).eval()
-        path = str(export_onnx(model, os.path.join(tmp, "model.onnx"), labels=[f"l{i}" for i in range(14)],
-                               input_size=size))  # fmt: skip
+        path = str(
+            export_onnx(model, os.path.join(tmp, "model.onnx"), labels=[f"l{i}" for i in range(14)], input_size=size)
+        )
 
-        print(f"{args.model} at {size} px, {n} images in chunks of {args.chunk}, batches of {batch}, "
-              f"{os.cpu_count()} cores")  # fmt: skip
+        print(
+            f"{args.model} at {size} px, {n} images in chunks of {args.chunk}, batches of {batch}, "
+            f"{os.cpu_count()} cores"
+        )
         one = _session(path, threads=1)
         _run_session(one, images[:batch], batch)  # warm-up
         t_one = _run_session(one, images, batch)
@@ -96,10 +99,20 @@ def main() -> None:
             client.compute(predict(data, path, batch_size=batch)).result()
             t_predict = time.perf_counter() - start
 
-    rate = {name: n / t for name, t in [("predict", t_predict), ("one", t_one), ("every", t_every),
-                                          ("torch", t_torch), ("first", t_first)]}  # fmt: skip
-    print(f"  predict, {w} workers x 1 thread      {rate['predict']:8.1f} images/s "
-          f"(first run, with session creation: {rate['first']:.1f})")  # fmt: skip
+    rate = {
+        name: n / t
+        for name, t in [
+            ("predict", t_predict),
+            ("one", t_one),
+            ("every", t_every),
+            ("torch", t_torch),
+            ("first", t_first),
+        ]
+    }
+    print(
+        f"  predict, {w} workers x 1 thread      {rate['predict']:8.1f} images/s "
+        f"(first run, with session creation: {rate['first']:.1f})"
+    )
     print(f"  one onnxruntime session, 1 thread    {rate['one']:8.1f} images/s")
     print(f"  one onnxruntime session, all threads {rate['every']:8.1f} images/s")
     print(f"  torch, this process                  {rate['torch']:8.1f} images/s")

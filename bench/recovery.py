@@ -28,10 +28,23 @@ def one_run(client, dataset, *, interval: int, kill_after: float, directory: str
     import dask_dl
 
     run = dask_dl.fit(
-        dataset, model="small_cnn", model_kwargs={"width": 8}, epochs=2, batch_size=1, trainers=2, lr=0.05,
-        compression="onebit", warmup_steps=2, seed=0, checkpoint_dir=directory, client=client, wait=False,
-        checkpoint_every_steps=interval or None, checkpoint_every_seconds=0, max_restarts=2,
-    )  # fmt: skip
+        dataset,
+        model="small_cnn",
+        model_kwargs={"width": 8},
+        epochs=2,
+        batch_size=1,
+        trainers=2,
+        lr=0.05,
+        compression="onebit",
+        warmup_steps=2,
+        seed=0,
+        checkpoint_dir=directory,
+        client=client,
+        wait=False,
+        checkpoint_every_steps=interval or None,
+        checkpoint_every_seconds=0,
+        max_restarts=2,
+    )
     deadline = time.monotonic() + 300
     while len(run.history) < 1 and not run.done and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -76,14 +89,22 @@ def main() -> None:
         dask_dl.ingest(catalog, store, size=32, chunk=16, shard=4, client=client, progress=False)
         dataset = dask_dl.open_dataset(store)
         client.run(lambda: __import__("torch"))
-        dask_dl.fit(dataset, model="small_cnn", model_kwargs={"width": 8}, epochs=1, batch_size=16, trainers=3,
-                    client=client)  # fmt: skip  # warms every worker
+        dask_dl.fit(
+            dataset, model="small_cnn", model_kwargs={"width": 8}, epochs=1, batch_size=16, trainers=3, client=client
+        )  # warms every worker
         rows = []
         for interval in args.intervals:
             client.wait_for_workers(3, timeout=300)
             client.run(lambda: __import__("dask_dl.train.actor"))  # the nanny's restarted worker too: warm
-            rows.append(one_run(client, dataset, interval=interval, kill_after=args.kill_after,
-                                directory=str(root / f"ck-{interval}")))  # fmt: skip
+            rows.append(
+                one_run(
+                    client,
+                    dataset,
+                    interval=interval,
+                    kill_after=args.kill_after,
+                    directory=str(root / f"ck-{interval}"),
+                )
+            )
             print(rows[-1], flush=True)
     table = pd.DataFrame(rows).set_index("interval")
     print(f"\nrecovery after a SIGKILLed trainer ({args.images // 2} steps per epoch, 2 trainers + 1 spare worker)")

@@ -46,9 +46,17 @@ def main() -> None:
         for compression in args.compression.split(","):
             speed = {}
             for trainers in (1, 2):
-                run = dask_dl.fit(ds, model=args.model, epochs=args.epochs, batch_size=args.batch_size,
-                                  trainers=trainers, compression=compression, warmup_steps=0, lr=0.01,
-                                  client=client)  # fmt: skip
+                run = dask_dl.fit(
+                    ds,
+                    model=args.model,
+                    epochs=args.epochs,
+                    batch_size=args.batch_size,
+                    trainers=trainers,
+                    compression=compression,
+                    warmup_steps=0,
+                    lr=0.01,
+                    client=client,
+                )
                 h = run.history.iloc[1:] if len(run.history) > 1 else run.history  # epoch 0 warms up
                 speed[trainers] = float(np.median(h["images_per_s"]))
                 comm = float(np.median(h["comm_s"] / (h["compute_s"] + h["comm_s"] + h["data_wait_s"])))
@@ -68,8 +76,10 @@ def main() -> None:
     print(f"{'torchrun DDP':12s} {2:8d} {ddp[2]:10.1f}")
     print(f"{'torchrun DDP':12s} {'2 vs 1':>8s} {ddp[2] / ddp[1]:10.3f}")
     ratios = ", ".join(f"{c} {v:.3f}" for c, t, v, _, _ in rows if t == "ratio")
-    print(f"images/s, 2 trainers vs 1 (load {os.getloadavg()[0]:.1f}): {ratios} (target >= 1.85); "
-          f"hand-written torchrun DDP in this run {ddp[2] / ddp[1]:.3f}")  # fmt: skip
+    print(
+        f"images/s, 2 trainers vs 1 (load {os.getloadavg()[0]:.1f}): {ratios} (target >= 1.85); "
+        f"hand-written torchrun DDP in this run {ddp[2] / ddp[1]:.3f}"
+    )
 
 
 if __name__ == "__main__":

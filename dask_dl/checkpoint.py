@@ -254,8 +254,9 @@ def verify_manifest(path: str | os.PathLike, data: bytes) -> None:
     mpath = manifest_name(fpath)
     try:
         if not fs.exists(mpath):
-            logger.warning("checkpoint %r has no manifest (%s): its integrity is not verified", str(path),
-                           mpath.rsplit("/", 1)[-1])  # fmt: skip
+            logger.warning(
+                "checkpoint %r has no manifest (%s): its integrity is not verified", str(path), mpath.rsplit("/", 1)[-1]
+            )
             return
         with fs.open(mpath, "rb") as f:
             manifest = json.loads(f.read(65536).decode("utf-8"))
@@ -305,8 +306,13 @@ def _is_link(fs: fsspec.AbstractFileSystem, fpath: str) -> bool:
 
 
 def _kind(mode: int) -> str:
-    for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):  # fmt: skip
+    for test, kind in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
         if test(mode):
             return kind
     return f"file mode {oct(mode)}"

@@ -281,6 +281,8 @@ def export_onnx(
 
     Examples
     --------
+    From a checkpoint of yours (not run as a doctest: it needs the checkpoint):
+
     >>> path = export_onnx("checkpoints/", "cxr.onnx")  # doctest: +SKIP
     >>> read_model_info(path).labels[:2]  # doctest: +SKIP
     ('Atelectasis', 'Cardiomegaly')

@@ -40,7 +40,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import xarray as xr
     from distributed import Client
 
-__all__ = ["evaluate", "predict", "scores_table"]
+__all__ = ["evaluate", "predict", "scores_table", "write_scores_zarr"]
 
 PROB_PREFIX = "p_"
 
@@ -268,6 +268,8 @@ def predict(
 
     Examples
     --------
+    On a store and a model of yours (not run as a doctest: they need the files and a cluster):
+
     >>> ds = dask_dl.open_dataset("cxr.zarr", split="test")  # doctest: +SKIP
     >>> probs = dask_dl.predict(ds, "cxr.onnx")  # doctest: +SKIP
     >>> probs.to_zarr("scores.zarr")  # doctest: +SKIP
@@ -397,6 +399,31 @@ def scores_table(
                 table[label] = np.asarray(truth[:, findings.index(label)], dtype=np.uint8)
     table.attrs = {"labels": labels}
     return table
+
+
+def write_scores_zarr(table: pd.DataFrame, labels: Sequence[str], out: str, *, overwrite: bool = False) -> None:
+    """Write a :func:`scores_table` as a Zarr store: ``probability(sample, label)``, the id columns as coordinates.
+
+    Parameters
+    ----------
+    table
+        From :func:`scores_table`: a ``p_<label>`` column per label and the columns of
+        :data:`dask_dl.data.store.COORDS`.
+    labels
+        The labels to write, in this order.
+    out
+        Path or fsspec URL of the store.
+    overwrite
+        Replace ``out`` if it exists; otherwise an existing ``out`` is an error (zarr's).
+    """
+    import xarray as xr
+
+    probs = table[[PROB_PREFIX + label for label in labels]].to_numpy()
+    # object arrays of str become Zarr 3 variable-length strings (numpy's fixed-width '<U' has no Zarr 3 spec)
+    coords = {"sample": table["sample"].to_numpy(), "label": np.array(list(labels), dtype=object)}
+    coords |= {c: ("sample", table[c].to_numpy(dtype=object)) for c in COORDS}
+    ds = xr.Dataset({"probability": (("sample", "label"), probs)}, coords=coords)
+    ds.to_zarr(out, mode="w" if overwrite else "w-", consolidated=False, zarr_format=3)
 
 
 def evaluate(table: pd.DataFrame, *, labels: Sequence[str] | None = None) -> pd.Series:

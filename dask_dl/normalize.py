@@ -26,10 +26,21 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
     import xarray as xr
 
-__all__ = ["DEFAULT_NORMALIZATION", "channel_stats", "check_normalization", "normalize", "scale"]
+__all__ = [
+    "DEFAULT_NORMALIZATION",
+    "IMAGENET_NORMALIZATION",
+    "channel_stats",
+    "check_normalization",
+    "normalize",
+    "parse_normalization",
+    "scale",
+]
 
 #: mean and std applied after scaling uint8 pixels to [0, 1]: ``(x / 255 - mean) / std``, for every channel.
 DEFAULT_NORMALIZATION: dict[str, float] = {"mean": 0.5, "std": 0.25}
+
+#: ImageNet's mean and std of R, G and B: the normalization of weights pretrained on ImageNet.
+IMAGENET_NORMALIZATION: dict[str, list[float]] = {"mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}
 
 T = TypeVar("T")
 
@@ -91,6 +102,66 @@ def check_normalization(normalization: Any, *, channels: int | None = None) -> d
     return {k: float(normalization[k]) if isinstance(normalization[k], numbers.Real) else parts[k] for k in parts}
 
 
+def parse_normalization(text: str | None, *, channels: int) -> dict[str, Any] | str | None:
+    """A normalization written as text (``dask-dl train --normalization``), checked against the images' channels.
+
+    Parameters
+    ----------
+    text
+        ``MEAN:STD`` with numbers, or one number per channel separated by commas; ``imagenet`` for
+        :data:`IMAGENET_NORMALIZATION` (3 channels only); ``stats`` or None, returned as they are (``stats`` is
+        measured on the cluster by :func:`channel_stats`, None means the default).
+    channels
+        The images' channels.
+
+    Returns
+    -------
+    dict, "stats" or None
+        ``{"mean": m, "std": s}`` with a float for one number, a list of floats for one per channel.
+
+    Raises
+    ------
+    ConfigurationError
+        Text of another form, a ``STD <= 0``, or a count of numbers that is neither 1 nor ``channels``.
+
+    Examples
+    --------
+    >>> parse_normalization("0.5:0.25", channels=1)
+    {'mean': 0.5, 'std': 0.25}
+    >>> parse_normalization("0.485,0.456,0.406:0.2", channels=3)
+    {'mean': [0.485, 0.456, 0.406], 'std': 0.2}
+    >>> parse_normalization("imagenet", channels=1)
+    Traceback (most recent call last):
+    ...
+    dask_dl.errors.ConfigurationError: imagenet is ImageNet's mean and std of R, G and B, and this store has 1 channel(s); give MEAN:STD or stats
+    """  # noqa: E501
+    if text in (None, "stats"):
+        return text
+    if text == "imagenet":
+        if channels != 3:
+            raise ConfigurationError(
+                f"imagenet is ImageNet's mean and std of R, G and B, and this store has {channels} channel(s); "
+                "give MEAN:STD or stats"
+            )
+        return {k: list(v) for k, v in IMAGENET_NORMALIZATION.items()}
+    mean, sep, std = text.partition(":")
+    try:
+        parts = [[float(v) for v in part.split(",")] for part in (mean, std)] if sep else None
+    except ValueError:
+        parts = None
+    if parts is None:
+        raise ConfigurationError(
+            f"{text!r} is no normalization: give MEAN:STD (e.g. 0.5:0.25, or per channel "
+            "0.485,0.456,0.406:0.229,0.224,0.225), imagenet or stats"
+        )
+    if min(parts[1]) <= 0 or any(len(p) not in (1, channels) for p in parts):
+        raise ConfigurationError(
+            f"{text!r}: every STD must be above 0, and the store has {channels} channel(s): give one MEAN and one "
+            f"STD{'' if channels == 1 else f', or {channels} of each'}"
+        )
+    return {k: v[0] if len(v) == 1 else v for k, v in zip(("mean", "std"), parts, strict=True)}
+
+
 def channel_stats(dataset: xr.Dataset | xr.DataArray, *, split: str | None = "train") -> dict[str, Any]:
     """Measure the mean and standard deviation of each channel of a dataset's images, on the ``[0, 1]`` scale.
 
@@ -119,6 +190,8 @@ def channel_stats(dataset: xr.Dataset | xr.DataArray, *, split: str | None = "tr
 
     Examples
     --------
+    On a store of yours (not run as a doctest: it needs the store and a cluster):
+
     >>> stats = channel_stats(dask_dl.open_dataset("derm.zarr"))  # doctest: +SKIP
     >>> run = dask_dl.fit(ds, normalization=stats)  # doctest: +SKIP
     """

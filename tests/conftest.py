@@ -37,6 +37,9 @@ def _cuda_available() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:  # a test that measures learning trains for real, a fuzz run draws thousands of cases:
+        if "learning" in item.keywords or "fuzz" in item.keywords:  # both belong to the full run only
+            item.add_marker(pytest.mark.slow)
     if not any("gpu" in item.keywords for item in items):
         return
     if _cuda_available():
@@ -65,6 +68,29 @@ def cluster_client():
 
 
 @pytest.fixture(scope="session")
+def squares_store(tmp_path_factory) -> str:
+    """The squares collection (:func:`dask_dl.testing.train.squares_collection`: 64 train and 32 val images with
+    labels ``a`` and ``b``) ingested at 32 px in chunks of 8 images, 2 chunks a shard: the training tests' store.
+
+    Ingested once per run, by a cluster of its own that is closed before any test uses the store, so that the
+    modules that read it keep their own clusters (those that kill workers included). Tests only read it.
+    """
+    from distributed import Client, LocalCluster
+
+    import dask_dl
+    from dask_dl.testing.train import squares_collection
+
+    root = tmp_path_factory.mktemp("squares")
+    path = str(root / "squares.zarr")
+    with (
+        LocalCluster(n_workers=1, threads_per_worker=2, processes=True, dashboard_address=":0") as cluster,
+        Client(cluster) as ingesting,
+    ):
+        dask_dl.ingest(squares_collection(root), path, size=32, chunk=8, shard=2, client=ingesting, progress=False)
+    return path
+
+
+@pytest.fixture(scope="session")
 def learning_seed() -> int:
     """The seed of the tests marked ``learning``: ``DASK_DL_TEST_SEED``, default 0.
 
@@ -84,7 +110,7 @@ def shared_data() -> Path:
 
 @pytest.fixture
 def cpu_hog():
-    """A CPU-bound process beside the test: the busy machine on which shutdown used to print tracebacks."""
+    """A CPU-bound process beside the test: a busy machine, where a slow shutdown prints tracebacks."""
     import subprocess
     import sys
 

@@ -34,6 +34,9 @@ from dask_dl.testing.chaos import (
 )
 from dask_dl.testing.train import squares_collection
 
+# Workers killed, paused and restarted under real work: minutes, for the full run only.
+pytestmark = pytest.mark.slow
+
 IMAGES = 3000  # 64 px: 94 ingest tasks of 32 images, a few seconds calm on 2 workers
 # one worker down at a time, the next killed once its replacement is up (and 2 s old): a task the killed worker ran
 # is re-run by the other, not again on a dying one (4 deaths while running one task make the scheduler give it up)
@@ -194,8 +197,9 @@ def test_fit_with_a_trainer_killed_every_epoch_ends_with_an_uninterrupted_runs_w
         straight = dask_dl.fit(dataset, client=client, **OPTIONS).checkpoint()["model"]
 
         ck = tmp_path / "ck"
-        run = dask_dl.fit(dataset, client=client, **OPTIONS, checkpoint_dir=str(ck), checkpoint_every_steps=3,
-                          wait=False)  # fmt: skip
+        run = dask_dl.fit(
+            dataset, client=client, **OPTIONS, checkpoint_dir=str(ck), checkpoint_every_steps=3, wait=False
+        )
         killer = WorkerKiller(client, among=lambda: run.workers, keep=0)
         for epoch in range(OPTIONS["epochs"]):
             # in the middle of the epoch, after a step checkpoint: the restart goes on from that step
@@ -242,8 +246,9 @@ def test_an_ingest_that_pauses_its_workers_for_memory_slows_down_and_loses_nothi
     ingest(catalog, calm, client, chunk=1)  # on the module's cluster: no memory limit
     # the nanny would restart a worker at 95 % of its limit: pausing is what is tested here, not that
     with dask.config.set({"distributed.worker.memory.terminate": False}):
-        cluster = LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0",
-                               memory_limit="2 GiB")  # fmt: skip
+        cluster = LocalCluster(
+            n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0", memory_limit="2 GiB"
+        )
     with cluster, Client(cluster) as tight:
         # every worker ingests a large image first: what a worker imports and keeps after one (codecs, glibc's
         # arenas) is its idle memory here

@@ -136,6 +136,7 @@ def test_a_stopped_demo_says_that_running_it_again_goes_on(monkeypatch, tmp_path
     )
 
 
+@pytest.mark.slow  # the installed command twice, each with a local cluster of its own
 def test_train_and_export_a_model_of_your_own_from_the_current_folder(store, tmp_path, monkeypatch):
     """``dask-dl train -m mymodels:build`` in the folder of mymodels.py, as `python -m` would import it: the local
     cluster's worker processes import it too, and ``dask-dl export`` rebuilds the model from the checkpoint."""
@@ -151,8 +152,23 @@ def test_train_and_export_a_model_of_your_own_from_the_current_folder(store, tmp
     def run(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([str(dask_dl), *args], cwd=work, capture_output=True, text=True, timeout=240)
 
-    trained = run("train", store, "-m", "mymodels:build", "-e", "1", "-b", "4", "-t", "1", "-w", "1", "-q",
-                  "--checkpoint-dir", "ck")  # fmt: skip
+    trained = run(
+        "train",
+        store,
+        "-m",
+        "mymodels:build",
+        "-e",
+        "1",
+        "-b",
+        "4",
+        "-t",
+        "1",
+        "-w",
+        "1",
+        "-q",
+        "--checkpoint-dir",
+        "ck",
+    )
     assert trained.returncode == 0, trained.stderr
     assert trained.stdout.strip().splitlines()[-1].endswith(": finished"), trained.stdout
     checkpoint = torch.load(work / "ck" / "epoch-0000.pt", weights_only=True)
@@ -203,8 +219,10 @@ def test_train_with_the_normalization_given_or_measured(store, cluster_client, t
     import dask_dl
 
     args = ["train", store, "-e", "1", "-b", "4", "-q", "--scheduler", cluster_client.scheduler.address]
-    for given, expected in [("0.53:0.23", {"mean": 0.53, "std": 0.23}),
-                            ("stats", dask_dl.normalize.channel_stats(dask_dl.open_dataset(store)))]:  # fmt: skip
+    for given, expected in [
+        ("0.53:0.23", {"mean": 0.53, "std": 0.23}),
+        ("stats", dask_dl.normalize.channel_stats(dask_dl.open_dataset(store))),
+    ]:
         ck = tmp_path / given.replace(":", "_")
         result = CliRunner().invoke(cli, [*args, "--normalization", given, "--checkpoint-dir", str(ck)])
         assert result.exit_code == 0, result.output
@@ -231,8 +249,9 @@ def test_info_lists_every_extra_of_the_package():
     import importlib.util
     import tomllib
 
-    extras = set(tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
-                 ["optional-dependencies"]) - {"dev"}  # fmt: skip
+    extras = set(
+        tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    ) - {"dev"}
     result = CliRunner().invoke(cli, ["info"])
     assert result.exit_code == 0, result.output
     listed = {line.split()[1]: line for line in result.output.splitlines() if line.startswith("  extra ")}
@@ -260,8 +279,10 @@ def test_upload_sends_your_model_to_workers_that_cannot_import_it(store, cluster
         assert sent.output.splitlines()[-1].endswith(": finished")
         broken = tmp_path / "broken_mod.py"
         broken.write_text("import dask_dl_no_such_dependency\n")
-        _one_line_error(CliRunner().invoke(cli, [*args, "--upload", str(broken)]),
-                        f"--upload {broken}: the workers could not import it (")  # fmt: skip
+        _one_line_error(
+            CliRunner().invoke(cli, [*args, "--upload", str(broken)]),
+            f"--upload {broken}: the workers could not import it (",
+        )
         plugins = cluster_client.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.worker_plugins))
         assert f"dask-dl-upload-{source.name}" in plugins and "dask-dl-upload-broken_mod.py" not in plugins
     finally:
@@ -269,17 +290,38 @@ def test_upload_sends_your_model_to_workers_that_cannot_import_it(store, cluster
 
 
 def test_the_final_table_of_train_fits_100_columns_with_every_label():
-    from dask_dl.cli import _final_table
+    from dask_dl.cli.train import _final_table
     from dask_dl.data.schema import NIH_LABELS
 
     per_label = {f"val_auroc_{label}": 0.5 + 0.01 * i for i, label in enumerate(NIH_LABELS)}
-    rows = [dict(epoch=e, global_batch=64, lr=0.001 * (e + 1), train_loss=0.3, val_loss=0.31, val_auroc_mean=0.71,
-                 images_per_s=812.3, data_wait_s=0.12, bytes_sent=123456, **per_label) for e in range(5)]  # fmt: skip
+    rows = [
+        dict(
+            epoch=e,
+            global_batch=64,
+            lr=0.001 * (e + 1),
+            train_loss=0.3,
+            val_loss=0.31,
+            val_auroc_mean=0.71,
+            images_per_s=812.3,
+            data_wait_s=0.12,
+            bytes_sent=123456,
+            **per_label,
+        )
+        for e in range(5)
+    ]
     lines = _final_table(pd.DataFrame(rows)).splitlines()
     assert max(map(len, lines)) <= 100
     assert lines[0] == "global_batch 64"  # the same every epoch; lr changed, so it stays a column
-    assert lines[1].split() == ["epoch", "lr", "train_loss", "val_loss", "val_auroc_mean", "images_per_s",
-                                "data_wait_s", "bytes_sent"]  # fmt: skip
+    assert lines[1].split() == [
+        "epoch",
+        "lr",
+        "train_loss",
+        "val_loss",
+        "val_auroc_mean",
+        "images_per_s",
+        "data_wait_s",
+        "bytes_sent",
+    ]
     assert lines[7] == "validation AUROC per label, epoch 4:"
     pairs = " ".join(lines[8:]).split()
     assert dict(zip(pairs[::2], pairs[1::2], strict=True)) == {

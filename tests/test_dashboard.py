@@ -371,6 +371,7 @@ def test_install_lists_the_page_among_jupyterlabs_panels():
 # ---- a real run in a real browser ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a real run, watched by headless Chromium
 def test_page_in_a_browser_during_and_after_a_real_run(tmp_path):
     """While a real run trains, /dask-dl/runs.json answers with its current history and headless Chromium shows
     its curves; after stop, its status. A malformed run beside it shows its error box only."""

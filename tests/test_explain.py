@@ -79,8 +79,10 @@ def test_gradcam_points_into_the_drawn_boxes(collection, cluster_client):
     assert len(true_positives) > 50
     rng = np.random.default_rng(0)
     y, x = np.mgrid[0:SIZE, 0:SIZE] - (SIZE - 1) / 2
-    baselines = {"random": other_maps(maps, rng.random(maps.shape)),
-                 "centred": other_maps(maps, np.exp(-(x**2 + y**2) / 200.0))}  # fmt: skip
+    baselines = {
+        "random": other_maps(maps, rng.random(maps.shape)),
+        "centred": other_maps(maps, np.exp(-(x**2 + y**2) / 200.0)),
+    }
     pointing, iobb = {}, {}
     for name, heat in {"trained": maps, **baselines}.items():
         per_box = localization(heat, test, per_box=True)
@@ -88,8 +90,13 @@ def test_gradcam_points_into_the_drawn_boxes(collection, cluster_client):
         assert len(hits) == len(true_positives)
         pointing[name] = float(hits.mean())
         iobb[name] = float(localization(heat, test).loc["Effusion", "IoBB 0.1"])
-    print(f"gradcam: Effusion AUROC {effusion:.3f}", "pointing", {k: round(v, 3) for k, v in pointing.items()},
-          "IoBB 0.1", {k: round(v, 3) for k, v in iobb.items()})  # fmt: skip
+    print(
+        f"gradcam: Effusion AUROC {effusion:.3f}",
+        "pointing",
+        {k: round(v, 3) for k, v in pointing.items()},
+        "IoBB 0.1",
+        {k: round(v, 3) for k, v in iobb.items()},
+    )
     for name in baselines:
         assert pointing["trained"] > pointing[name] + 0.2, (pointing, iobb)
         assert iobb["trained"] > iobb[name] + 0.25, (pointing, iobb)
@@ -101,8 +108,11 @@ def test_localization_follows_the_papers_definitions():
     heat[0, 0, 10:20, 10:30] = 1.0  # region x 10-30, y 10-20
     heat[0, 0, 40:42, 40:42] = 0.5  # below 180/255 of the peak: not a region
     heat[1, 0, 50:60, 0:10] = 1.0
-    maps = xr.DataArray(heat, dims=("sample", "finding", "y", "x"),
-                        coords={"finding": ["Mass"], "image_id": ("sample", ["a.png", "b.png"])})  # fmt: skip
+    maps = xr.DataArray(
+        heat,
+        dims=("sample", "finding", "y", "x"),
+        coords={"finding": ["Mass"], "image_id": ("sample", ["a.png", "b.png"])},
+    )
     boxes = pd.DataFrame({"image_id": ["a.png", "a.png", "b.png"], "finding": ["Mass"] * 3,
                           "x": [20.0, 10.0, 30.0], "y": [10.0, 10.0, 30.0], "w": [20.0, 20.0, 5.0],
                           "h": [10.0, 10.0, 5.0]})  # fmt: skip
@@ -176,8 +186,9 @@ def test_a_users_module_with_a_chosen_layer(collection):
     np.testing.assert_array_equal(mine.values, theirs.values)
 
 
-def test_a_model_from_a_module_the_workers_cannot_import_is_refused_first(collection, cluster_client, tmp_path,
-                                                                           monkeypatch):  # fmt: skip
+def test_a_model_from_a_module_the_workers_cannot_import_is_refused_first(
+    collection, cluster_client, tmp_path, monkeypatch
+):
     name = f"explained_{os.getpid()}"
     (tmp_path / f"{name}.py").write_text(
         "from dask_dl.testing.models import TinyNet\n\n\nclass Net(TinyNet):\n    pass\n"
@@ -205,8 +216,9 @@ def test_show_draws_images_maps_and_boxes(collection):
         drawn = [ax for ax in fig.axes if ax.images]
         assert len(drawn) == 6 and all(len(ax.images) == 2 for ax in drawn)  # the image and its heatmap
         assert all(ax.patches for ax in drawn)  # every shown image has an Effusion box
-        boxed = set(read_boxes(collection["root"] / "raw" / "BBox_List_2017.csv").query("finding == 'Effusion'")
-                    ["image_id"])  # fmt: skip
+        boxed = set(
+            read_boxes(collection["root"] / "raw" / "BBox_List_2017.csv").query("finding == 'Effusion'")["image_id"]
+        )
         assert all(ax.get_title().split("\n")[0] in boxed for ax in drawn)
     finally:
         plt.close(fig)
@@ -255,8 +267,12 @@ def test_maps_written_to_a_relative_path_land_in_the_clients_folder(cluster_clie
     try:
         monkeypatch.chdir(here)
         values = np.random.default_rng(0).random((4, 2, 8, 8), dtype=np.float32)
-        maps = xr.DataArray(values, dims=("sample", "finding", "y", "x"), name="explanation",
-                            coords={"sample": np.arange(4), "finding": ["Effusion", "Mass"]})  # fmt: skip
+        maps = xr.DataArray(
+            values,
+            dims=("sample", "finding", "y", "x"),
+            name="explanation",
+            coords={"sample": np.arange(4), "finding": ["Effusion", "Mass"]},
+        )
         assert write_maps(maps.chunk({"sample": 2}), "maps.zarr") == str(here / "maps.zarr")
     finally:
         for worker, cwd in before.items():

@@ -59,9 +59,18 @@ def scored(collection, cluster_client):
 
 @pytest.fixture(scope="module")
 def run(collection, cluster_client):
-    return dask_dl.fit(collection["ds"], model="small_cnn", model_kwargs={"width": 8}, epochs=2, batch_size=32,
-                       trainers=2, lr=3e-3, warmup_steps=0, checkpoint_dir=str(collection["root"] / "ck"),
-                       client=cluster_client)  # fmt: skip
+    return dask_dl.fit(
+        collection["ds"],
+        model="small_cnn",
+        model_kwargs={"width": 8},
+        epochs=2,
+        batch_size=32,
+        trainers=2,
+        lr=3e-3,
+        warmup_steps=0,
+        checkpoint_dir=str(collection["root"] / "ck"),
+        client=cluster_client,
+    )
 
 
 def drawn(fig) -> np.ndarray:
@@ -133,8 +142,10 @@ def test_top_losses_are_the_brute_force_top_k(scored):
     assert table["image_id"].tolist() == interp.ds["image_id"].values[expected].tolist()
     p = interp.probs.compute()
     np.testing.assert_array_equal(table[[f"p_{label}" for label in interp.labels]].to_numpy(), p[expected])
-    bce = -(np.log(np.clip(p[expected], 1e-7, 1)) * table[interp.labels].to_numpy()
-            + np.log(np.clip(1 - p[expected], 1e-7, 1)) * (1 - table[interp.labels].to_numpy()))  # fmt: skip
+    bce = -(
+        np.log(np.clip(p[expected], 1e-7, 1)) * table[interp.labels].to_numpy()
+        + np.log(np.clip(1 - p[expected], 1e-7, 1)) * (1 - table[interp.labels].to_numpy())
+    )
     assert table["worst"].tolist() == [interp.labels[j] for j in bce.argmax(axis=1)]
     assert len(interp.top_losses(10_000)) == interp.ds.sizes["sample"]  # k larger than the split: all of it
 
@@ -208,8 +219,10 @@ def test_pr_calibration_and_confusion_count_what_they_show(scored):
 
     table = interp.confusion("Effusion", threshold=0.3)
     y, predicted = scores["Effusion"].to_numpy() == 1, scores["p_Effusion"].to_numpy() >= 0.3
-    assert table.to_numpy().tolist() == [[int((~y & ~predicted).sum()), int((~y & predicted).sum())],
-                                         [int((y & ~predicted).sum()), int((y & predicted).sum())]]  # fmt: skip
+    assert table.to_numpy().tolist() == [
+        [int((~y & ~predicted).sum()), int((~y & predicted).sum())],
+        [int((y & ~predicted).sum()), int((y & predicted).sum())],
+    ]
     with pytest.raises(ConfigurationError, match=r"unknown label 'Efusion': the model's labels are \['Effusion'"):
         interp.confusion("Efusion")
 

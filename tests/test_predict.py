@@ -169,8 +169,14 @@ def test_metadata_less_model_with_outside_normalization(tmp_path, model):
     net, _ = model
     path = tmp_path / "plain.onnx"
     # a model exported by someone else: takes normalized float input, returns logits, no metadata
-    torch.onnx.export(net, (torch.zeros(2, 1, SIZE, SIZE),), str(path), dynamo=True, input_names=["x"],
-                      dynamic_shapes={"x": {0: torch.export.Dim("batch", min=1)}})  # fmt: skip
+    torch.onnx.export(
+        net,
+        (torch.zeros(2, 1, SIZE, SIZE),),
+        str(path),
+        dynamo=True,
+        input_names=["x"],
+        dynamic_shapes={"x": {0: torch.export.Dim("batch", min=1)}},
+    )
     images = np.random.default_rng(0).integers(0, 256, (10, SIZE, SIZE), dtype=np.uint8)
     labels = [f"l{i}" for i in range(net.fc.out_features)]
     got = predict(images, path, input_size=SIZE, labels=labels, normalization={"mean": 0.5, "std": 0.25}).compute()
@@ -373,7 +379,7 @@ def test_the_auroc_of_every_split_is_its_own_column():
     one AUROC column per split, and says which one measures the model."""
     from click.testing import CliRunner
 
-    from dask_dl.cli import _echo_auroc
+    from dask_dl.cli.models import _echo_auroc
 
     table = pd.DataFrame({
         "split": ["train"] * 4 + ["test"] * 4 + ["val"] * 2,

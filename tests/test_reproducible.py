@@ -53,8 +53,9 @@ def test_a_deterministic_run_repeats_itself_bit_for_bit(tmp_path, cluster_client
     """Two runs of one seed on two trainers: equal weights to the last bit, with torch's deterministic algorithms
     on in the trainers (the test run sets ``dask-dl.train.deterministic``); off again when a run says so."""
     store = str(tmp_path / "squares.zarr")
-    dask_dl.ingest(squares_collection(tmp_path), store, size=32, chunk=8, shard=2, client=cluster_client,
-                   progress=False)  # fmt: skip
+    dask_dl.ingest(
+        squares_collection(tmp_path), store, size=32, chunk=8, shard=2, client=cluster_client, progress=False
+    )
     ds = dask_dl.open_dataset(store)
     options = dict(
         model="small_cnn", model_kwargs={"width": 8}, epochs=2, batch_size=8, trainers=2, lr=0.05, optimizer="sgd"

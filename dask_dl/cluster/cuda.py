@@ -92,8 +92,10 @@ def make_cuda(
         )
     n_gpu = gpus if n_workers is None else positive_int("n_workers", n_workers, example=gpus)
     if n_gpu > gpus:
-        raise ClusterError(f"make('cuda', n_workers={n_gpu}) asks for more GPU workers than the {gpus} GPUs here; "
-                           f"pass n_workers={gpus}")  # fmt: skip
+        raise ClusterError(
+            f"make('cuda', n_workers={n_gpu}) asks for more GPU workers than the {gpus} GPUs here; "
+            f"pass n_workers={gpus}"
+        )
     try:
         from dask_cuda import LocalCUDACluster
     except ImportError:
@@ -108,10 +110,13 @@ def make_cuda(
     cluster = LocalCUDACluster(n_workers=n_gpu, threads_per_worker=1, resources=resources, **options)
     try:
         add_cpu_workers(
-            cluster, n_cpu,
-            options={"nthreads": config.get("cluster.threads-per-worker", threads_per_worker),
-                     "memory_limit": config.get("cluster.memory-limit", memory_limit)},
-        )  # fmt: skip
+            cluster,
+            n_cpu,
+            options={
+                "nthreads": config.get("cluster.threads-per-worker", threads_per_worker),
+                "memory_limit": config.get("cluster.memory-limit", memory_limit),
+            },
+        )
     except BaseException:
         cluster.close()
         raise

@@ -154,8 +154,10 @@ def make_gateway(
     import dask.config
 
     if security not in (None, False):
-        raise ConfigurationError("make('gateway') takes no security=: every gateway cluster is TLS already, with "
-                                 "certificates the gateway makes for it")  # fmt: skip
+        raise ConfigurationError(
+            "make('gateway') takes no security=: every gateway cluster is TLS already, with "
+            "certificates the gateway makes for it"
+        )
     address = config.get("cluster.gateway.address", address) or dask.config.get("gateway.address", None)
     if not address:
         raise ConfigurationError(

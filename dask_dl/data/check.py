@@ -106,6 +106,8 @@ def check_store(store: str | os.PathLike) -> StoreCheck:
 
     Examples
     --------
+    On a store of yours (not run as a doctest: it needs the store):
+
     >>> report = dask_dl.check_store("cxr.zarr")  # doctest: +SKIP
     >>> print(report.summary())  # doctest: +SKIP
     cxr.zarr: ok (112120 samples, 3504 chunks decoded, every shard present)

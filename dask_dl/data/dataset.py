@@ -79,6 +79,8 @@ def open_dataset(
 
     Examples
     --------
+    On a store of yours (not run as a doctest: it needs the store):
+
     >>> ds = dask_dl.open_dataset("cxr.zarr", split="train")  # doctest: +SKIP
     >>> ds.image  # doctest: +SKIP
     <xarray.DataArray 'image' (sample: 78468, y: 224, x: 224)> dask.array<...>

@@ -275,6 +275,8 @@ def read_pixels(path: str | os.PathLike | BinaryIO, *, reject_degenerate: bool =
 
     Examples
     --------
+    On a DICOM file of yours (not run as a doctest: it needs the file):
+
     >>> image = read_pixels("chest.dcm")  # doctest: +SKIP
     >>> image.dtype, image.ndim  # doctest: +SKIP
     (dtype('uint8'), 2)

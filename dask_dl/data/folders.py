@@ -92,6 +92,8 @@ def read_folders(
 
     Examples
     --------
+    On a folder of class folders (not run as a doctest: it needs the images):
+
     >>> catalog = read_folders("/data/xray-classes")  # doctest: +SKIP
     """
     root = Path(root).expanduser().absolute()

@@ -214,6 +214,8 @@ def read_nih(
 
     Examples
     --------
+    On the NIH collection (not run as a doctest: it needs the download):
+
     >>> catalog = read_nih("/data/nih")  # doctest: +SKIP
     >>> catalog["split"].value_counts()  # doctest: +SKIP
     """

@@ -106,12 +106,15 @@ class EpochPosition:
             When ``data`` is not a position (missing keys, no segments, counts below zero).
         """
         try:
-            segments = tuple(Segment(int(s["world_size"]), int(s["batch_size"]), int(s["steps"]))
-                             for s in data["segments"])  # fmt: skip
+            segments = tuple(
+                Segment(int(s["world_size"]), int(s["batch_size"]), int(s["steps"])) for s in data["segments"]
+            )
             position = cls(int(data["epoch"]), int(data["seed"]), segments)
         except (KeyError, TypeError, ValueError) as exc:
-            raise CheckpointError(f"the checkpoint's loader position {data!r} is malformed ({exc}); it was not "
-                                  "written by dask_dl.fit: resume from an epoch checkpoint") from None  # fmt: skip
+            raise CheckpointError(
+                f"the checkpoint's loader position {data!r} is malformed ({exc}); it was not "
+                "written by dask_dl.fit: resume from an epoch checkpoint"
+            ) from None
         if not segments or any(s.world_size < 1 or s.batch_size < 1 or s.steps < 0 for s in segments):
             raise CheckpointError(f"the checkpoint's loader position {data!r} has no or impossible segments")
         return position
@@ -128,8 +131,9 @@ class EpochPosition:
             (:meth:`~dask_dl.data.loader.ChunkLoader.order` for this epoch).
         """
         first = self.segments[0]
-        per_rank = [_cut(first_orders(r, first.world_size, first.batch_size), first.batch_size)
-                    for r in range(first.world_size)]  # fmt: skip
+        per_rank = [
+            _cut(first_orders(r, first.world_size, first.batch_size), first.batch_size) for r in range(first.world_size)
+        ]
         for done, nxt in zip(self.segments[:-1], self.segments[1:], strict=True):
             per_rank = _reshard(_rest(per_rank, done.steps), nxt.world_size, nxt.batch_size)
         return per_rank
@@ -137,8 +141,9 @@ class EpochPosition:
     def served(self, first_orders: Callable[[int, int, int], np.ndarray]) -> np.ndarray:
         """The rows served so far in this epoch by all ranks of all segments (each once)."""
         first = self.segments[0]
-        per_rank = [_cut(first_orders(r, first.world_size, first.batch_size), first.batch_size)
-                    for r in range(first.world_size)]  # fmt: skip
+        per_rank = [
+            _cut(first_orders(r, first.world_size, first.batch_size), first.batch_size) for r in range(first.world_size)
+        ]
         parts = []
         for i, segment in enumerate(self.segments):
             parts += [b for batches in per_rank for b in batches[: segment.steps]]

@@ -386,8 +386,9 @@ def draw(
     ``(*key, 1 + j)``, so the same seed and key give the same chest with or without any finding. Each
     finding's strength is uniform in [0, 1] (faint to obvious) unless ``strength`` fixes it.
     """
-    return _draw(size, labels, seed=seed, key=key, view=view, gain=gain, gamma=gamma, noise=noise,
-                 strength=strength, boxes=None)  # fmt: skip
+    return _draw(
+        size, labels, seed=seed, key=key, view=view, gain=gain, gamma=gamma, noise=noise, strength=strength, boxes=None
+    )
 
 
 def draw_with_boxes(
@@ -410,8 +411,9 @@ def draw_with_boxes(
     both sides (effusion, infiltration) get one box per side; cardiomegaly's box is the heart.
     """
     found: list[tuple[str, float, float, float, float]] = []
-    pixels = _draw(size, labels, seed=seed, key=key, view=view, gain=gain, gamma=gamma, noise=noise,
-                   strength=strength, boxes=found)  # fmt: skip
+    pixels = _draw(
+        size, labels, seed=seed, key=key, view=view, gain=gain, gamma=gamma, noise=noise, strength=strength, boxes=found
+    )
     return pixels, found
 
 

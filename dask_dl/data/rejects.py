@@ -15,9 +15,16 @@ __all__ = ["REJECT_REASONS", "ImageRejected", "RejectReason", "check_share"]
 
 #: Why an image can be rejected, in the order the checks run.
 RejectReason = Literal[
-    "refused", "missing", "unreadable", "too_large", "undecodable", "truncated", "too_small", "unsupported",
+    "refused",
+    "missing",
+    "unreadable",
+    "too_large",
+    "undecodable",
+    "truncated",
+    "too_small",
+    "unsupported",
     "degenerate",
-]  # fmt: skip
+]
 REJECT_REASONS: tuple[str, ...] = (
     "refused",  # the path points where dask-dl.ingest.allowed-schemes / allowed-roots do not allow
     "missing",  # no such file

@@ -519,7 +519,7 @@ def lost_shards(files: StoreFiles, layout: StoreLayout) -> list[int]:
     """Shards whose status file says they hold pixels but whose file is missing.
 
     zarr writes no file for an all-zero shard, so a missing file is only a loss when the shard's status file
-    says it was not empty (status files of round one, without that flag, count as not empty when a row is valid).
+    says it was not empty (a status file without that flag counts as not empty when a row is valid).
     """
     import json
 

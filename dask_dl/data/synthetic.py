@@ -448,8 +448,9 @@ def _write_block(rows: pd.DataFrame, *, size: int, seed: int, block: int) -> tup
     boxes = []
     for i, row in enumerate(rows.itertuples(index=False)):
         key = (1, block, i)
-        pixels, found = draw_with_boxes(size, labels[i], seed=seed, key=key, view=row.view, gain=row.gain,
-                                        gamma=row.gamma, noise=row.noise)  # fmt: skip
+        pixels, found = draw_with_boxes(
+            size, labels[i], seed=seed, key=key, view=row.view, gain=row.gain, gamma=row.gamma, noise=row.noise
+        )
         _save_png(row.path, pixels, rgba=row.rgba, corrupt=row.corrupt_kind, seed=seed, key=key)
         if not row.corrupt_kind:
             boxes.extend((row.path, *box) for box in found)
@@ -588,9 +589,15 @@ def synthesize(
             f"an image and a patient; ask for at least {n_sites} of each or for fewer sites"
         )
     table = _plan(
-        root, n_images, seed=seed, n_patients=n_patients, label_source=label_source, sites=names,
-        rgba_fraction=rgba_fraction, corrupt_fraction=corrupt_fraction,
-    )  # fmt: skip
+        root,
+        n_images,
+        seed=seed,
+        n_patients=n_patients,
+        label_source=label_source,
+        sites=names,
+        rgba_fraction=rgba_fraction,
+        corrupt_fraction=corrupt_fraction,
+    )
     _clear_tables(table)  # a table says its collection is complete: there is none until every image is written
     blocks = [table.iloc[start : start + _BLOCK][list(_BLOCK_COLUMNS)] for start in range(0, len(table), _BLOCK)]
     try:

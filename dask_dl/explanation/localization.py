@@ -84,6 +84,8 @@ def localization(
 
     Examples
     --------
+    With maps and NIH's box table (not run as a doctest: it needs both):
+
     >>> dask_dl.localization(maps, "BBox_List_2017.csv").round(2)  # doctest: +SKIP
     """
     import xarray as xr

@@ -104,6 +104,8 @@ def explain(
 
     Examples
     --------
+    With a trained run and its test split (not run as a doctest: it needs both and a cluster):
+
     >>> maps = dask_dl.explain(test, run, labels=["Effusion"], method="gradcam")  # doctest: +SKIP
     >>> dask_dl.explanation.maps.write_maps(maps, "maps.zarr")  # doctest: +SKIP
     """
@@ -343,9 +345,14 @@ def _occlusion(forward, pixels, targets, options) -> np.ndarray:
     maps = []
     for j in targets:
         attribution = occlusion.attribute(
-            pixels, sliding_window_shapes=(pixels.shape[1], window, window), strides=(1, stride, stride), target=j,
-            baselines=baseline, perturbations_per_eval=per_eval, show_progress=False,
-        )  # fmt: skip
+            pixels,
+            sliding_window_shapes=(pixels.shape[1], window, window),
+            strides=(1, stride, stride),
+            target=j,
+            baselines=baseline,
+            perturbations_per_eval=per_eval,
+            show_progress=False,
+        )
         maps.append(attribution[:, 0].detach().float().cpu().numpy())
     return np.stack(maps, axis=1)
 

@@ -102,8 +102,9 @@ def interpret(
     if client is None:
         probs = probs.persist()  # Dask's local scheduler: keep the scores rather than score again per question
     truth = ds["label"].sel(finding=labels).data
-    return Interpretation(ds, model, onnx_path=onnx_path, probs=probs, truth=truth, labels=labels, task=info.task,
-                          workdir=workdir)  # fmt: skip
+    return Interpretation(
+        ds, model, onnx_path=onnx_path, probs=probs, truth=truth, labels=labels, task=info.task, workdir=workdir
+    )
 
 
 def _is_onnx(model: Any) -> bool:
@@ -251,8 +252,9 @@ class Interpretation:
             truth, scores = self._label(label)
             recall, precision = curves.pr_curve(truth, scores)
             ap = curves.average_precision(truth, scores)
-            ax.step(recall, precision, where="post", lw=1.2, label=f"{label} (AP {ap:.3f}, prevalence "
-                    f"{truth.mean():.2f})")  # fmt: skip
+            ax.step(
+                recall, precision, where="post", lw=1.2, label=f"{label} (AP {ap:.3f}, prevalence {truth.mean():.2f})"
+            )
         return _finish(fig, ax)
 
     def plot_calibration(self, *, bins: int = 10) -> Figure:
@@ -279,8 +281,13 @@ class Interpretation:
     def _curves(self, xlabel: str, ylabel: str, title: str) -> tuple[Figure, Any]:
         fig, ax = pyplot("Interpretation plots").subplots(figsize=(6, 5.5))
         split = ", ".join(sorted(set(self.scores["split"]))) if "split" in self.scores else ""
-        ax.set(xlabel=xlabel, ylabel=ylabel, title=f"{title} ({split}, {len(self.scores)} images)",
-               xlim=(-0.01, 1.01), ylim=(-0.01, 1.01))  # fmt: skip
+        ax.set(
+            xlabel=xlabel,
+            ylabel=ylabel,
+            title=f"{title} ({split}, {len(self.scores)} images)",
+            xlim=(-0.01, 1.01),
+            ylim=(-0.01, 1.01),
+        )
         return fig, ax
 
     def _worst_maps(self, subset: xr.Dataset, worst: list[str], method: str | None) -> xr.DataArray:

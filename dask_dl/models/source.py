@@ -88,9 +88,12 @@ class ModelSource:
         if self.kind == "timm":
             timm = _import("timm", "timm", f"model={self.name!r}")
             return timm.create_model(
-                self.name.partition(":")[2], pretrained=False, num_classes=num_outputs, in_chans=in_channels,
+                self.name.partition(":")[2],
+                pretrained=False,
+                num_classes=num_outputs,
+                in_chans=in_channels,
                 **self.kwargs,
-            )  # fmt: skip
+            )
         if self.kind == "module":
             return copy.deepcopy(self.target)
         factory = self.target if self.target is not None else self._import()
@@ -312,9 +315,16 @@ def adapt_first_conv(model: nn.Module, in_channels: int) -> nn.Module:
     if conv.in_channels == in_channels:
         return model
     new = nn.Conv2d(
-        in_channels, conv.out_channels, conv.kernel_size, stride=conv.stride, padding=conv.padding,
-        dilation=conv.dilation, groups=1, bias=conv.bias is not None, padding_mode=conv.padding_mode,
-    )  # fmt: skip
+        in_channels,
+        conv.out_channels,
+        conv.kernel_size,
+        stride=conv.stride,
+        padding=conv.padding,
+        dilation=conv.dilation,
+        groups=1,
+        bias=conv.bias is not None,
+        padding_mode=conv.padding_mode,
+    )
     parent, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, child, new)
     return model

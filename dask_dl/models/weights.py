@@ -149,9 +149,11 @@ def load_weights(model: nn.Module, source: str | os.PathLike, *, name: str = "mo
 
 def describe(report: dict[str, list[str]], source: str) -> str:
     """One line for the log: how many tensors were loaded, adapted, re-initialised, missing and unexpected."""
-    parts = [f"{len(report[k])} {k}" + (f" ({', '.join(report[k][:4])}{', ...' if len(report[k]) > 4 else ''})"
-                                        if report[k] else "") for k in ("adapted", "reinitialized", "missing",
-                                                                         "unexpected")]  # fmt: skip
+    parts = [
+        f"{len(report[k])} {k}"
+        + (f" ({', '.join(report[k][:4])}{', ...' if len(report[k]) > 4 else ''})" if report[k] else "")
+        for k in ("adapted", "reinitialized", "missing", "unexpected")
+    ]
     return f"weights {source!r}: " + ", ".join(parts)
 
 

@@ -497,6 +497,8 @@ def guard_sites(client: Client, sites: Mapping[str, str], *, enforce: bool = Tru
 
     Examples
     --------
+    On a cluster whose workers belong to sites (not run as a doctest: it needs that cluster):
+
     >>> with guard_sites(client, {"A": "site-A", "B": "site-B"}) as guard:  # doctest: +SKIP
     ...     a = client.persist(images_a, resources={"site-A": 1})
     ...     means = a.mean(axis=(1, 2)).compute()  # runs on site A's workers, pinned by its inputs

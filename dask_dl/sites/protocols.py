@@ -96,8 +96,10 @@ def _ensemble(plan: Plan, co: Coordinator, report: Report) -> str:
     states: dict[str, Any] = {s.name: co.initial for s in co.sites}
     for r in range(plan.rounds):
         sites = co.live
-        plans = [VisitPlan(s, states[s.name], epochs=plan.local_epochs, lr=plan.lr, seed=_seed(plan, r, i))
-                 for i, s in enumerate(sites)]  # fmt: skip
+        plans = [
+            VisitPlan(s, states[s.name], epochs=plan.local_epochs, lr=plan.lr, seed=_seed(plan, r, i))
+            for i, s in enumerate(sites)
+        ]
         visits = co.visit_many(plans)
         if co.stop_requested.is_set():
             return "stopped"
@@ -168,8 +170,16 @@ def _cyclic(plan: Plan, co: Coordinator, report: Report) -> str:
             if steps is not None and plan.proportional_steps:
                 steps = max(1, round(steps * sizes[site.name] / mean_size))
             index = co.sites.index(site)
-            visit = co.visit(VisitPlan(site, state, epochs=1 if steps else plan.local_epochs, steps=steps, lr=lr,
-                                       seed=_seed(plan, r, index)))  # fmt: skip
+            visit = co.visit(
+                VisitPlan(
+                    site,
+                    state,
+                    epochs=1 if steps else plan.local_epochs,
+                    steps=steps,
+                    lr=lr,
+                    seed=_seed(plan, r, index),
+                )
+            )
             if co.stop_requested.is_set():
                 return "stopped"
             visits.append(visit)
@@ -188,8 +198,10 @@ def _fedavg(plan: Plan, co: Coordinator, report: Report) -> str:
     mu = plan.mu if plan.protocol == "fedprox" else 0.0
     for r in range(plan.rounds):
         sites = co.live
-        plans = [VisitPlan(s, state, epochs=plan.local_epochs, lr=plan.lr, mu=mu, seed=_seed(plan, r, i))
-                 for i, s in enumerate(sites)]  # fmt: skip
+        plans = [
+            VisitPlan(s, state, epochs=plan.local_epochs, lr=plan.lr, mu=mu, seed=_seed(plan, r, i))
+            for i, s in enumerate(sites)
+        ]
         visits = co.visit_many(plans)
         if co.stop_requested.is_set():
             return "stopped"

@@ -144,6 +144,8 @@ def fit_sites(
 
     Examples
     --------
+    On the stores of two sites (not run as a doctest: it needs the stores and a cluster):
+
     >>> run = fit_sites({"A": open_dataset("a.zarr"), "B": open_dataset("b.zarr")},
     ...                 protocol="fedavg", rounds=5, model="small_cnn")  # doctest: +SKIP
     >>> run.curves  # doctest: +SKIP
@@ -155,11 +157,23 @@ def fit_sites(
 
     uri = tracking if isinstance(tracking, Tracker) else tracking_uri(tracking)  # a bad URI fails before any work
     plan = _check_plan(
-        protocol=protocol, rounds=rounds, local_epochs=local_epochs, steps=steps, order=order,
-        proportional_steps=proportional_steps, cyclic_lr=cyclic_lr, site_weighted_loss=site_weighted_loss, mu=mu,
-        min_sites=min_sites, on_lost=on_lost, patience=patience, lr=lr, optimizer=optimizer, seed=seed,
+        protocol=protocol,
+        rounds=rounds,
+        local_epochs=local_epochs,
+        steps=steps,
+        order=order,
+        proportional_steps=proportional_steps,
+        cyclic_lr=cyclic_lr,
+        site_weighted_loss=site_weighted_loss,
+        mu=mu,
+        min_sites=min_sites,
+        on_lost=on_lost,
+        patience=patience,
+        lr=lr,
+        optimizer=optimizer,
+        seed=seed,
         n_sites=len(sites) if isinstance(sites, Mapping) else 0,
-    )  # fmt: skip
+    )
     fit_options = {
         "model": config.get("train.model", model),
         "model_kwargs": dict(model_kwargs or {}),
@@ -179,8 +193,15 @@ def fit_sites(
         fit_options["model"] = spec.name  # a factory by its import path: each site imports it
         fit_options["normalization"] = spec.normalization  # checked: what every visit trains with
         test_part = _test_part(test, spec) if test is not None else None
-        coordinator = Coordinator(connected, model=spec, fit_options=fit_options, trainers=trainers,
-                                  transfers=transfers, test=test_part, test_client=client)  # fmt: skip
+        coordinator = Coordinator(
+            connected,
+            model=spec,
+            fit_options=fit_options,
+            trainers=trainers,
+            transfers=transfers,
+            test=test_part,
+            test_client=client,
+        )
         coordinator.initial = _initial_state(spec, plan.seed)
         run = SitesRun(plan, coordinator)
         run._guard = _guard(connected)
@@ -407,8 +428,9 @@ class SitesRun:
 
                 end_run(self.tracker, self.history, self.status)
         except Exception as exc:  # the run's outcome stands; what failed after it is reported, not raised
-            logger.warning("%s: closing the guard or a site's connection failed: %s: %s", self.run_id,
-                           type(exc).__name__, exc)  # fmt: skip
+            logger.warning(
+                "%s: closing the guard or a site's connection failed: %s: %s", self.run_id, type(exc).__name__, exc
+            )
         finally:
             self._finished.set()
 
@@ -440,8 +462,13 @@ def _row(round_: int, site: str, split: str, visit: Visit | None, scores: dict |
     nan = math.nan
     row.update(train_loss=nan, steps=0, samples=0, lr=nan, workers="")
     if visit is not None:
-        row.update(train_loss=visit.train_loss, steps=visit.steps, samples=visit.samples, lr=visit.lr,
-                   workers=" ".join(visit.workers))  # fmt: skip
+        row.update(
+            train_loss=visit.train_loss,
+            steps=visit.steps,
+            samples=visit.samples,
+            lr=visit.lr,
+            workers=" ".join(visit.workers),
+        )
     row.update({"loss": nan, "auroc_mean": nan, "n": 0})
     if scores and "error" not in scores:
         row.update(scores)
@@ -453,8 +480,25 @@ def _row(round_: int, site: str, split: str, visit: Visit | None, scores: dict |
     return row
 
 
-def _check_plan(*, protocol, rounds, local_epochs, steps, order, proportional_steps, cyclic_lr, site_weighted_loss,
-                mu, min_sites, on_lost, patience, lr, optimizer, seed, n_sites) -> Plan:  # fmt: skip
+def _check_plan(
+    *,
+    protocol,
+    rounds,
+    local_epochs,
+    steps,
+    order,
+    proportional_steps,
+    cyclic_lr,
+    site_weighted_loss,
+    mu,
+    min_sites,
+    on_lost,
+    patience,
+    lr,
+    optimizer,
+    seed,
+    n_sites,
+) -> Plan:
     protocol = one_of("protocol", protocol, PROTOCOLS)
     rounds = positive_int("rounds", rounds, example=5)
     local_epochs = positive_int("local_epochs", local_epochs, example=1)
@@ -503,10 +547,21 @@ def _check_plan(*, protocol, rounds, local_epochs, steps, order, proportional_st
     if n_sites and min_sites > n_sites:
         raise ConfigurationError(f"min_sites={min_sites} is more than the {n_sites} sites; pass min_sites<={n_sites}")
     return Plan(
-        protocol=protocol, rounds=rounds, local_epochs=local_epochs, steps=steps, order=order,
-        proportional_steps=bool(proportional_steps), cyclic_lr=cyclic_lr, site_weighted_loss=bool(site_weighted_loss),
-        mu=mu, min_sites=min_sites, on_lost=on_lost, patience=patience, lr=lr, seed=int(seed),
-    )  # fmt: skip
+        protocol=protocol,
+        rounds=rounds,
+        local_epochs=local_epochs,
+        steps=steps,
+        order=order,
+        proportional_steps=bool(proportional_steps),
+        cyclic_lr=cyclic_lr,
+        site_weighted_loss=bool(site_weighted_loss),
+        mu=mu,
+        min_sites=min_sites,
+        on_lost=on_lost,
+        patience=patience,
+        lr=lr,
+        seed=int(seed),
+    )
 
 
 def _real(name: str, value: Any, *, low: float, example: float, strict: bool = True) -> float:
@@ -543,7 +598,7 @@ def _model_spec(site: Connected, fit_options: dict[str, Any]) -> Any:
                 f"an instance of {source.name!r}, which no name builds again"
                 if source.kind == "module"
                 else f"the function {source.name!r}, which has no import path"
-            )  # fmt: skip
+            )
             + ". Pass a registry "
             "name, 'torchvision:NAME', 'timm:NAME', or the import path 'module:function' of a function that "
             "builds it, in a module every site imports (dask_dl.register_model('my_net', build_my_net) also works)"
@@ -551,12 +606,16 @@ def _model_spec(site: Connected, fit_options: dict[str, Any]) -> Any:
     name = source.path if source.kind == "factory" else model
     channels = int(check_dataset(site.dataset)["channels"])
     return ModelSpec(
-        name=name, labels=tuple(meta["labels"]), task=meta.get("task", "multilabel"),
-        input_size=int(meta.get("size")), kwargs=dict(fit_options["model_kwargs"]),
+        name=name,
+        labels=tuple(meta["labels"]),
+        task=meta.get("task", "multilabel"),
+        input_size=int(meta.get("size")),
+        kwargs=dict(fit_options["model_kwargs"]),
         target=MODELS.entry(name).target if source.kind == "registry" else None,
-        batch_size=int(fit_options["batch_size"]), channels=channels,
+        batch_size=int(fit_options["batch_size"]),
+        channels=channels,
         normalization=check_normalization(fit_options["normalization"], channels=channels),
-    )  # fmt: skip
+    )
 
 
 def _test_part(test: Any, spec: Any) -> tuple[str, np.ndarray]:

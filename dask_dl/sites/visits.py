@@ -239,9 +239,15 @@ class Coordinator:
         for site in self.live:
             try:
                 futures[site.name] = site.client.submit(
-                    score, site.store, site.val_samples, states, self.model, workers=site.workers,
-                    key=f"dask-dl-score-{site.name}-{uuid.uuid4().hex[:8]}", pure=False,
-                )  # fmt: skip
+                    score,
+                    site.store,
+                    site.val_samples,
+                    states,
+                    self.model,
+                    workers=site.workers,
+                    key=f"dask-dl-score-{site.name}-{uuid.uuid4().hex[:8]}",
+                    pure=False,
+                )
             except Exception as exc:  # a site gone since the visits
                 futures[site.name] = exc
         out: dict[str, dict[str, Any]] = {}

@@ -96,9 +96,16 @@ def small_story(
         catalog = dask_dl.read_catalog(raw)
         dask_dl.ingest(catalog, store, size=32, chunk=8, shard=1, client=client, progress=False)
         run = dask_dl.fit(
-            dask_dl.open_dataset(store), model="small_cnn", model_kwargs={"width": 8}, epochs=1, batch_size=8,
-            trainers=trainers, lr=0.05, checkpoint_dir=checkpoint_dir, client=client,
-        )  # fmt: skip
+            dask_dl.open_dataset(store),
+            model="small_cnn",
+            model_kwargs={"width": 8},
+            epochs=1,
+            batch_size=8,
+            trainers=trainers,
+            lr=0.05,
+            checkpoint_dir=checkpoint_dir,
+            client=client,
+        )
         dask_dl.export_onnx(run, model_path, overwrite=True)
         test = dask_dl.open_dataset(store, split="test")
         scores = dask_dl.predict(test, model_path, client=client).compute()
@@ -109,9 +116,14 @@ def small_story(
         "predict": worker_of_tasks(records, "predict"),
     }
     return StoryResult(
-        store=store, model=model_path, trainers=list(run.workers), images=len(catalog), scores=scores,
-        ran_on=ran_on, history=run.history,
-    )  # fmt: skip
+        store=store,
+        model=model_path,
+        trainers=list(run.workers),
+        images=len(catalog),
+        scores=scores,
+        ran_on=ran_on,
+        history=run.history,
+    )
 
 
 def write_tls_files(security: Any, folder: str | os.PathLike) -> dict[str, str]:

@@ -53,8 +53,10 @@ def boxed_collection(
         image_id = f"{i:08d}_000.png"
         path = os.path.join(root, "images", image_id)
         Image.fromarray(pixels).save(path)
-        lines += [f"{image_id},{'Infiltrate' if f == 'Infiltration' else f},{x:g},{y:g},{w:g},{h:g}"
-                  for f, x, y, w, h in boxes]  # fmt: skip
+        lines += [
+            f"{image_id},{'Infiltrate' if f == 'Infiltration' else f},{x:g},{y:g},{w:g},{h:g}"
+            for f, x, y, w, h in boxes
+        ]
         split = "test" if i >= n_images - n_test else "train"
         rows.append({"image_id": image_id, "path": path, "patient_id": f"{i:08d}", "site": "synthetic", "split": split})
     with open(os.path.join(root, "BBox_List_2017.csv"), "w") as f:

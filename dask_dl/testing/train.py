@@ -6,13 +6,20 @@ import gc
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from dask_dl.data.schema import make_catalog
 
-__all__ = ["one_rank_group", "squares_collection"]
+__all__ = ["SQUARES_RUN", "fit_squares", "one_rank_group", "squares_collection"]
+
+#: The training tests' run on the squares store: a small CNN of width 8, one epoch, 2 trainers of 8 images a step,
+#: plain SGD (the learning rate and the references in the tests are SGD's)
+SQUARES_RUN = dict(
+    model="small_cnn", model_kwargs={"width": 8}, epochs=1, batch_size=8, trainers=2, lr=0.05, optimizer="sgd"
+)
 
 
 def squares_collection(root: Path, *, n_train: int = 64, n_val: int = 32, seed: int = 0) -> pd.DataFrame:
@@ -38,6 +45,13 @@ def squares_collection(root: Path, *, n_train: int = 64, n_val: int = 32, seed: 
         rows.append(dict(image_id=path.name, path=str(path), patient_id=f"p{i}", site="A", split=split, a=a, b=b))
     frame = pd.DataFrame(rows).astype({"a": "uint8", "b": "uint8"})
     return make_catalog(frame, ["a", "b"])
+
+
+def fit_squares(store: str, client: Any, **options: Any) -> Any:
+    """``dask_dl.fit`` of :data:`SQUARES_RUN` on ``store`` with ``client``; ``options`` replace or add to it."""
+    import dask_dl
+
+    return dask_dl.fit(dask_dl.open_dataset(store), client=client, **{**SQUARES_RUN, **options})
 
 
 @contextmanager

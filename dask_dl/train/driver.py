@@ -14,7 +14,7 @@ A failed group ends at once on every trainer: the driver makes the survivors' pe
 (:meth:`~dask_dl.train.actor.TrainingActor.abort_group`) instead of waiting for their timeout. When a rank fails
 and the scheduler lost no worker, the driver asks every other rank where it is: one that does not answer within
 ``dask-dl.train.hang-grace`` seconds hangs (stopped, swapping, deadlocked); the failure is blamed on its worker,
-and the driver no longer waits for its teardown.
+and the driver does not wait for its teardown.
 
 Recovery (``max_restarts > 0``): when a trainer's worker is lost or hangs, or a collective fails, the driver takes
 the newest checkpoint (the newest good file of ``checkpoint_dir``, epoch or step; without a directory, the
@@ -193,20 +193,32 @@ class Driver:
     def _recover(self, error: BaseException, previous: Any) -> Any:
         """Release the failed group, find the checkpoint and the workers to go on with; return the checkpoint."""
         began, lost = time.monotonic(), list(getattr(error, "lost_workers", None) or [])
-        logger.info("%s: %s; recovering (restart %d of at most %d)", self.sink.run_id, error, self.restarts + 1,
-                    self.policy.max_restarts)  # fmt: skip
+        logger.info(
+            "%s: %s; recovering (restart %d of at most %d)",
+            self.sink.run_id,
+            error,
+            self.restarts + 1,
+            self.policy.max_restarts,
+        )
         failed_at = self._where_failed(lost)
         checkpoint, resumed = self._restart_checkpoint(previous, lost)
         self._release(lost=lost, failed=True)
         self._restart_hung([a for a in lost if a in self._hung])
         stages = self.spec.stages if self.spec.parallel == "pipeline" else 1
         self.workers = wait_for_trainers(
-            self.client, trainers=len(self.workers), policy=self.policy, run_id=self.sink.run_id,
-            lost=lost + self._still_hung(), multiple=stages,
-        )  # fmt: skip
+            self.client,
+            trainers=len(self.workers),
+            policy=self.policy,
+            run_id=self.sink.run_id,
+            lost=lost + self._still_hung(),
+            multiple=stages,
+        )
         self.restarts += 1
-        self.history = [dict(r) for r in (checkpoint or {}).get("history", [])] if isinstance(checkpoint, dict) \
-            else self._checkpoint_history(checkpoint)  # fmt: skip
+        self.history = (
+            [dict(r) for r in (checkpoint or {}).get("history", [])]
+            if isinstance(checkpoint, dict)
+            else self._checkpoint_history(checkpoint)
+        )
         self.global_batch = self.spec.batch_size * (len(self.workers) // stages) * int(self.spec.accumulate)
         self._restart = {"error": error, "lost": lost, "failed_at": failed_at, "resumed": resumed, "began": began}
         self._group_start = resumed["epoch"]
@@ -315,18 +327,30 @@ class Driver:
             [
                 a.setup(spec, init_method=init_method, rank=r, world_size=n, checkpoint=checkpoint)
                 for r, a in enumerate(self._actors)
-            ]  # fmt: skip
+            ]
         )
         self.gpu = any(i["gpu"] for i in infos)
         self._group_ports = sorted({p for i in infos for p in i.get("group_ports", ())})
         self.epoch = infos[0]["start_epoch"]
         if self._restart is not None:
             done, self._restart = self._restart, None
-            row = restart_row(self.restarts, error=done["error"], lost=done["lost"], failed_at=done["failed_at"],
-                              resumed=done["resumed"], workers=self.workers,
-                              seconds=time.monotonic() - done["began"])  # fmt: skip
-            logger.info("%s: training again on %d trainer(s) from epoch %d step %d (%d step(s) lost)",
-                        self.sink.run_id, n, row["resumed_epoch"], row["resumed_step"], row["steps_lost"])  # fmt: skip
+            row = restart_row(
+                self.restarts,
+                error=done["error"],
+                lost=done["lost"],
+                failed_at=done["failed_at"],
+                resumed=done["resumed"],
+                workers=self.workers,
+                seconds=time.monotonic() - done["began"],
+            )
+            logger.info(
+                "%s: training again on %d trainer(s) from epoch %d step %d (%d step(s) lost)",
+                self.sink.run_id,
+                n,
+                row["resumed_epoch"],
+                row["resumed_step"],
+                row["steps_lost"],
+            )
             self.sink.restarted(row, history=self.history, workers=list(self.workers))
         self.sink.started(infos)
 
@@ -347,7 +371,7 @@ class Driver:
                 price=price,
                 resumed=bool(self.history),
                 restarted=bool(self.restarts),
-            )  # fmt: skip
+            )
             for actor in self._actors
         ]
         results = self._gather(calls, live=True)
@@ -446,8 +470,11 @@ class Driver:
         self, lost: list[int], *, rank: int | None = None, exc: BaseException | None = None
     ) -> TrainingError:
         names = ", ".join(f"trainer {r} on {self.workers[r]}" for r in lost)
-        then = "" if exc is None else (f"; trainer {rank} on {self.workers[rank]} then failed with "
-                                       f"{type(exc).__name__}: {exc}")  # fmt: skip
+        then = (
+            ""
+            if exc is None
+            else (f"; trainer {rank} on {self.workers[rank]} then failed with {type(exc).__name__}: {exc}")
+        )
         return TrainingError(
             f"{self.sink.run_id}: {names} was lost in epoch {self.epoch} (the scheduler lost its worker: killed, out "
             f"of memory or preempted){then}. {_ADVICE}",
@@ -497,12 +524,14 @@ class Driver:
         """
         if not hung:
             return
-        logger.warning("%s: restarting the hung worker(s) %s through their nannies", self.sink.run_id,
-                       ", ".join(hung))  # fmt: skip
+        logger.warning("%s: restarting the hung worker(s) %s through their nannies", self.sink.run_id, ", ".join(hung))
         restart = self.client.scheduler.restart_workers(
-            workers=hung, timeout=self.policy.hang_grace_s, wait_for_workers=False, on_error="return",
+            workers=hung,
+            timeout=self.policy.hang_grace_s,
+            wait_for_workers=False,
+            on_error="return",
             stimulus_id=f"dask-dl-hung-{self.sink.run_id}-{time.time()}",
-        )  # fmt: skip
+        )
         done = asyncio.run_coroutine_threadsafe(restart, self.client.loop.asyncio_loop)
         done.add_done_callback(lambda future: self._restarted_hung(hung, future))
 
@@ -510,8 +539,13 @@ class Driver:
         try:
             answers = future.result()
         except Exception as exc:  # they stay left out of the next groups all the same
-            logger.warning("%s: could not restart the hung worker(s) %s: %s: %s", self.sink.run_id, ", ".join(hung),
-                           type(exc).__name__, exc)  # fmt: skip
+            logger.warning(
+                "%s: could not restart the hung worker(s) %s: %s: %s",
+                self.sink.run_id,
+                ", ".join(hung),
+                type(exc).__name__,
+                exc,
+            )
             return
         logger.info("%s: restart of the hung worker(s): %s", self.sink.run_id, answers)
 
@@ -552,8 +586,9 @@ class Driver:
         try:
             workers = self.client.sync(self.client.scheduler.identity)["workers"]
         except Exception as exc:  # blaming falls back to the rank that failed
-            logger.warning("%s: could not read the scheduler's workers: %s: %s", self.sink.run_id,
-                           type(exc).__name__, exc)  # fmt: skip
+            logger.warning(
+                "%s: could not read the scheduler's workers: %s: %s", self.sink.run_id, type(exc).__name__, exc
+            )
             return {}
         return {address: workers.get(address, {}).get("id") for address in addresses}
 
@@ -581,8 +616,9 @@ class Driver:
         live = []
         for rank, actor in enumerate(actors):
             if self.workers[rank] in (lost or ()):
-                logger.debug("%s: trainer %d on %s is lost: nothing to tear down", self.sink.run_id, rank,
-                             self.workers[rank])  # fmt: skip
+                logger.debug(
+                    "%s: trainer %d on %s is lost: nothing to tear down", self.sink.run_id, rank, self.workers[rank]
+                )
             else:
                 live.append((rank, actor))
         if failed:

@@ -39,8 +39,9 @@ def check_loss(loss: Any, task: str) -> tuple[str | Callable, str]:
         return loss, LOSSES[loss]
     if callable(loss):
         return loss, task
-    raise ConfigurationError(f"loss must be a name ({', '.join(LOSSES)}) or a function (logits, targets) -> loss, "
-                             f"got {type(loss).__name__}")  # fmt: skip
+    raise ConfigurationError(
+        f"loss must be a name ({', '.join(LOSSES)}) or a function (logits, targets) -> loss, got {type(loss).__name__}"
+    )
 
 
 def loss_function(loss: str | Callable) -> Callable[..., Any]:

@@ -56,8 +56,11 @@ def compressor_state(
     old = states[min(rank, len(states) - 1)]
     logger.info(
         "rank %d: the checkpoint is of %d trainers, this run has %d: error-feedback residuals start from zero "
-        "(optimizer and weights kept)", rank, len(states), world_size
-    )  # fmt: skip
+        "(optimizer and weights kept)",
+        rank,
+        len(states),
+        world_size,
+    )
     return {**fresh, **{k: old[k] for k in ("step", "bytes_sent", "wire_bytes") if k in old}}
 
 

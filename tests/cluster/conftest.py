@@ -129,8 +129,9 @@ def slurm():
         yield SlurmNode()
         return
     if shutil.which("slurmctld") is None or shutil.which("sbatch") is None:
-        unavailable("SLURM is not installed (Debian: .ci/slurm install, or apt-get install slurmctld slurmd "
-                    "slurm-client munge)")  # fmt: skip
+        unavailable(
+            "SLURM is not installed (Debian: .ci/slurm install, or apt-get install slurmctld slurmd slurm-client munge)"
+        )
     if os.geteuid() != 0:
         unavailable("SLURM is not running and starting its daemons needs root (.ci/slurm start)")
     started = _slurm("start")

@@ -15,6 +15,9 @@ from dask_dl.cluster import connect, gpu_workers, make
 from dask_dl.errors import ClusterError, ConfigurationError
 from dask_dl.testing.cluster import small_story
 
+# A gateway server and its clusters start per test: for the full run only.
+pytestmark = pytest.mark.slow
+
 dask_gateway = pytest.importorskip("dask_gateway")
 
 
@@ -71,9 +74,14 @@ def test_a_plain_gateway_cluster_works_through_the_default_client(gateway_server
             assert result.n == 32 and result.n_rejected == 0
             assert result.store == str(tmp_path / "plain.zarr")
             run = dask_dl.fit(
-                dask_dl.open_dataset("plain.zarr"), model="small_cnn", model_kwargs={"width": 8},
-                epochs=1, batch_size=8, trainers=2, checkpoint_dir="ckpt",
-            )  # fmt: skip
+                dask_dl.open_dataset("plain.zarr"),
+                model="small_cnn",
+                model_kwargs={"width": 8},
+                epochs=1,
+                batch_size=8,
+                trainers=2,
+                checkpoint_dir="ckpt",
+            )
             assert sorted(run.workers) == sorted(client.scheduler_info(n_workers=-1)["workers"])
             assert len(run.history) == 1
             assert sorted(p.name for p in (tmp_path / "ckpt").glob("epoch-*.pt")) == ["epoch-0000.pt"]
@@ -85,25 +93,41 @@ def test_a_gateway_that_cannot_be_asked_is_an_error_that_says_what_to_fix(gatewa
     """dask-gateway passes its HTTP client's errors through; each common mistake gets its own one-line cause."""
     address = gateway_server["address"]
     wrong = dask_gateway.BasicAuth("alice", "not-the-password")
-    with pytest.raises(ClusterError, match=r"^the gateway at http://127\.0\.0\.1:\d+ refused this user \(401 "
-                       r"Unauthorized\): .*DASK_GATEWAY__AUTH__KWARGS__PASSWORD"):  # fmt: skip
+    with pytest.raises(
+        ClusterError,
+        match=r"^the gateway at http://127\.0\.0\.1:\d+ refused this user \(401 "
+        r"Unauthorized\): .*DASK_GATEWAY__AUTH__KWARGS__PASSWORD",
+    ):
         make("gateway", address=address, auth=wrong)
     with socket.socket() as s:  # a port where nothing listens
         s.bind(("127.0.0.1", 0))
         nothing = f"http://127.0.0.1:{s.getsockname()[1]}"
-    with pytest.raises(ClusterError, match=rf"^cannot reach the gateway at {nothing} \(ClientConnectorError: .*\): "
-                       "check that the server runs"):  # fmt: skip
+    with pytest.raises(
+        ClusterError,
+        match=rf"^cannot reach the gateway at {nothing} \(ClientConnectorError: .*\): "
+        "check that the server runs",
+    ):
         make("gateway", address=nothing, auth=wrong)
     bare = address.removeprefix("http://")
-    with pytest.raises(ClusterError, match=rf"^the gateway address '{bare}' is not an http\(s\) URL .*; write it as "
-                       r"http://host:port$"):  # fmt: skip
+    with pytest.raises(
+        ClusterError,
+        match=rf"^the gateway address '{bare}' is not an http\(s\) URL .*; write it as "
+        r"http://host:port$",
+    ):
         make("gateway", address=bare, auth=wrong)
     right = dask_gateway.BasicAuth("alice", gateway_server["password"])
-    with pytest.raises(ClusterError, match=rf"^the server at {address}/elsewhere did not answer as a dask-gateway "
-                       r"server \(ValueError: 404: Not Found\)"):  # fmt: skip
+    with pytest.raises(
+        ClusterError,
+        match=rf"^the server at {address}/elsewhere did not answer as a dask-gateway "
+        r"server \(ValueError: 404: Not Found\)",
+    ):
         make("gateway", address=f"{address}/elsewhere", auth=right)
     monkeypatch.delenv("DASK_GATEWAY__ADDRESS", raising=False)
-    with dask.config.set({"gateway.address": None}), pytest.raises(ConfigurationError, match=(
-        r"needs the gateway's address: .* or in the environment: DASK_GATEWAY__ADDRESS=http://gateway:8000"
-    )):  # fmt: skip
+    with (
+        dask.config.set({"gateway.address": None}),
+        pytest.raises(
+            ConfigurationError,
+            match=(r"needs the gateway's address: .* or in the environment: DASK_GATEWAY__ADDRESS=http://gateway:8000"),
+        ),
+    ):
         make("gateway", auth=right)

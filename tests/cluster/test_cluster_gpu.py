@@ -67,8 +67,10 @@ def test_predict_on_gpu_uses_the_cuda_provider_on_the_gpu_workers(cuda_client, s
     from distributed import get_task_stream
 
     if "CUDAExecutionProvider" not in ort.get_available_providers():
-        pytest.skip(f"onnxruntime {ort.__version__} here has no CUDA provider: pip uninstall onnxruntime, then "
-                    "pip install onnxruntime-gpu")  # fmt: skip
+        pytest.skip(
+            f"onnxruntime {ort.__version__} here has no CUDA provider: pip uninstall onnxruntime, then "
+            "pip install onnxruntime-gpu"
+        )
     tagged = gpu_workers(cuda_client)
     test = dask_dl.open_dataset(story.store, split="test")
     with get_task_stream(cuda_client) as stream:

@@ -28,6 +28,9 @@ from dask_dl.cluster import connect, cpu_workers, get_client, gpu_workers, worke
 from dask_dl.errors import ClusterError
 from dask_dl.testing.cluster import small_story, worker_of_tasks, write_tls_files
 
+# A TLS cluster, the small story on it and dask-dl runs in processes of their own: for the full run only.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def tls_client():
@@ -63,8 +66,9 @@ def test_a_client_without_the_certificates_is_refused(tls_client):
         Client(address, security=Security.temporary(), timeout="3s")
     # the same through dask_dl (dask-dl --scheduler): one line that says which mistake it is, not a traceback
     cannot = r"^cannot connect to the scheduler at {} \({}\): {}"
-    with pytest.raises(ClusterError, match=cannot.format(address, ".*TLS certificate does not match.*",
-                                                         "the TLS handshake failed")):  # fmt: skip
+    with pytest.raises(
+        ClusterError, match=cannot.format(address, ".*TLS certificate does not match.*", "the TLS handshake failed")
+    ):
         get_client(scheduler=address, security=Security.temporary())
     plain = address.replace("tls://", "tcp://")
     closed = "the scheduler closed the connection: if it uses TLS, its address starts with tls://$"
@@ -73,9 +77,13 @@ def test_a_client_without_the_certificates_is_refused(tls_client):
     with socket.socket() as s:  # a port where nothing listens
         s.bind(("127.0.0.1", 0))
         nothing = f"tcp://127.0.0.1:{s.getsockname()[1]}"
-    with dask.config.set({"distributed.comm.timeouts.connect": "2s"}), pytest.raises(ClusterError, match=(
-        cannot.format(nothing, "OSError: .*", "check that the scheduler runs, that this is its address")
-    )):  # fmt: skip
+    with (
+        dask.config.set({"distributed.comm.timeouts.connect": "2s"}),
+        pytest.raises(
+            ClusterError,
+            match=(cannot.format(nothing, "OSError: .*", "check that the scheduler runs, that this is its address")),
+        ),
+    ):
         get_client(scheduler=nothing)
     assert tls_client.submit(lambda: 1).result() == 1  # the cluster itself is unharmed
 

@@ -42,8 +42,11 @@ def test_local_settings_come_from_arguments_then_config_and_unknown_kwargs_pass_
         assert cluster.dashboard_link.startswith("http://127.0.0.1:")
         assert cpu_workers(client) is None and gpu_workers(client) == []  # one kind: anywhere
         assert workers_for(client, "cpu") is None and workers_for(client, "any") is None
-        with pytest.raises(ClusterError, match=r"scoring was asked to run on the GPU workers \(on='gpu'\), and none "
-                           r"of the cluster's 1 workers advertises a 'GPU' resource; pass on='cpu'"):  # fmt: skip
+        with pytest.raises(
+            ClusterError,
+            match=r"scoring was asked to run on the GPU workers \(on='gpu'\), and none "
+            r"of the cluster's 1 workers advertises a 'GPU' resource; pass on='cpu'",
+        ):
             workers_for(client, "gpu", purpose="scoring")
         with pytest.raises(ConfigurationError, match=r"unknown on 'tpu': use one of cpu, gpu, any"):
             workers_for(client, "tpu")

@@ -17,6 +17,9 @@ from dask_dl.cluster import check_visible, connect, set_storage_options
 from dask_dl.data.store import StoreFiles
 from dask_dl.testing.cluster import small_story
 
+# An S3 server (moto) and the stores written to it: for the full run only.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture
 def bucket(s3_server):
@@ -39,9 +42,13 @@ def test_ingest_train_export_score_with_every_file_on_s3(s3_server, bucket, tmp_
         set_storage_options(client, {"s3": s3_server})  # once, for every worker
         check_visible(client, bucket)
         story = small_story(
-            client, tmp_path, upload_raw=f"{bucket}/raw", store=store, checkpoint_dir=f"{bucket}/checkpoints",
+            client,
+            tmp_path,
+            upload_raw=f"{bucket}/raw",
+            store=store,
+            checkpoint_dir=f"{bucket}/checkpoints",
             model_path=f"{bucket}/cxr.onnx",
-        )  # fmt: skip
+        )
 
         # fit and predict check what their workers will open before any work, and name who cannot see it
         client.run(lambda: __import__("fsspec").config.conf.update(s3=dead))
@@ -68,8 +75,13 @@ def test_ingest_train_export_score_with_every_file_on_s3(s3_server, bucket, tmp_
 def test_clearing_a_store_on_s3_keeps_only_its_lease(bucket):
     # what ingest(overwrite=True) does under its lease; on S3 folders are only prefixes of keys
     fs = fsspec.filesystem("s3")
-    for key in ["zarr.json", "image/c/0/0/0", "_dask_dl/zarr.json", "_dask_dl/status/shard-0.json",
-                "_dask_dl/lease.json"]:  # fmt: skip
+    for key in [
+        "zarr.json",
+        "image/c/0/0/0",
+        "_dask_dl/zarr.json",
+        "_dask_dl/status/shard-0.json",
+        "_dask_dl/lease.json",
+    ]:
         fs.pipe_file(f"dask-dl/s.zarr/{key}", key.encode())
     StoreFiles(f"{bucket}/s.zarr").clear(keep="_dask_dl/lease.json")
     fs.invalidate_cache()
@@ -96,8 +108,11 @@ def test_the_command_line_gives_its_storage_settings_to_workers_that_lack_them(s
     synthesize(tmp_path / "raw", n_images=24, size=64, seed=3)
     catalog = dask_dl.read_catalog(tmp_path / "raw")
     env = {k: v for k, v in os.environ.items() if not k.startswith("FSSPEC_")}
-    env |= {"FSSPEC_S3_ENDPOINT_URL": s3_server["endpoint_url"], "FSSPEC_S3_KEY": s3_server["key"],
-            "FSSPEC_S3_SECRET": s3_server["secret"]}  # fmt: skip
+    env |= {
+        "FSSPEC_S3_ENDPOINT_URL": s3_server["endpoint_url"],
+        "FSSPEC_S3_KEY": s3_server["key"],
+        "FSSPEC_S3_SECRET": s3_server["secret"],
+    }
     command = Path(sys.executable).with_name("dask-dl")
 
     def run(*args: str) -> subprocess.CompletedProcess:
@@ -114,17 +129,37 @@ def test_the_command_line_gives_its_storage_settings_to_workers_that_lack_them(s
             dask_dl.ingest(catalog, store, size=32, chunk=8, client=client)
         assert not fsspec.filesystem("s3").exists("dask-dl/cli.zarr/_dask_dl/status")
 
-        ingested = run("ingest", str(tmp_path / "raw"), store, "-s", "32", "--chunk", "8", "--scheduler",
-                       cluster.scheduler_address, "--overwrite")  # fmt: skip
+        ingested = run(
+            "ingest",
+            str(tmp_path / "raw"),
+            store,
+            "-s",
+            "32",
+            "--chunk",
+            "8",
+            "--scheduler",
+            cluster.scheduler_address,
+            "--overwrite",
+        )
         assert ingested.returncode == 0, ingested.stderr
         assert ingested.stdout.startswith(f"ingested 24 images into {store}: 24 valid, 0 rejected"), ingested.stdout
 
         model = f"{bucket}/tiny.onnx"
         torch.manual_seed(0)
-        dask_dl.export_onnx(TinyNet(14, width=3), model, labels=list(dask_dl.open_dataset(store).finding.values),
-                            input_size=32)  # fmt: skip
-        scored = run("predict", store, model, "--split", "test", "--out", f"{bucket}/scores.parquet",
-                     "--scheduler", cluster.scheduler_address)  # fmt: skip
+        dask_dl.export_onnx(
+            TinyNet(14, width=3), model, labels=list(dask_dl.open_dataset(store).finding.values), input_size=32
+        )
+        scored = run(
+            "predict",
+            store,
+            model,
+            "--split",
+            "test",
+            "--out",
+            f"{bucket}/scores.parquet",
+            "--scheduler",
+            cluster.scheduler_address,
+        )
         assert scored.returncode == 0, scored.stderr
         assert "Unclosed" not in scored.stderr, scored.stderr  # aiohttp's reports of sessions left for exit
     with fsspec.open(f"{bucket}/scores.parquet", "rb") as f:  # written through fsspec, not pyarrow's own S3 client
@@ -132,8 +167,9 @@ def test_the_command_line_gives_its_storage_settings_to_workers_that_lack_them(s
     test = dask_dl.open_dataset(store, split="test")
     assert list(table["sample"]) == list(test.sample.values)
     expected = dask_dl.predict(test.image.values, model).compute()
-    np.testing.assert_allclose(table[[c for c in table.columns if c.startswith("p_")]].to_numpy(), expected,
-                               rtol=1e-5, atol=1e-6)  # fmt: skip
+    np.testing.assert_allclose(
+        table[[c for c in table.columns if c.startswith("p_")]].to_numpy(), expected, rtol=1e-5, atol=1e-6
+    )
 
     # explain reads the model on S3 as predict does (occlusion runs the ONNX model): the same maps as a local copy
     local = tmp_path / "tiny.onnx"

@@ -20,6 +20,9 @@ import yaml
 from dask_dl.cluster import connect, cpu_workers, gpu_workers
 from dask_dl.testing.cluster import small_story
 
+# A SLURM cluster's jobs start in seconds each: for the full run only.
+pytestmark = pytest.mark.slow
+
 if importlib.util.find_spec("dask_jobqueue") is None:  # not importorskip: importing it replaces the SIGINT handler
     pytest.skip("dask-jobqueue is not installed (pip install 'dask-dl[hpc]')", allow_module_level=True)
 
@@ -63,8 +66,9 @@ def test_batch_script_path_trains_with_cluster_slurm_and_cancels_its_jobs_also_o
     (tmp_path / "site.yaml").write_text(yaml.safe_dump(site))
     store = story_store["story"].store
 
-    done = _cli(["train", store, "--cluster", "slurm", "--jobs", "1", "--trainers", "1", "--epochs", "1", "-q"],
-                tmp_path)  # fmt: skip
+    done = _cli(
+        ["train", store, "--cluster", "slurm", "--jobs", "1", "--trainers", "1", "--epochs", "1", "-q"], tmp_path
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "epoch=0" in done.stdout and ": finished" in done.stdout
     assert slurm.wait_until_gone() == []

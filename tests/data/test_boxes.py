@@ -27,8 +27,10 @@ def test_real_nih_table_has_the_published_boxes(shared_data):
     assert (boxes["x"] + boxes["w"]).max() <= 1024 and (boxes["y"] + boxes["h"]).max() <= 1024
     first = boxes.iloc[0]
     assert (first.image_id, first.finding) == ("00013118_008.png", "Atelectasis")
-    np.testing.assert_allclose(first[["x", "y", "w", "h"]].to_numpy(float), [225.084745762712, 547.019216763771,
-                               86.7796610169491, 79.1864406779661])  # fmt: skip
+    np.testing.assert_allclose(
+        first[["x", "y", "w", "h"]].to_numpy(float),
+        [225.084745762712, 547.019216763771, 86.7796610169491, 79.1864406779661],
+    )
     scaled = read_boxes(path, size=256)  # 1024 -> 256: a quarter
     np.testing.assert_allclose(scaled[["x", "y", "w", "h"]].to_numpy(), boxes[["x", "y", "w", "h"]].to_numpy() / 4)
     assert scaled.attrs["size"] == 256

@@ -316,7 +316,7 @@ def test_read_dicom_errors(dicom_root, tmp_path, monkeypatch):
 
 
 def test_one_bad_header_skips_one_file(tmp_path, ramp12, caplog):
-    """An unknown VR in (0028,0030) no longer makes read_dicom refuse the folder: that file is skipped, by name."""
+    """An unknown VR in (0028,0030) does not make read_dicom refuse the folder: that file is skipped, by name."""
     root = tmp_path / "dicoms"
     write_dicom(root / "good.dcm", ramp12, uid="1.2.3.1", PixelSpacing=[0.1, 0.1])
     write_dicom(root / "bad.dcm", ramp12, uid="1.2.3.2", PixelSpacing=[0.1, 0.1])
@@ -406,9 +406,15 @@ def test_a_deflated_bomb_is_too_large_before_it_is_inflated(tmp_path, cluster_cl
     assert peak_catalog < 8_000_000, f"peak {peak_catalog / 1e6:.0f} MB while cataloguing the deflated file"
     assert sorted(catalog["orig_width"]) == [64, 20000]
     result = dask_dl.ingest(
-        catalog, tmp_path / "s.zarr", size=32, chunk=2, shard=1, client=cluster_client, progress=False,
+        catalog,
+        tmp_path / "s.zarr",
+        size=32,
+        chunk=2,
+        shard=1,
+        client=cluster_client,
+        progress=False,
         max_reject_share=1.0,
-    )  # fmt: skip
+    )
     assert result.rejects[["path", "reason"]].values.tolist() == [[str(root / "bomb.dcm"), "too_large"]]
 
 
@@ -502,8 +508,10 @@ def test_every_transfer_syntax_is_ingested_without_a_warning(tmp_path, cluster_c
     from dask_dl.data.store import StoreFiles
 
     grey, colour = tmp_path / "grey", tmp_path / "colour"
-    for folder, names in ((grey, [*LOSSLESS.values(), *OTHER_GREY.values(), "MR_small_padded.dcm"]),
-                          (colour, [*COLOUR.values(), "SC_rgb_jpeg.dcm"])):  # fmt: skip
+    for folder, names in (
+        (grey, [*LOSSLESS.values(), *OTHER_GREY.values(), "MR_small_padded.dcm"]),
+        (colour, [*COLOUR.values(), "SC_rgb_jpeg.dcm"]),
+    ):
         folder.mkdir()
         for name in names:
             shutil.copy(bundled(name), folder / name)
@@ -520,9 +528,16 @@ def test_every_transfer_syntax_is_ingested_without_a_warning(tmp_path, cluster_c
             catalog = read_dicom(folder, id_from="path")
         store = tmp_path / f"{folder.name}.zarr"
         result = dask_dl.ingest(
-            catalog, store, size=size, chunk=2, shard=1, min_size=1, channels=channels, client=cluster_client,
+            catalog,
+            store,
+            size=size,
+            chunk=2,
+            shard=1,
+            min_size=1,
+            channels=channels,
+            client=cluster_client,
             progress=False,
-        )  # fmt: skip
+        )
         assert result.n_rejected == 0, result.rejects[["image_id", "reason", "message"]].to_string()
         ds = dask_dl.open_dataset(store)
         for row, image_id in enumerate(ds.image_id.values):

@@ -301,8 +301,11 @@ def test_ingest_that_keeps_no_image_fails_with_the_fix(cluster_client, tmp_path)
 def test_too_many_rejects_fail_above_the_share(cluster_client, tmp_path):
     catalog = make_collection(tmp_path / "images", n=10, bad={i: "garbage" for i in (1, 2, 4, 5, 7, 8)})
     store = tmp_path / "s.zarr"
-    with pytest.raises(IngestError, match=r"rejected 6 of 10 images \(undecodable 6\): 60% were rejected, more "
-                       r"than max_reject_share=0\.5") as info:  # fmt: skip
+    with pytest.raises(
+        IngestError,
+        match=r"rejected 6 of 10 images \(undecodable 6\): 60% were rejected, more "
+        r"than max_reject_share=0\.5",
+    ) as info:
         run_ingest(catalog, store, cluster_client)
     assert "pass max_reject_share=1.0" in str(info.value)
     assert read_rejects(store)["row"].tolist() == [1, 2, 4, 5, 7, 8]
@@ -709,8 +712,15 @@ def test_two_ingests_started_at_the_same_instant_one_writes_one_is_refused(clust
 
 def test_clearing_a_store_keeps_its_lease_and_the_lease_being_rewritten(tmp_path):
     store = tmp_path / "s.zarr"
-    for name in ["zarr.json", "image/c/0/0/0", "_dask_dl/zarr.json", "_dask_dl/status/shard-0.json",
-                 "_dask_dl/lease.json", "_dask_dl/lease.json.0a1b.partial", "_dask_dl/lease.jsonx"]:  # fmt: skip
+    for name in [
+        "zarr.json",
+        "image/c/0/0/0",
+        "_dask_dl/zarr.json",
+        "_dask_dl/status/shard-0.json",
+        "_dask_dl/lease.json",
+        "_dask_dl/lease.json.0a1b.partial",
+        "_dask_dl/lease.jsonx",
+    ]:
         (store / name).parent.mkdir(parents=True, exist_ok=True)
         (store / name).write_text(name)
     StoreFiles(str(store)).clear(keep="_dask_dl/lease.json")
@@ -861,5 +871,6 @@ def test_relative_image_paths_are_read_from_the_clients_folder(cluster_client, t
     assert (result.n, result.n_rejected) == (8, 0), result.rejects
     assert result.store == str(here / "cxr.zarr")
     expected = run_ingest(catalog, tmp_path / "absolute.zarr", cluster_client)
-    np.testing.assert_array_equal(dask_dl.open_dataset(result.store).image.values,
-                                  dask_dl.open_dataset(expected.store).image.values)  # fmt: skip
+    np.testing.assert_array_equal(
+        dask_dl.open_dataset(result.store).image.values, dask_dl.open_dataset(expected.store).image.values
+    )

@@ -44,9 +44,16 @@ def pattern(i: int) -> np.ndarray:
 def write_store(path: Path, *, n: int = N, complete: bool = True) -> Path:
     """A store exactly as dask_dl.ingest lays it out (sharded, zstd, dimension names, coordinates)."""
     return kit.write_store(
-        path, n=n, size=SIZE, chunk=CHUNK, shard=SHARD, labels=LABELS, rejected=REJECTED, split_of=split_of,
+        path,
+        n=n,
+        size=SIZE,
+        chunk=CHUNK,
+        shard=SHARD,
+        labels=LABELS,
+        rejected=REJECTED,
+        split_of=split_of,
         complete=complete,
-    )  # fmt: skip
+    )
 
 
 @pytest.fixture
@@ -294,10 +301,16 @@ def test_local_shard_reads_equal_zarr_reads(store, tmp_path):
     group = zarr.open_group(raw, mode="r+")
     del group["image"]
     plain = group.create_array(
-        "image", shape=image.shape, chunks=image.chunks, shards=image.shards, dtype="uint8", compressors=None,
-        chunk_key_encoding={"name": "default", "separator": "/"}, dimension_names=image.metadata.dimension_names,
+        "image",
+        shape=image.shape,
+        chunks=image.chunks,
+        shards=image.shards,
+        dtype="uint8",
+        compressors=None,
+        chunk_key_encoding={"name": "default", "separator": "/"},
+        dimension_names=image.metadata.dimension_names,
         attributes=dict(image.attrs),
-    )  # fmt: skip
+    )
     plain[:] = image[:]
     loader = ChunkLoader(raw, TRAIN, batch_size=2)
     assert loader._shards is not None

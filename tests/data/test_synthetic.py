@@ -103,8 +103,11 @@ def test_a_stopped_synthesis_leaves_no_table_and_running_it_again_writes_it_whol
 
     with monkeypatch.context() as patch:
         patch.setattr(synthetic, "_write_block", ctrl_c_at_block_2)
-        with pytest.raises(KeyboardInterrupt, match=r"synthesis into '.*root' stopped by Ctrl-C before its tables "
-                           r"were written .* run the same synthesis again to write it"):  # fmt: skip
+        with pytest.raises(
+            KeyboardInterrupt,
+            match=r"synthesis into '.*root' stopped by Ctrl-C before its tables "
+            r"were written .* run the same synthesis again to write it",
+        ):
             synthesize(root, n_images=300, size=64, seed=2)
     assert sorted(p.name for p in root.iterdir()) == ["images"]  # the earlier tables are gone, no new one
     assert not list(root.rglob("*.partial"))
@@ -269,8 +272,16 @@ def test_label_source_takes_real_patients(shared_data, real_table, tmp_path):
         # a real patient's images, in order (the last patient may be cut short)
         assert any([real_rows[i] for i in index[: len(seq)]] == seq for index in starting_with[seq[0]])
     # over many patients the label statistics are the real ones
-    plan = _plan(str(tmp_path), 20_000, seed=0, n_patients=None, label_source=source, sites=None,
-                 rgba_fraction=0, corrupt_fraction=0)  # fmt: skip
+    plan = _plan(
+        str(tmp_path),
+        20_000,
+        seed=0,
+        n_patients=None,
+        label_source=source,
+        sites=None,
+        rgba_fraction=0,
+        corrupt_fraction=0,
+    )
     freq = plan[LABELS].to_numpy().mean(axis=0)
     np.testing.assert_allclose(freq, _NIH_FREQUENCIES, atol=0.02)
 
@@ -298,16 +309,29 @@ def test_sites_are_complete_roots_with_their_own_patients_and_mix(tmp_path):
     patients = {}
     for site in "ABC":
         root = tmp_path / site
-        assert {p.name for p in root.iterdir()} == {"images", "Data_Entry_2017.csv", "train_val_list.txt",
-                                                    "test_list.txt", "BBox_List_2017.csv"}  # fmt: skip
+        assert {p.name for p in root.iterdir()} == {
+            "images",
+            "Data_Entry_2017.csv",
+            "train_val_list.txt",
+            "test_list.txt",
+            "BBox_List_2017.csv",
+        }
         frame = pd.read_csv(root / "Data_Entry_2017.csv", index_col=False)
         assert len(frame) == 30 and len(list((root / "images").iterdir())) == 30
         patients[site] = set(frame["Patient ID"])
         assert set(table.loc[table["site"] == site, "image_id"]) == set(frame["Image Index"])
     assert not (patients["A"] & patients["B"] or patients["A"] & patients["C"] or patients["B"] & patients["C"])
     # label mix: on many rows the sites differ far beyond sampling noise
-    plan = _plan(str(tmp_path), 9000, seed=4, n_patients=None, label_source=None, sites=["A", "B", "C"],
-                 rgba_fraction=0, corrupt_fraction=0)  # fmt: skip
+    plan = _plan(
+        str(tmp_path),
+        9000,
+        seed=4,
+        n_patients=None,
+        label_source=None,
+        sites=["A", "B", "C"],
+        rgba_fraction=0,
+        corrupt_fraction=0,
+    )
     mix = plan.groupby("site")[LABELS].mean()
     assert (mix.max() - mix.min()).max() > 0.05
     assert plan.groupby("patient")["site"].nunique().max() == 1
@@ -576,8 +600,9 @@ def test_cli_synth(tmp_path):
     assert result.exit_code == 0, result.output
     assert "wrote 30 images" in result.output and "3 RGBA" in result.output and "3 corrupt" in result.output
     assert len(list((tmp_path / "A" / "images").iterdir())) == 15
-    same = synthesize(tmp_path / "api", n_images=30, size=64, seed=2, sites=["A", "B"], rgba_fraction=0.1,
-                      corrupt_fraction=0.1)  # fmt: skip
+    same = synthesize(
+        tmp_path / "api", n_images=30, size=64, seed=2, sites=["A", "B"], rgba_fraction=0.1, corrupt_fraction=0.1
+    )
     assert _hashes(tmp_path / "A") == _hashes(tmp_path / "api" / "A") and len(same) == 30
     result = runner.invoke(cli, ["synth", str(tmp_path / "small"), "--size", "32"])
     assert result.exit_code == 1 and "size=32 is too small" in result.output
@@ -605,8 +630,11 @@ def test_read_nih_reads_the_output(tmp_path):
 
 def test_a_url_is_refused_not_written_to_a_local_folder_named_after_it(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ConfigurationError, match=r"^synthesize writes a folder of files, not to 's3://bucket/raw': "
-                       r"write it to a local or shared folder, then copy it up"):  # fmt: skip
+    with pytest.raises(
+        ConfigurationError,
+        match=r"^synthesize writes a folder of files, not to 's3://bucket/raw': "
+        r"write it to a local or shared folder, then copy it up",
+    ):
         synthesize("s3://bucket/raw", n_images=4, size=64)
     assert list(tmp_path.iterdir()) == []  # before: a folder 's3:' here
     table = synthesize(f"file://{tmp_path / 'raw'}", n_images=4, size=64)

@@ -23,6 +23,9 @@ from dask_dl.sites.score import Ensemble, ModelSpec, score
 from dask_dl.sites.synthetic import synthetic_sites
 from dask_dl.testing.train import squares_collection
 
+# Rounds of trainers at three sites per test: for the full run only.
+pytestmark = pytest.mark.slow
+
 OPTIONS = dict(model="small_cnn", model_kwargs={"width": 8}, batch_size=8, lr=0.05, optimizer="sgd", seed=0)
 SIZES = {"A": 48, "B": 64, "C": 32}
 
@@ -44,8 +47,15 @@ def squares(tmp_path_factory, cluster3) -> dict[str, str]:
     for i, (name, n) in enumerate(SIZES.items()):
         root = tmp_path_factory.mktemp(name)
         stores[name] = str(root / "site.zarr")
-        dask_dl.ingest(squares_collection(root, n_train=n, n_val=16, seed=i), stores[name], size=32, chunk=8, shard=2,
-                       client=cluster3, progress=False)  # fmt: skip
+        dask_dl.ingest(
+            squares_collection(root, n_train=n, n_val=16, seed=i),
+            stores[name],
+            size=32,
+            chunk=8,
+            shard=2,
+            client=cluster3,
+            progress=False,
+        )
     return stores
 
 
@@ -65,14 +75,27 @@ def test_fit_starts_from_start_state_and_pulls_towards_it(squares, cluster3):
     start = build_model("small_cnn", num_outputs=2, width=8).state_dict()
     torch.manual_seed(OPTIONS["seed"])
     seeded = build_model("small_cnn", num_outputs=2, width=8).state_dict()  # what fit starts from without it
-    still = dask_dl.fit(dask_dl.open_dataset(squares["B"]), epochs=1, trainers=1, client=cluster3, start_state=start,
-                        **{**OPTIONS, "lr": 1e-9}).checkpoint()["model"]  # fmt: skip
+    still = dask_dl.fit(
+        dask_dl.open_dataset(squares["B"]),
+        epochs=1,
+        trainers=1,
+        client=cluster3,
+        start_state=start,
+        **{**OPTIONS, "lr": 1e-9},
+    ).checkpoint()["model"]
     torch.testing.assert_close(_params(still), _params(start), rtol=0, atol=1e-6)
     assert float((_params(seeded) - _params(start)).abs().max()) > 0.1  # not the seeded initial weights
 
     def moved(mu: float) -> float:
-        run = dask_dl.fit(dask_dl.open_dataset(squares["B"]), epochs=2, trainers=1, client=cluster3,
-                          start_state=start, proximal_mu=mu, **OPTIONS)  # fmt: skip
+        run = dask_dl.fit(
+            dask_dl.open_dataset(squares["B"]),
+            epochs=2,
+            trainers=1,
+            client=cluster3,
+            start_state=start,
+            proximal_mu=mu,
+            **OPTIONS,
+        )
         return float((_params(run.checkpoint()["model"]) - _params(start)).norm())
 
     free, held = moved(0.0), moved(5.0)
@@ -81,8 +104,15 @@ def test_fit_starts_from_start_state_and_pulls_towards_it(squares, cluster3):
 
 def test_fit_trains_only_on_the_workers_given(squares, cluster3):
     workers = sorted(cluster3.scheduler_info()["workers"])
-    run = dask_dl.fit(dask_dl.open_dataset(squares["A"]), epochs=1, trainers=1, client=cluster3,
-                      workers=workers[2:], weights_only=True, **OPTIONS)  # fmt: skip
+    run = dask_dl.fit(
+        dask_dl.open_dataset(squares["A"]),
+        epochs=1,
+        trainers=1,
+        client=cluster3,
+        workers=workers[2:],
+        weights_only=True,
+        **OPTIONS,
+    )
     assert run.workers == workers[2:]
     assert set(run.checkpoint()) == {"model", "epoch", "model_name"}
     with pytest.raises(dask_dl.ClusterError, match="not workers of the cluster"):
@@ -94,9 +124,17 @@ def test_fit_trains_only_on_the_workers_given(squares, cluster3):
 
 def test_cyclic_options_shape_every_visit(squares, cluster3):
     run = dask_dl.fit_sites(
-        _datasets(squares), protocol="cyclic", rounds=2, steps=3, proportional_steps=True, order="shuffled",
-        cyclic_lr=0.1, site_weighted_loss=True, client=cluster3, **OPTIONS,
-    )  # fmt: skip
+        _datasets(squares),
+        protocol="cyclic",
+        rounds=2,
+        steps=3,
+        proportional_steps=True,
+        order="shuffled",
+        cyclic_lr=0.1,
+        site_weighted_loss=True,
+        client=cluster3,
+        **OPTIONS,
+    )
     h = run.history
     mean = np.mean(list(SIZES.values()))
     for _, row in h.iterrows():
@@ -139,8 +177,14 @@ def test_ensemble_is_the_mean_of_the_site_models_and_exports(squares, cluster3, 
 
 
 def test_incremental_trains_each_site_until_it_stops_improving_and_hands_over_the_last_sites_best(squares, cluster3):
-    run = dask_dl.fit_sites({k: _datasets(squares)[k] for k in ("A", "B")}, protocol="incremental", rounds=6,
-                            patience=1, client=cluster3, **OPTIONS)  # fmt: skip
+    run = dask_dl.fit_sites(
+        {k: _datasets(squares)[k] for k in ("A", "B")},
+        protocol="incremental",
+        rounds=6,
+        patience=1,
+        client=cluster3,
+        **OPTIONS,
+    )
     h = run.history
     trained = h[h["steps"] > 0]
     assert list(trained["round"]) == list(range(len(trained))) and (h["event"] == "").all()
@@ -154,8 +198,9 @@ def test_incremental_trains_each_site_until_it_stops_improving_and_hands_over_th
         best[name] = int(mine["round"].iloc[better[-1]])
     n_a = int((trained["site"] == "A").sum())
     assert trained["site"].tolist() == ["A"] * n_a + ["B"] * (len(trained) - n_a) and 0 < n_a < len(trained)
-    spec = ModelSpec(name="small_cnn", labels=("a", "b"), task="multilabel", input_size=32, kwargs={"width": 8},
-                     batch_size=8)  # fmt: skip
+    spec = ModelSpec(
+        name="small_cnn", labels=("a", "b"), task="multilabel", input_size=32, kwargs={"width": 8}, batch_size=8
+    )
     ds = dask_dl.open_dataset(squares["B"])
     val = ds.sample.values[ds.split.values == "val"]
 
@@ -169,8 +214,9 @@ def test_incremental_trains_each_site_until_it_stops_improving_and_hands_over_th
     scored_like(best["B"], run.state())
     # B started from A's best weights, not A's last: A alone hands over the same best, and one epoch on B from it
     # (the seed of B's first visit) is B's first round
-    alone = dask_dl.fit_sites({"A": _datasets(squares)["A"]}, protocol="incremental", rounds=6, patience=1,
-                              client=cluster3, **OPTIONS)  # fmt: skip
+    alone = dask_dl.fit_sites(
+        {"A": _datasets(squares)["A"]}, protocol="incremental", rounds=6, patience=1, client=cluster3, **OPTIONS
+    )
     assert alone.model_round == best["A"] < n_a - 1
     visit = {**OPTIONS, "seed": OPTIONS["seed"] + 1000 * (n_a + 1) + 1, "warmup_steps": 0}
     first = dask_dl.fit(ds, epochs=1, trainers=1, client=cluster3, start_state=alone.state(), **visit)
@@ -193,13 +239,21 @@ def test_normalization_is_every_sites_and_travels_with_the_model(squares, cluste
     torch.manual_seed(OPTIONS["seed"])
     initial = build_model("small_cnn", num_outputs=2, width=8).state_dict()  # what every protocol starts from
     visit = {**OPTIONS, "seed": OPTIONS["seed"] + 1000, "warmup_steps": 0}
-    alone = dask_dl.fit(ds, epochs=1, trainers=1, client=cluster3, start_state=initial, normalization=norm,
-                        **visit).checkpoint()["model"]  # fmt: skip
+    alone = dask_dl.fit(
+        ds, epochs=1, trainers=1, client=cluster3, start_state=initial, normalization=norm, **visit
+    ).checkpoint()["model"]
     for key, value in alone.items():
         torch.testing.assert_close(run.state()[key], value, rtol=0, atol=1e-6)
     # scored with it, on the site
-    spec = ModelSpec(name="small_cnn", labels=("a", "b"), task="multilabel", input_size=32, kwargs={"width": 8},
-                     batch_size=8, normalization=norm)  # fmt: skip
+    spec = ModelSpec(
+        name="small_cnn",
+        labels=("a", "b"),
+        task="multilabel",
+        input_size=32,
+        kwargs={"width": 8},
+        batch_size=8,
+        normalization=norm,
+    )
     val = ds.sample.values[ds.split.values == "val"]
     mine = score(squares["B"], val, [run.state()], spec)
     assert run.history.iloc[0]["loss"] == pytest.approx(mine["loss"], abs=1e-9)
@@ -209,8 +263,9 @@ def test_normalization_is_every_sites_and_travels_with_the_model(squares, cluste
     assert run.checkpoint()["normalization"] == norm
     assert read_model_info(run.export_onnx(tmp_path / "normalized.onnx")).normalization == norm
     with pytest.raises(ConfigurationError, match="std"):
-        dask_dl.fit_sites({"B": ds}, protocol="cyclic", rounds=1, normalization={"mean": 0.3, "std": 0},
-                          client=cluster3)  # fmt: skip
+        dask_dl.fit_sites(
+            {"B": ds}, protocol="cyclic", rounds=1, normalization={"mean": 0.3, "std": 0}, client=cluster3
+        )
 
 
 def test_a_model_of_your_own_by_its_import_path_trains_across_sites_and_exports(squares, cluster3, tmp_path):
@@ -228,8 +283,9 @@ def test_a_model_of_your_own_by_its_import_path_trains_across_sites_and_exports(
     }  # fmt: skip
     path = dask_dl.export_onnx(checkpoint, tmp_path / "own.onnx")  # rebuilt from the path, without the code
     assert read_model_info(path).labels == ("a", "b")
-    same = dask_dl.fit_sites(_datasets(squares), protocol="fedavg", rounds=1, client=cluster3,
-                             **{**options, "model": tiny_net})  # the function itself: the same run  # fmt: skip
+    same = dask_dl.fit_sites(
+        _datasets(squares), protocol="fedavg", rounds=1, client=cluster3, **{**options, "model": tiny_net}
+    )  # the function itself: the same run
     for key, value in run.state().items():
         assert torch.equal(same.state()[key], value), key
     refused = [
@@ -271,8 +327,9 @@ def test_bad_arguments_fail_before_any_work(squares, cluster3):
     with pytest.raises(DatasetError, match="site 'C' has 32 training samples.*batch_size <= 32"):
         dask_dl.fit_sites(sites, protocol="cyclic", rounds=1, batch_size=40, client=cluster3)
     with pytest.raises(DatasetError, match="site 'A'.*no 'val' samples"):
-        dask_dl.fit_sites({"A": dask_dl.open_dataset(squares["A"], split="train")}, protocol="cyclic", rounds=1,
-                          client=cluster3)  # fmt: skip
+        dask_dl.fit_sites(
+            {"A": dask_dl.open_dataset(squares["A"], split="train")}, protocol="cyclic", rounds=1, client=cluster3
+        )
 
 
 # ---- learning: three synthetic hospitals --------------------------------------------------------------------
@@ -317,13 +374,15 @@ def test_cyclic_and_fedavg_learn_nearly_as_well_as_pooling(tmp_path_factory, clu
     assert baseline > 0.8, baseline
     results = {}
     for protocol in ("cyclic", "fedavg"):
-        run = dask_dl.fit_sites(sites, protocol=protocol, rounds=4, local_epochs=2, test=test, client=cluster3,
-                                **options)  # fmt: skip
+        run = dask_dl.fit_sites(
+            sites, protocol=protocol, rounds=4, local_epochs=2, test=test, client=cluster3, **options
+        )
         results[protocol] = run.curves["test"].iloc[-1]
         assert list(run.curves.index) == [0, 1, 2, 3]
         _no_site_lost(run)
-    ensemble = dask_dl.fit_sites(sites, protocol="ensemble", rounds=1, local_epochs=2, test=test, client=cluster3,
-                                 **options)  # fmt: skip
+    ensemble = dask_dl.fit_sites(
+        sites, protocol="ensemble", rounds=1, local_epochs=2, test=test, client=cluster3, **options
+    )
     incremental = dask_dl.fit_sites(sites, protocol="incremental", rounds=1, test=test, client=cluster3, **options)
     results["ensemble"] = ensemble.curves["test"].iloc[-1]
     results["incremental"] = incremental.curves["test"].iloc[-1]

@@ -19,6 +19,9 @@ from dask_dl import TrainingError
 from dask_dl.sites.weights import state_nbytes
 from dask_dl.testing.train import squares_collection
 
+# A cluster per site, started and stopped per test: for the full run only.
+pytestmark = pytest.mark.slow
+
 OPTIONS = dict(model="small_cnn", model_kwargs={"width": 8}, batch_size=8, lr=0.05, optimizer="sgd", seed=0)
 
 
@@ -30,8 +33,15 @@ def _site_store(tmp_path, name: str, cluster: LocalCluster, seed: int) -> str:
     root = tmp_path / name
     store = str(root / "site.zarr")
     with Client(cluster) as client:  # the site ingests its own images
-        dask_dl.ingest(squares_collection(root, n_train=48, n_val=24, seed=seed), store, size=32, chunk=8, shard=2,
-                       client=client, progress=False)  # fmt: skip
+        dask_dl.ingest(
+            squares_collection(root, n_train=48, n_val=24, seed=seed),
+            store,
+            size=32,
+            chunk=8,
+            shard=2,
+            client=client,
+            progress=False,
+        )
     return store
 
 
@@ -122,7 +132,6 @@ def test_a_site_scheduler_that_cannot_be_reached_is_named(two_sites):
         s.bind(("127.0.0.1", 0))
         nothing = f"tcp://127.0.0.1:{s.getsockname()[1]}"
     sites = {"A": {"scheduler": a.scheduler_address, "store": store_a}, "B": {"scheduler": nothing, "store": store_b}}
-    with dask.config.set({"distributed.comm.timeouts.connect": "2s"}), pytest.raises(ClusterError, match=(
-        rf"^site 'B': cannot connect to the scheduler at {nothing} \(OSError: .*\): check that the scheduler runs"
-    )):  # fmt: skip
+    said = rf"^site 'B': cannot connect to the scheduler at {nothing} \(OSError: .*\): check that the scheduler runs"
+    with dask.config.set({"distributed.comm.timeouts.connect": "2s"}), pytest.raises(ClusterError, match=said):
         dask_dl.fit_sites(sites, protocol="fedavg", rounds=1, **OPTIONS)

@@ -27,8 +27,7 @@ def two_sites(tmp_path_factory):
     with LocalCluster(n_workers=1, processes=False, dashboard_address=":0") as cluster, Client(cluster) as client:
         for i, name in enumerate(("a", "b")):
             catalog = squares_collection(folder / name, n_train=32, n_val=16, seed=i)
-            dask_dl.ingest(catalog, folder / f"{name}.zarr", size=32, chunk=8, shard=2, progress=False,
-                           client=client)  # fmt: skip
+            dask_dl.ingest(catalog, folder / f"{name}.zarr", size=32, chunk=8, shard=2, progress=False, client=client)
     _plan(
         folder,
         "protocol: cyclic\nrounds: 1\nmodel: small_cnn\noptions: {batch_size: 8, lr: 0.05, model_kwargs: {width: 8}}\n"

@@ -110,8 +110,9 @@ def test_actor_protocol(setup_client):
         assert init.startswith("tcp://127.0.0.1:") and int(init.rsplit(":", 1)[1]) > 0
         spec = _spec(store)
         # the rendezvous: both setups in flight before either is awaited
-        infos = [f.result() for f in [a.setup(spec, init_method=init, rank=r, world_size=2) for r, a in
-                                      enumerate(actors)]]  # fmt: skip
+        infos = [
+            f.result() for f in [a.setup(spec, init_method=init, rank=r, world_size=2) for r, a in enumerate(actors)]
+        ]
         assert [i["rank"] for i in infos] == [0, 1] and [i["address"] for i in infos] == workers
         assert infos[0]["steps_per_epoch"] == infos[1]["steps_per_epoch"] == 32  # 64 images, 1 per rank and step
         assert infos[0]["threads"] == 1 and infos[0]["device"] == "cpu"

@@ -84,8 +84,14 @@ def test_a_step_checkpoint_takes_its_shards_along_when_it_goes(tmp_path, where):
     shards(orphan)  # the run was killed after the shards, before the .pt
     shards(second)
     save_checkpoint(_checkpoint(0), url, name=second)
-    assert names() == ["epoch-0000.dcp", "epoch-0000.pt", "epoch-0000.pt.sha256", "step-0001-000000012.dcp",
-                       "step-0001-000000012.pt", "step-0001-000000012.pt.sha256"]  # fmt: skip
+    assert names() == [
+        "epoch-0000.dcp",
+        "epoch-0000.pt",
+        "epoch-0000.pt.sha256",
+        "step-0001-000000012.dcp",
+        "step-0001-000000012.pt",
+        "step-0001-000000012.pt.sha256",
+    ]
     assert fs.cat(f"{root}/step-0001-000000012.dcp/__0_0.distcp") == b"shard"
     shards(checkpoint_name(1))
     save_checkpoint(_checkpoint(1), url)  # the epoch's checkpoint replaces its step checkpoint, shards and all

@@ -78,8 +78,9 @@ def test_residuals_stay_by_name_across_bucket_layouts():
     assert set(compressor.state.residuals) == set(before)
     assert len(compressor.state.flats) == 1  # the old layout's tensor is dropped
     flat = next(iter(compressor.state.flats.values()))[0]
-    assert all(v.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
-               for v in compressor.state.residuals.values())  # fmt: skip
+    assert all(
+        v.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() for v in compressor.state.residuals.values()
+    )
 
 
 @pytest.fixture

@@ -13,24 +13,15 @@ import numpy as np
 import pytest
 import torch
 
-import dask_dl
 from dask_dl import CheckpointError, ConfigurationError
 from dask_dl.checkpoint import load_checkpoint
 from dask_dl.models import build_model
 from dask_dl.models.weights import load_weights, read_state_dict
-from dask_dl.testing.train import squares_collection
+from dask_dl.testing.train import fit_squares
 from dask_dl.train.tuning import Tuner, check_schedule, schedule_factor
 
 SIZE = 32
 SMALL = {"width": 8}
-
-
-@pytest.fixture(scope="module")
-def store(tmp_path_factory, cluster_client) -> str:
-    root = tmp_path_factory.mktemp("squares")
-    path = str(root / "squares.zarr")
-    dask_dl.ingest(squares_collection(root), path, size=SIZE, chunk=8, shard=2, client=cluster_client, progress=False)
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -48,11 +39,6 @@ def pretrained(tmp_path_factory) -> tuple[str, dict[str, torch.Tensor]]:
     return path, {k: v.clone() for k, v in net.state_dict().items()}
 
 
-def fit(store, client, **kwargs):
-    options = dict(model="small_cnn", model_kwargs=SMALL, epochs=1, batch_size=8, trainers=2, lr=0.05, optimizer="sgd")
-    return dask_dl.fit(dask_dl.open_dataset(store), client=client, **{**options, **kwargs})
-
-
 # ---- reading weights ---------------------------------------------------------------------------------------
 
 
@@ -61,8 +47,12 @@ def test_load_weights_adapts_first_layer_and_reinitializes_the_head(pretrained, 
     net = build_model("small_cnn", num_outputs=2, in_channels=1, **SMALL)
     fresh_head = net.fc.weight.detach().clone()
     report = load_weights(net, path)
-    assert report == {"missing": [], "unexpected": [], "adapted": ["features.0.weight"],
-                      "reinitialized": ["fc.bias", "fc.weight"]}  # fmt: skip
+    assert report == {
+        "missing": [],
+        "unexpected": [],
+        "adapted": ["features.0.weight"],
+        "reinitialized": ["fc.bias", "fc.weight"],
+    }
     torch.testing.assert_close(net.features[0].weight, state["features.0.weight"].sum(dim=1, keepdim=True))
     torch.testing.assert_close(net.features[1].running_var, state["features.1.running_var"])
     assert torch.equal(net.fc.weight, fresh_head)
@@ -129,8 +119,9 @@ def test_schedules_match_torch():
     ours = [schedule_factor(check_schedule("onecycle"), t, total) for t in range(total)]
     np.testing.assert_allclose(ours, onecycle, rtol=1e-6, atol=1e-9)
     cosine = _torch_lrs(lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=total), total)
-    np.testing.assert_allclose([schedule_factor(check_schedule("cosine"), t, total) for t in range(total)], cosine,
-                               rtol=1e-6, atol=1e-9)  # fmt: skip
+    np.testing.assert_allclose(
+        [schedule_factor(check_schedule("cosine"), t, total) for t in range(total)], cosine, rtol=1e-6, atol=1e-9
+    )
     warm = check_schedule({"name": "warmup-cosine", "warmup_steps": 4})
     assert [schedule_factor(warm, t, total) for t in range(5)] == [0.25, 0.5, 0.75, 1.0, 1.0]
     assert schedule_factor(warm, total - 1, total) == pytest.approx(0.5 * (1 + math.cos(math.pi * 35 / 36)))
@@ -147,8 +138,15 @@ def test_schedule_errors():
 
 def test_plateau_lowers_the_rate_after_patience_epochs():
     net = build_model("small_cnn", num_outputs=2, **SMALL)
-    tuner = Tuner(net, head=None, lr=0.1, head_lr=None, freeze_epochs=0, total_steps=10,
-                  schedule=check_schedule({"name": "plateau", "patience": 1, "factor": 0.5}))  # fmt: skip
+    tuner = Tuner(
+        net,
+        head=None,
+        lr=0.1,
+        head_lr=None,
+        freeze_epochs=0,
+        total_steps=10,
+        schedule=check_schedule({"name": "plateau", "patience": 1, "factor": 0.5}),
+    )
     opt = torch.optim.SGD(tuner.param_groups(), lr=0.1)
     seen = []
     for loss in (1.0, 0.9, 0.95, 0.95, 0.8, 0.9, 0.9):
@@ -162,8 +160,9 @@ def test_plateau_lowers_the_rate_after_patience_epochs():
 
 def test_frozen_backbone_stays_as_loaded_under_onebit(store, cluster_client, pretrained):
     path, state = pretrained
-    run = fit(store, cluster_client, weights=path, freeze_epochs=1, head_lr=0.2, compression="onebit",
-              warmup_steps=0)  # fmt: skip
+    run = fit_squares(
+        store, cluster_client, weights=path, freeze_epochs=1, head_lr=0.2, compression="onebit", warmup_steps=0
+    )
     assert run.info["weights"]["reinitialized"] == ["fc.bias", "fc.weight"]
     assert run.info["weights"]["adapted"] == ["features.0.weight"]
     trained = run.checkpoint()["model"]
@@ -180,26 +179,28 @@ def test_frozen_backbone_stays_as_loaded_under_onebit(store, cluster_client, pre
 
 def test_thawed_backbone_trains_and_weights_that_do_not_fit_fail_first(store, cluster_client, pretrained, tmp_path):
     path, state = pretrained
-    run = fit(store, cluster_client, weights=path, freeze_epochs=1, epochs=2)
+    run = fit_squares(store, cluster_client, weights=path, freeze_epochs=1, epochs=2)
     first_conv = run.checkpoint()["model"]["features.3.weight"]
     assert not torch.equal(first_conv, state["features.3.weight"])  # the second epoch trained the backbone
     assert list(run.history["lr"]) == [0.0, 0.05]
     wide = str(tmp_path / "wide.pt")
     torch.save(build_model("small_cnn", num_outputs=2, width=16).state_dict(), wide)
     with pytest.raises(ConfigurationError, match=r"do not fit model 'small_cnn'.*file \(32, 16, 3, 3\)"):
-        fit(store, cluster_client, weights=wide)
+        fit_squares(store, cluster_client, weights=wide)
 
 
 def test_schedule_survives_resume(store, cluster_client, tmp_path):
     schedule = {"name": "warmup-cosine", "warmup_steps": 2}
     directory = tmp_path / "ck"
-    whole = fit(store, cluster_client, epochs=2, schedule=schedule, checkpoint_dir=str(directory))
+    whole = fit_squares(store, cluster_client, epochs=2, schedule=schedule, checkpoint_dir=str(directory))
     lrs = list(whole.history["lr"])
     assert lrs[0] > lrs[1] > 0
     assert load_checkpoint(str(directory / "epoch-0000.pt"))["tuning"]["step"] == 4  # 64 images / (8 x 2)
     for name in ("epoch-0001.pt", "epoch-0001.pt.sha256"):  # as if the run had died during its second epoch
         (directory / name).unlink()
-    resumed = fit(store, cluster_client, epochs=2, schedule=schedule, checkpoint_dir=str(directory), resume=True)
+    resumed = fit_squares(
+        store, cluster_client, epochs=2, schedule=schedule, checkpoint_dir=str(directory), resume=True
+    )
     assert resumed.history["event"].iloc[1] == "resumed"
     assert list(resumed.history["lr"]) == lrs  # a schedule restarted at step 0 would be warming up again
     np.testing.assert_allclose(resumed.history["train_loss"], whole.history["train_loss"], rtol=1e-5)

@@ -165,8 +165,14 @@ def check_ddp_training(rank, world):
             ddp, optimizer, compressor = fresh()
             losses = _train(ddp, optimizer, compressor, batches[:8])
             saved = io.BytesIO()
-            torch.save({"model": ddp.module.state_dict(), "optimizer": optimizer.state_dict(),
-                        "compressor": compressor.state_dict()}, saved)  # fmt: skip
+            torch.save(
+                {
+                    "model": ddp.module.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "compressor": compressor.state_dict(),
+                },
+                saved,
+            )
             _train(ddp, optimizer, compressor, batches[8:])
             straight = torch.cat([p.detach().reshape(-1) for p in ddp.module.parameters()])
             saved.seek(0)
@@ -265,8 +271,10 @@ def check_onebit2_ddp_bytes(rank, world):
     ddp, optimizer, compressor, buckets = fresh()
     straight = steps(ddp, optimizer, compressor, buckets, batches[:3])
     saved = io.BytesIO()
-    torch.save({"model": ddp.module.state_dict(), "optimizer": optimizer.state_dict(),
-                "compressor": compressor.state_dict()}, saved)  # fmt: skip
+    torch.save(
+        {"model": ddp.module.state_dict(), "optimizer": optimizer.state_dict(), "compressor": compressor.state_dict()},
+        saved,
+    )
     straight += steps(ddp, optimizer, compressor, buckets, batches[3:])
     weights = torch.cat([p.detach().reshape(-1) for p in ddp.module.parameters()])
     saved.seek(0)
@@ -406,8 +414,8 @@ def test_ddp_ranks_stay_identical_loss_falls_and_resume_is_exact(two_ranks_train
 
 
 def test_onebit2_never_sends_a_gradient_sized_message_through_rebuild_and_resume(two_ranks):
-    """Every step, also the one after DDP rebuilds its buckets and the first after a resume (round one sent
-    the whole fp32 server residual then: 1.05x an fp32 all-reduce), sends exactly its stripes' messages."""
+    """Every step, also the one after DDP rebuilds its buckets and the first after a resume (where sending the
+    whole fp32 server residual would cost 1.05x an fp32 all-reduce), sends exactly its stripes' messages."""
     results = [r["check_onebit2_ddp_bytes"] for r in two_ranks]
     model = Shuffled()
     fp32 = 4 * sum(p.numel() for p in model.parameters())

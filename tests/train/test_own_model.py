@@ -24,7 +24,6 @@ from dask_dl.checkpoint import load_checkpoint
 from dask_dl.models import nets
 from dask_dl.models.source import adapt_first_conv, build_from_checkpoint, check_fits, head_name, model_source
 from dask_dl.testing.models import TinyNet, broken_net, tiny_net
-from dask_dl.testing.train import squares_collection
 
 SIZE = 32
 
@@ -42,14 +41,6 @@ class NotebookNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(torch.relu(self.conv(x)).mean(dim=(2, 3)))
-
-
-@pytest.fixture(scope="module")
-def store(tmp_path_factory, cluster_client) -> str:
-    root = tmp_path_factory.mktemp("squares")
-    path = str(root / "squares.zarr")
-    dask_dl.ingest(squares_collection(root), path, size=SIZE, chunk=8, shard=2, client=cluster_client, progress=False)
-    return path
 
 
 def fit(store, client, **kwargs):
@@ -180,8 +171,15 @@ def test_factory_with_import_path_is_rebuilt_and_resumed(store, cluster_client, 
     assert isinstance(rebuilt, TinyNet) and rebuilt.conv1.out_channels == 2
     assert build_from_checkpoint(ck, model=tiny_net).conv1.out_channels == 2  # passed again: the options stay
     dask_dl.export_onnx(directory, tmp_path / "m.onnx")
-    second = fit(store, cluster_client, model=tiny_net, model_kwargs={"width": 2}, checkpoint_dir=directory,
-                 resume=True, epochs=2)  # fmt: skip
+    second = fit(
+        store,
+        cluster_client,
+        model=tiny_net,
+        model_kwargs={"width": 2},
+        checkpoint_dir=directory,
+        resume=True,
+        epochs=2,
+    )
     assert list(second.history["epoch"]) == [0, 1] and second.history["event"].iloc[1] == "resumed"
     assert first.history["train_loss"].iloc[0] == second.history["train_loss"].iloc[0]
 
@@ -197,13 +195,15 @@ def test_a_model_that_does_not_fit_fails_before_training(store, cluster_client):
         fit(store, cluster_client, model=colour_net)  # a factory: checked on the trainers, before any epoch
 
 
-def test_a_module_the_workers_cannot_import_is_refused_before_training_then_sent(store, cluster_client, tmp_path,
-                                                                                   monkeypatch):  # fmt: skip
+def test_a_module_the_workers_cannot_import_is_refused_before_training_then_sent(
+    store, cluster_client, tmp_path, monkeypatch
+):
     """A model or loss from the user's own module travels by reference: each trainer imports the module. Before,
     a worker without it failed the run inside distributed, with its tracebacks and no word of the fix."""
     name = f"mymodels_{uuid.uuid4().hex[:8]}"
     source = tmp_path / f"{name}.py"
-    source.write_text(textwrap.dedent("""
+    source.write_text(
+        textwrap.dedent("""
         import torch.nn.functional as F
         from dask_dl.testing.models import TinyNet
 
@@ -212,7 +212,8 @@ def test_a_module_the_workers_cannot_import_is_refused_before_training_then_sent
 
         def loss(logits, targets):
             return F.binary_cross_entropy_with_logits(logits, targets.float())
-    """))  # fmt: skip
+    """)
+    )
     monkeypatch.syspath_prepend(str(tmp_path))  # the driver imports it; the running workers have no such path
     try:
         refused = rf"which 2 of 2 worker\(s\) cannot import \(worker tcp://\S+: no module named '{name}'; worker "
@@ -237,13 +238,15 @@ def test_a_module_the_workers_cannot_import_is_refused_before_training_then_sent
         sys.modules.pop(name, None)
 
 
-def test_a_module_whose_import_fails_only_on_the_workers_is_an_error_of_the_run(store, cluster_client, tmp_path,
-                                                                                  monkeypatch):  # fmt: skip
+def test_a_module_whose_import_fails_only_on_the_workers_is_an_error_of_the_run(
+    store, cluster_client, tmp_path, monkeypatch
+):
     """The workers find the module (the check before the run passes) but importing it fails there: a dependency
-    only the driver has. distributed leaves an actor call whose arguments fail to unpickle unanswered, and fit
-    waited for good; the trainers now unpickle the run's spec themselves and say why they cannot."""
+    only the driver has. distributed leaves an actor call whose arguments fail to unpickle unanswered, so the
+    trainers unpickle the run's spec themselves and say why they cannot (fit would otherwise wait for good)."""
     name = f"mymodels_{uuid.uuid4().hex[:8]}"
-    (tmp_path / f"{name}.py").write_text(textwrap.dedent("""
+    (tmp_path / f"{name}.py").write_text(
+        textwrap.dedent("""
         import os
         if os.environ.get("DASK_DL_TEST_WORKER_LACKS_A_DEPENDENCY"):
             import dask_dl_no_such_dependency
@@ -251,7 +254,8 @@ def test_a_module_whose_import_fails_only_on_the_workers_is_an_error_of_the_run(
 
         def build(num_outputs):
             return TinyNet(num_outputs, width=2)
-    """))  # fmt: skip
+    """)
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     folder = str(tmp_path)
 
@@ -269,8 +273,11 @@ def test_a_module_whose_import_fails_only_on_the_workers_is_an_error_of_the_run(
     cluster_client.run(lacking, True)
     try:
         cause = r"ModuleNotFoundError: No module named 'dask_dl_no_such_dependency'"
-        with pytest.raises(ConfigurationError, match=rf"worker tcp://\S+ cannot load the run's model and options: "
-                                                     rf"{cause}\. The model or loss comes from a module"):  # fmt: skip
+        with pytest.raises(
+            ConfigurationError,
+            match=rf"worker tcp://\S+ cannot load the run's model and options: "
+            rf"{cause}\. The model or loss comes from a module",
+        ):
             fit(store, cluster_client, model=f"{name}:build")
     finally:
         cluster_client.run(lacking, False)
@@ -283,7 +290,7 @@ def test_a_module_whose_import_fails_only_on_the_workers_is_an_error_of_the_run(
 
 def test_a_base_exception_on_a_trainer_reaches_the_driver_with_its_cause(store, cluster_client):
     """torch.distributed.checkpoint raises CheckpointException, a BaseException; Dask's actor calls pass on
-    Exceptions only, and the driver used to report "Unable to contact Actor's worker" instead of the cause."""
+    Exceptions only: without care the driver reports "Unable to contact Actor's worker" instead of the cause."""
     cause = r"RuntimeError: CheckpointException: rank 1: OSError: \[Errno 28\] No space left on device"
     with pytest.raises(TrainingError, match=rf"trainer \d on \S+ failed in epoch 0: {cause}") as failed:
         fit(store, cluster_client, model=broken_net, max_restarts=0)

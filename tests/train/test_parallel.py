@@ -27,7 +27,7 @@ from dask_dl.data.loader import ChunkLoader
 from dask_dl.errors import CheckpointError
 from dask_dl.models import MODELS, build_model
 from dask_dl.normalize import normalize
-from dask_dl.testing.train import squares_collection
+from dask_dl.testing.train import fit_squares, squares_collection
 from dask_dl.train.checkpoint import save_checkpoint
 from dask_dl.train.options import check_run
 from dask_dl.train.parallel import check_parallel, data_shard
@@ -38,17 +38,8 @@ N_TRAIN, SIZE, LR = 64, 32, 0.05
 MODEL = dict(model="small_cnn", model_kwargs={"width": 8})
 
 
-@pytest.fixture(scope="module")
-def store(tmp_path_factory, cluster_client) -> str:
-    root = tmp_path_factory.mktemp("squares")
-    path = str(root / "squares.zarr")
-    dask_dl.ingest(squares_collection(root), path, size=SIZE, chunk=8, shard=2, client=cluster_client, progress=False)
-    return path
-
-
 def fit(store, client, **kwargs):
-    options = dict(**MODEL, epochs=1, batch_size=8, trainers=2, lr=LR, seed=3)
-    return dask_dl.fit(dask_dl.open_dataset(store), client=client, **{**options, **kwargs})
+    return fit_squares(store, client, **{**MODEL, "lr": LR, "seed": 3, **kwargs})
 
 
 def train_samples(store) -> np.ndarray:
@@ -71,8 +62,10 @@ def data_parallel_reference(store, *, b: int, trainers: int, epochs: int) -> tup
     buffers and each rank updates its own; DDP broadcasts rank 0's), so the reference normalizes each rank's part
     alone and keeps rank 0's buffers.
     """
-    loaders = [ChunkLoader(store, train_samples(store), batch_size=b, rank=r, world_size=trainers, seed=3, prefetch=0)
-               for r in range(trainers)]  # fmt: skip
+    loaders = [
+        ChunkLoader(store, train_samples(store), batch_size=b, rank=r, world_size=trainers, seed=3, prefetch=0)
+        for r in range(trainers)
+    ]
     model = new_model().train()
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     losses = []
@@ -106,8 +99,10 @@ def pipeline_reference(store, *, b: int, microbatches: int, epochs: int = 1) -> 
         step_losses = []
         for x, y in loader.epoch(epoch):
             opt.zero_grad()
-            parts = [F.binary_cross_entropy_with_logits(model(xs), ys)
-                     for xs, ys in zip(x.chunk(microbatches), y.chunk(microbatches), strict=True)]  # fmt: skip
+            parts = [
+                F.binary_cross_entropy_with_logits(model(xs), ys)
+                for xs, ys in zip(x.chunk(microbatches), y.chunk(microbatches), strict=True)
+            ]
             loss = torch.stack(parts).mean()
             loss.backward()
             opt.step()
@@ -119,8 +114,9 @@ def pipeline_reference(store, *, b: int, microbatches: int, epochs: int = 1) -> 
 def validation_loss(store, model: nn.Module) -> float:
     """The mean loss of ``model`` (in eval mode) over every image of the validation split, in one process."""
     ds = dask_dl.open_dataset(store)
-    val = ChunkLoader(store, ds.sample.values[ds.split.values == "val"], batch_size=16, shuffle=False,
-                      drop_last=False, prefetch=0)  # fmt: skip
+    val = ChunkLoader(
+        store, ds.sample.values[ds.split.values == "val"], batch_size=16, shuffle=False, drop_last=False, prefetch=0
+    )
     total, count = 0.0, 0
     with torch.no_grad():
         for x, y in val.epoch(0):
@@ -237,7 +233,7 @@ def test_step_checkpoints_resume_inside_an_epoch_bit_for_bit(store, cluster_clie
 
 def test_a_damaged_shard_file_fails_the_resume_with_its_cause(store, cluster_client, tmp_path):
     """torch.distributed.checkpoint's errors are BaseExceptions, which Dask's actor calls do not pass on: the
-    driver used to report "Unable to contact Actor's worker" instead of what went wrong."""
+    driver must report what went wrong, not "Unable to contact Actor's worker"."""
     directory = tmp_path / "ck"
     fit(store, cluster_client, parallel="fsdp", checkpoint_dir=str(directory))
     shard = directory / "epoch-0000.dcp" / "__1_0.distcp"
@@ -247,8 +243,10 @@ def test_a_damaged_shard_file_fails_the_resume_with_its_cause(store, cluster_cli
     message = str(failed.value)
     assert message.startswith(f"the sharded checkpoint '{directory}/epoch-0000.dcp' cannot be read (rank 0: ")
     assert "rank 1: EOFError" in message and "Unable to contact" not in message and "Traceback" not in message
-    assert message.endswith(f"resume from an earlier checkpoint by removing '{directory}/epoch-0000.pt', or train "
-                            "afresh with another checkpoint_dir")  # fmt: skip
+    assert message.endswith(
+        f"resume from an earlier checkpoint by removing '{directory}/epoch-0000.pt', or train "
+        "afresh with another checkpoint_dir"
+    )
     assert fit(store, cluster_client, parallel="fsdp").status == "finished"  # the workers are as good as new
 
 
@@ -306,12 +304,14 @@ def test_fsdp_validation_with_more_batches_on_one_rank(tmp_path_factory, cluster
     """33 validation images: rank 0 scores 17 (3 batches), rank 1 16 (2 batches, then one empty forward)."""
     root = tmp_path_factory.mktemp("odd")
     store = str(root / "odd.zarr")
-    dask_dl.ingest(squares_collection(root, n_val=33), store, size=SIZE, chunk=8, shard=2, client=cluster_client,
-                   progress=False)  # fmt: skip
+    dask_dl.ingest(
+        squares_collection(root, n_val=33), store, size=SIZE, chunk=8, shard=2, client=cluster_client, progress=False
+    )
     run = fit(store, cluster_client, parallel="fsdp")
     ds = dask_dl.open_dataset(store)
-    val = ChunkLoader(store, ds.sample.values[ds.split.values == "val"], batch_size=8, shuffle=False,
-                      drop_last=False, prefetch=0)  # fmt: skip
+    val = ChunkLoader(
+        store, ds.sample.values[ds.split.values == "val"], batch_size=8, shuffle=False, drop_last=False, prefetch=0
+    )
     model, total, count = run.model(), 0.0, 0
     with torch.no_grad():  # every image scored once, with rank 0's BatchNorm statistics (the checkpoint's)
         for x, y in val.epoch(0):
@@ -388,8 +388,15 @@ def test_pipeline_matches_one_process_accumulating_microbatches(store, cluster_c
     import dask
 
     with dask.config.set({"dask-dl.train.pipeline-schedule": schedule}):
-        run = fit(store, cluster_client, parallel="pipeline", stages=2, microbatches=4, batch_size=16,
-                  checkpoint_dir=str(tmp_path / "ck"))  # fmt: skip
+        run = fit(
+            store,
+            cluster_client,
+            parallel="pipeline",
+            stages=2,
+            microbatches=4,
+            batch_size=16,
+            checkpoint_dir=str(tmp_path / "ck"),
+        )
     expected, losses = pipeline_reference(store, b=16, microbatches=4)
     ck = run.checkpoint()
     assert ck["parallel"] == {"kind": "pipeline", "trainers": 2, "stages": 2}
@@ -402,8 +409,17 @@ def test_pipeline_matches_one_process_accumulating_microbatches(store, cluster_c
     assert row["val_loss"] == pytest.approx(validation_loss(store, run.model()), rel=1e-5)
     if schedule == "gpipe":  # resume: each stage takes its parameters and optimizer state back
         with dask.config.set({"dask-dl.train.pipeline-schedule": schedule}):
-            resumed = fit(store, cluster_client, parallel="pipeline", stages=2, microbatches=4, batch_size=16,
-                          checkpoint_dir=str(tmp_path / "ck"), resume=True, epochs=2)  # fmt: skip
+            resumed = fit(
+                store,
+                cluster_client,
+                parallel="pipeline",
+                stages=2,
+                microbatches=4,
+                batch_size=16,
+                checkpoint_dir=str(tmp_path / "ck"),
+                resume=True,
+                epochs=2,
+            )
         expected, losses = pipeline_reference(store, b=16, microbatches=4, epochs=2)
         assert list(resumed.history["event"]) == ["", "resumed"]
         assert_weights(resumed.checkpoint()["model"], expected)
@@ -517,9 +533,12 @@ def test_compressors_that_do_not_apply_fail_before_any_actor(store, cluster_clie
 
 def test_pipelines_restart_on_whole_pipelines(store, cluster_client):
     ds = dask_dl.open_dataset(store)
-    with pytest.raises(ConfigurationError, match=r"min_trainers=1 with parallel='pipeline' and stages=2: a pipeline "
-                                                 r"restarts on whole pipelines of 2 trainers \(one per stage\); pass "
-                                                 r"min_trainers=2"):  # fmt: skip
+    with pytest.raises(
+        ConfigurationError,
+        match=r"min_trainers=1 with parallel='pipeline' and stages=2: a pipeline "
+        r"restarts on whole pipelines of 2 trainers \(one per stage\); pass "
+        r"min_trainers=2",
+    ):
         fit(store, cluster_client, parallel="pipeline", min_trainers=1)
     with pytest.raises(ConfigurationError, match=r"min_trainers=3 .* pass min_trainers=2"):
         check_run(ds, parallel="pipeline", stages=2, trainers=4, batch_size=4, min_trainers=3, **MODEL)
@@ -563,8 +582,10 @@ def test_train_command_takes_the_parallel_options(store, cluster_client):
 
 def replicated_pipeline_reference(store, *, b: int, microbatches: int, replicas: int) -> dict:
     """Replicas of a micro-batched pipeline averaging their gradients; replica 0's BatchNorm statistics kept."""
-    loaders = [ChunkLoader(store, train_samples(store), batch_size=b, rank=r, world_size=replicas, seed=3, prefetch=0)
-               for r in range(replicas)]  # fmt: skip
+    loaders = [
+        ChunkLoader(store, train_samples(store), batch_size=b, rank=r, world_size=replicas, seed=3, prefetch=0)
+        for r in range(replicas)
+    ]
     model = new_model().train()
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     for batches in zip(*(loader.epoch(0) for loader in loaders), strict=True):

@@ -11,29 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-import dask_dl
 from dask_dl import ConfigurationError
 from dask_dl.models import build_model
 from dask_dl.testing.models import TinyNet, tiny_net
-from dask_dl.testing.train import squares_collection
+from dask_dl.testing.train import fit_squares
 from dask_dl.train.precision import Precision, enable_activation_checkpointing
 
 SIZE = 32
-
-
-@pytest.fixture(scope="module")
-def store(tmp_path_factory, cluster_client) -> str:
-    root = tmp_path_factory.mktemp("squares")
-    path = str(root / "squares.zarr")
-    dask_dl.ingest(squares_collection(root), path, size=SIZE, chunk=8, shard=2, client=cluster_client, progress=False)
-    return path
-
-
-def fit(store, client, **kwargs):
-    options = dict(
-        model="small_cnn", model_kwargs={"width": 8}, epochs=1, batch_size=8, trainers=2, lr=0.05, optimizer="sgd"
-    )
-    return dask_dl.fit(dask_dl.open_dataset(store), client=client, **{**options, **kwargs})
 
 
 # ---- in process --------------------------------------------------------------------------------------------
@@ -104,8 +88,8 @@ def test_fp16_scaler_and_channels_last_on_gpu():
 
 def test_bf16_with_onebit(store, cluster_client):
     common = dict(model=tiny_net, compression="onebit", warmup_steps=0, seed=1)  # bf16 convolutions are slow on CPUs
-    full = fit(store, cluster_client, **common)
-    half = fit(store, cluster_client, precision="bf16", **common)
+    full = fit_squares(store, cluster_client, **common)
+    half = fit_squares(store, cluster_client, precision="bf16", **common)
     assert half.options.precision == "bf16" and np.isfinite(half.history["train_loss"]).all()
     assert half.history["bytes_sent"].iloc[0] == full.history["bytes_sent"].iloc[0] > 0  # float32 gradients
     np.testing.assert_allclose(half.history["train_loss"], full.history["train_loss"], rtol=0.05)
@@ -113,13 +97,13 @@ def test_bf16_with_onebit(store, cluster_client):
 
 def test_fp16_on_cpu_trainers_fails_before_training(store, cluster_client):
     with pytest.raises(ConfigurationError, match="precision='fp16' needs GPU trainers"):
-        fit(store, cluster_client, precision="fp16")
+        fit_squares(store, cluster_client, precision="fp16")
 
 
 def test_activation_checkpointing_with_accumulate_and_powersgd(store, cluster_client):
     common = dict(accumulate=2, batch_size=4, compression="powersgd", warmup_steps=2, seed=2)
-    plain = fit(store, cluster_client, **common)
-    checked = fit(store, cluster_client, activation_checkpointing=True, **common)
+    plain = fit_squares(store, cluster_client, **common)
+    checked = fit_squares(store, cluster_client, activation_checkpointing=True, **common)
     want, got = plain.checkpoint()["model"], checked.checkpoint()["model"]
     for key in want:
         torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6)

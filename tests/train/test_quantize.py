@@ -94,8 +94,10 @@ def test_two_mean_quantizer_keeps_column_sums_and_uses_the_two_means():
     dequantize(bits, scales, out=layout.blocks(got))  # into views of a bucket, as the hooks do
     expected = sim_uncolumns(SHAPES, [sim_q(c) for c in sim_columns(SHAPES, flat.numpy())])
     np.testing.assert_allclose(got.numpy(), expected, rtol=1e-6, atol=1e-6)
-    assert torch.equal(torch.cat([b.reshape(-1) for b in dequantize(bits, scales)]),
-                       torch.cat([b.reshape(-1) for b in layout.blocks(got)]))  # fmt: skip
+    assert torch.equal(
+        torch.cat([b.reshape(-1) for b in dequantize(bits, scales)]),
+        torch.cat([b.reshape(-1) for b in layout.blocks(got)]),
+    )
     assert layout.n_columns == 6 + 5 + 1 + 1 + 4 + 5 + 4 + 3 == len(scales)
     for residual in sim_columns(SHAPES, (flat - got).numpy()):
         np.testing.assert_allclose(residual.sum(), 0, atol=1e-5)  # per column
@@ -179,8 +181,9 @@ def test_stripes_follow_parameters_not_buckets():
         every = [(name, c) for name, m in zip(names, layout.matrices, strict=True) for c in range(m.cols)]
         assert sorted(owner) == sorted(every)
         reordered = ColumnLayout(tuple(shapes[::-1])).stripe_pieces(names[::-1], n)
-        again = {(names[::-1][i], c): k for k, stripe in enumerate(reordered) for i, lo, hi in stripe
-                 for c in range(lo, hi)}  # fmt: skip
+        again = {
+            (names[::-1][i], c): k for k, stripe in enumerate(reordered) for i, lo, hi in stripe for c in range(lo, hi)
+        }
         assert again == owner
         for stripe in pieces:  # pieces in bucket order, contiguous runs of each parameter
             assert [i for i, _, _ in stripe] == sorted(i for i, _, _ in stripe)

@@ -25,12 +25,11 @@ from distributed.core import Status
 
 import dask_dl
 from dask_dl import ConfigurationError, TrainingError
-from dask_dl.cli import _echo_training
+from dask_dl.cli.train import _echo_training
 from dask_dl.data.loader import ChunkLoader
 from dask_dl.data.position import EpochPosition
 from dask_dl.errors import CheckpointError
 from dask_dl.testing import data as kit
-from dask_dl.testing.train import squares_collection
 
 OPTIONS = dict(
     model="small_cnn", model_kwargs={"width": 8}, epochs=4, batch_size=1, trainers=2, lr=0.05, optimizer="sgd",
@@ -100,8 +99,9 @@ def test_a_malformed_position_is_refused():
 def test_recovery_options_are_checked_before_anything_runs(tmp_path):
     from dask_dl.train.options import check_run
 
-    path = kit.write_store(tmp_path / "s.zarr", n=32, size=8, chunk=4, labels=["a"],
-                           split_of=lambda i: "train" if i < 24 else "val")  # fmt: skip
+    path = kit.write_store(
+        tmp_path / "s.zarr", n=32, size=8, chunk=4, labels=["a"], split_of=lambda i: "train" if i < 24 else "val"
+    )
     ds = dask_dl.open_dataset(path)
     options = check_run(ds, trainers=2, batch_size=2)
     assert (options.max_restarts, options.min_trainers, options.restart_wait_s) == (3, 2, 60.0)
@@ -110,8 +110,9 @@ def test_recovery_options_are_checked_before_anything_runs(tmp_path):
     with dask.config.set({"dask-dl.train.hang-grace": 0}), refused:
         check_run(ds, trainers=2, batch_size=2)
     assert (options.checkpoint_every_steps, options.checkpoint_every_seconds) == (None, 300.0)
-    options = check_run(ds, trainers=2, batch_size=2, min_trainers=1, checkpoint_every_steps=10,
-                        checkpoint_every_seconds=0)  # fmt: skip
+    options = check_run(
+        ds, trainers=2, batch_size=2, min_trainers=1, checkpoint_every_steps=10, checkpoint_every_seconds=0
+    )
     assert (options.min_trainers, options.checkpoint_every_steps, options.checkpoint_every_seconds) == (1, 10, None)
     with pytest.raises(ConfigurationError, match=r"min_trainers=3 is more than trainers=2.*min_trainers <= 2"):
         check_run(ds, trainers=2, batch_size=2, min_trainers=3)
@@ -135,14 +136,6 @@ def client(cluster):
     with Client(cluster) as client:
         client.run(lambda: __import__("torch"))  # every worker imports torch once, side by side
         yield client
-
-
-@pytest.fixture(scope="module")
-def store(tmp_path_factory, client) -> str:
-    root = tmp_path_factory.mktemp("squares")
-    path = str(root / "squares.zarr")
-    dask_dl.ingest(squares_collection(root), path, size=32, chunk=8, shard=2, client=client, progress=False)
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -177,11 +170,13 @@ def wait_until(condition, *, within: float = 120.0, what: str = "") -> None:
 def validation_loss(store, model: torch.nn.Module) -> float:
     """The mean loss of ``model`` over the validation split, in this process."""
     ds = dask_dl.open_dataset(store)
-    val = ChunkLoader(store, ds.sample.values[ds.split.values == "val"], batch_size=16, shuffle=False,
-                      drop_last=False, prefetch=0)  # fmt: skip
+    val = ChunkLoader(
+        store, ds.sample.values[ds.split.values == "val"], batch_size=16, shuffle=False, drop_last=False, prefetch=0
+    )
     with torch.no_grad():
-        losses = [F.binary_cross_entropy_with_logits(model.eval()(x), y, reduction="none").mean(1)
-                  for x, y in val.epoch(0)]  # fmt: skip
+        losses = [
+            F.binary_cross_entropy_with_logits(model.eval()(x), y, reduction="none").mean(1) for x, y in val.epoch(0)
+        ]
     return float(torch.cat(losses).mean())
 
 
@@ -195,10 +190,11 @@ def kill_after_a_step_checkpoint(run, client: Client, ck: Path, *, epoch: int) -
     return victim
 
 
+@pytest.mark.slow  # a 4-worker cluster whose workers are killed
 def test_a_lost_worker_is_noticed_in_seconds_with_many_trainers(store, client, cluster, tmp_path):
-    """With four trainers, survivors blocked on each other (not on the lost rank) noticed the loss only at the
-    collective's timeout; the driver now makes their collectives fail at once. First on this cluster: measured on
-    workers that had trained no group before, where that wait showed every time (124-126 s)."""
+    """With four trainers, survivors blocked on each other (not on the lost rank) would notice the loss only at
+    the collective's timeout (124-126 s); the driver makes their collectives fail at once. First on this cluster:
+    on workers that had trained no group before, that wait showed every time."""
     cluster.scale(5)  # a spare worker: the restart need not wait for the nanny's new one
     try:
         client.wait_for_workers(5, timeout=120)
@@ -222,6 +218,7 @@ def test_a_lost_worker_is_noticed_in_seconds_with_many_trainers(store, client, c
         client.wait_for_workers(4, timeout=120)
 
 
+@pytest.mark.slow  # a 4-worker cluster whose workers are killed
 def test_a_hung_trainer_is_left_out_and_the_run_goes_on(store, client, straight, tmp_path):
     """A stopped worker (SIGSTOP) neither hangs the run nor joins the next group: found hung at the collective's
     timeout plus dask-dl.train.hang-grace, left out, restarted by its nanny; one restart, the straight weights."""
@@ -252,6 +249,7 @@ def test_a_hung_trainer_is_left_out_and_the_run_goes_on(store, client, straight,
     client.wait_for_workers(4, timeout=120)
 
 
+@pytest.mark.slow  # a 4-worker cluster whose workers are killed
 def test_two_runs_on_one_cluster_do_not_interfere(store, client, straight, tmp_path):
     # the second starts as soon as fit returns the first: the first's actors are placed by then, so the second
     # sees those workers busy and trains on the other two
@@ -264,6 +262,7 @@ def test_two_runs_on_one_cluster_do_not_interfere(store, client, straight, tmp_p
     assert_same_weights(second.checkpoint()["model"], straight)
 
 
+@pytest.mark.slow  # a 4-worker cluster whose workers are killed
 def test_a_killed_trainer_recovers_with_identical_weights(store, client, straight, tmp_path):
     ck = tmp_path / "ck"
     run = fit(store, client, checkpoint_dir=str(ck), checkpoint_every_steps=3, wait=False)
@@ -292,6 +291,7 @@ def test_a_killed_trainer_recovers_with_identical_weights(store, client, straigh
     assert printed[3].endswith(" (restarted)") and "(restarted)" not in printed[4]
 
 
+@pytest.mark.slow  # a 4-worker cluster whose workers are killed
 def test_a_worker_lost_before_its_trainer_started_is_a_restart(store, client, straight):
     """A trainer's actor may only start on its worker: when the worker died first (here while a task held its one
     thread; in the wild while it imported torch), the run waited for it for good."""
@@ -303,8 +303,10 @@ def test_a_worker_lost_before_its_trainer_started_is_a_restart(store, client, st
     wait_until(lambda: client.processing([victim])[victim], what="the task that holds the worker's thread")
     run = fit(store, client, wait=False)
     assert run.workers[1] == victim
-    wait_until(lambda: client.run_on_scheduler(_actor_waits, prefix=f"dask-dl-trainer-{run.run_id}-1"),
-               what="rank 1's actor waiting for the worker's thread")  # fmt: skip
+    wait_until(
+        lambda: client.run_on_scheduler(_actor_waits, prefix=f"dask-dl-trainer-{run.run_id}-1"),
+        what="rank 1's actor waiting for the worker's thread",
+    )
     os.kill(pid_of(client, victim), signal.SIGKILL)
     run.wait(timeout=300)
     busy.cancel()
@@ -328,6 +330,7 @@ def _actor_waits(dask_scheduler, prefix: str) -> bool:
     return any(str(k).startswith(prefix) and ts.state == "processing" for k, ts in dask_scheduler.tasks.items())
 
 
+@pytest.mark.slow  # a 4-worker cluster whose workers are killed
 def test_resume_from_a_step_checkpoint_is_identical(store, client, straight, tmp_path):
     ck = tmp_path / "ck"
     run = fit(store, client, checkpoint_dir=str(ck), checkpoint_every_steps=5, wait=False)
@@ -342,6 +345,7 @@ def test_resume_from_a_step_checkpoint_is_identical(store, client, straight, tmp
     assert_same_weights(resumed.checkpoint()["model"], straight)
 
 
+@pytest.mark.slow  # a 4-worker cluster whose workers are killed
 def test_a_killed_fsdp_trainer_recovers_from_sharded_step_checkpoints(store, client, tmp_path):
     """The same kill in an FSDP run: the restart loads the step checkpoint's shards and the loader's position, and
     the run ends with the weights of an uninterrupted FSDP run, bit for bit."""
@@ -361,6 +365,7 @@ def test_a_killed_fsdp_trainer_recovers_from_sharded_step_checkpoints(store, cli
     client.wait_for_workers(4, timeout=120)
 
 
+@pytest.mark.slow  # a 4-worker cluster whose workers are killed
 def test_fsdp_workers_that_change_rank_between_runs_save_and_load_their_own_shards(store, client, tmp_path):
     """A worker that was rank 1 of one FSDP run and is rank 0 of the next (and back): DTensor's caches once handed
     the new run tensors on the old run's mesh, so the worker saved (and loaded) its old rank's shard."""
@@ -370,12 +375,12 @@ def test_fsdp_workers_that_change_rank_between_runs_save_and_load_their_own_shar
     whole = fit(store, client, **options, epochs=2, workers=[a, b]).checkpoint()["model"]
     first = fit(store, client, **options, epochs=1, workers=[b, c], checkpoint_dir=str(tmp_path / "ck"))
     assert first.workers == [b, c] and first.status == "finished"  # b: rank 1, then rank 0
-    resumed = fit(store, client, **options, epochs=2, workers=[a, b], checkpoint_dir=str(tmp_path / "ck"),
-                  resume=True)  # fmt: skip
+    resumed = fit(store, client, **options, epochs=2, workers=[a, b], checkpoint_dir=str(tmp_path / "ck"), resume=True)
     assert resumed.workers == [a, b] and list(resumed.history["event"]) == ["", "resumed"]  # b: rank 1 again
     assert_same_weights(resumed.checkpoint()["model"], whole)
 
 
+@pytest.mark.slow  # a 4-worker cluster whose workers are killed
 def test_an_fsdp_run_on_two_trainers_goes_on_with_one(store, client, tmp_path):
     """FSDP at another world size: the killed rank's worker comes back at a new address, outside the run's
     workers, so the restart goes on with the one trainer left, its shards re-sharded from the step checkpoint."""
@@ -383,8 +388,18 @@ def test_an_fsdp_run_on_two_trainers_goes_on_with_one(store, client, tmp_path):
     pair = sorted(client.scheduler_info()["workers"])[:2]
     ck = tmp_path / "ck"
     with dask.config.set({"dask-dl.train.restart-wait": 2}):
-        run = fit(store, client, parallel="fsdp", compression="none", epochs=3, workers=pair, min_trainers=1,
-                  checkpoint_dir=str(ck), checkpoint_every_steps=3, wait=False)  # fmt: skip
+        run = fit(
+            store,
+            client,
+            parallel="fsdp",
+            compression="none",
+            epochs=3,
+            workers=pair,
+            min_trainers=1,
+            checkpoint_dir=str(ck),
+            checkpoint_every_steps=3,
+            wait=False,
+        )
     victim = kill_after_a_step_checkpoint(run, client, ck, epoch=1)
     assert run.status == "finished" and run.workers == [w for w in pair if w != victim]
     restarts = run.restarts
@@ -399,6 +414,7 @@ def test_an_fsdp_run_on_two_trainers_goes_on_with_one(store, client, tmp_path):
     client.wait_for_workers(4, timeout=120)
 
 
+@pytest.mark.slow  # a 4-worker cluster whose workers are killed
 def test_a_pipeline_that_lost_a_replica_goes_on_with_one(store, client, tmp_path):
     """2 replicas of a 2-stage pipeline lose replica 1's last stage: the restart goes on with replica 0's stages
     alone, from the step checkpoint, the epoch's remaining rows re-sharded for one replica."""
@@ -406,9 +422,22 @@ def test_a_pipeline_that_lost_a_replica_goes_on_with_one(store, client, tmp_path
     four = sorted(client.scheduler_info()["workers"])[:4]
     ck = tmp_path / "ck"
     with dask.config.set({"dask-dl.train.restart-wait": 2}):
-        run = fit(store, client, parallel="pipeline", stages=2, microbatches=2, batch_size=2, trainers=4,
-                  compression="none", epochs=3, workers=four, min_trainers=2, checkpoint_dir=str(ck),
-                  checkpoint_every_steps=3, wait=False)  # fmt: skip
+        run = fit(
+            store,
+            client,
+            parallel="pipeline",
+            stages=2,
+            microbatches=2,
+            batch_size=2,
+            trainers=4,
+            compression="none",
+            epochs=3,
+            workers=four,
+            min_trainers=2,
+            checkpoint_dir=str(ck),
+            checkpoint_every_steps=3,
+            wait=False,
+        )
     wait_until(lambda: list(ck.glob("step-0001-*.pt")) or run.done, what="a step checkpoint of epoch 1")
     victim = run.workers[3]
     os.kill(pid_of(client, victim), signal.SIGKILL)
@@ -427,6 +456,7 @@ def test_a_pipeline_that_lost_a_replica_goes_on_with_one(store, client, tmp_path
     client.wait_for_workers(4, timeout=120)
 
 
+@pytest.mark.slow  # a 4-worker cluster whose workers are killed
 def test_more_failures_than_max_restarts_is_a_clear_error(store, client):
     client.wait_for_workers(4, timeout=120)
     run = fit(store, client, epochs=500, max_restarts=1, wait=False)  # no checkpoint_dir: in-memory checkpoints
@@ -443,6 +473,7 @@ def test_more_failures_than_max_restarts_is_a_clear_error(store, client):
     client.wait_for_workers(4, timeout=120)
 
 
+@pytest.mark.slow  # a 4-worker cluster whose workers are killed
 def test_a_worker_lost_for_good_finishes_on_fewer_trainers(store, client, cluster, tmp_path):
     """Last in this module: the cluster keeps one worker fewer."""
     client.wait_for_workers(4, timeout=120)
@@ -450,8 +481,9 @@ def test_a_worker_lost_for_good_finishes_on_fewer_trainers(store, client, cluste
     # with 4 ranks, a survivor that waits on another survivor (not on the lost rank) sees the failure only at the
     # collective's timeout: a short one keeps this test short
     with dask.config.set({"dask-dl.train.restart-wait": 2, "dask-dl.train.timeout": 10}):
-        run = fit(store, client, trainers=4, checkpoint_dir=str(ck), checkpoint_every_steps=2, min_trainers=1,
-                  wait=False)  # fmt: skip
+        run = fit(
+            store, client, trainers=4, checkpoint_dir=str(ck), checkpoint_every_steps=2, min_trainers=1, wait=False
+        )
     wait_until(lambda: list(ck.glob("step-0001-*.pt")) or run.done, what="a step checkpoint of epoch 1")
     victim = run.workers[2]
     (nanny,) = [n for n in cluster.workers.values() if n.worker_address == victim]
@@ -471,6 +503,7 @@ def test_a_worker_lost_for_good_finishes_on_fewer_trainers(store, client, cluste
         assert history.loc[later, "samples"] == 63 and history.loc[later, "samples_repeated"] == 0
 
 
+@pytest.mark.slow  # a 4-worker cluster whose workers are killed
 def test_an_fsdp_run_that_lost_a_worker_for_good_goes_on_with_its_shards_resharded(store, client, cluster, tmp_path):
     """After the test above (last in this module with it): FSDP on every worker left, one of them lost for good;
     the restart on one trainer fewer loads the step checkpoint's shards re-sharded and the epoch's remaining rows."""
@@ -478,8 +511,18 @@ def test_an_fsdp_run_that_lost_a_worker_for_good_goes_on_with_its_shards_reshard
     assert workers >= 2
     ck = tmp_path / "ck"
     with dask.config.set({"dask-dl.train.restart-wait": 2, "dask-dl.train.timeout": 10}):
-        run = fit(store, client, parallel="fsdp", compression="none", epochs=3, trainers=workers,
-                  checkpoint_dir=str(ck), checkpoint_every_steps=2, min_trainers=1, wait=False)  # fmt: skip
+        run = fit(
+            store,
+            client,
+            parallel="fsdp",
+            compression="none",
+            epochs=3,
+            trainers=workers,
+            checkpoint_dir=str(ck),
+            checkpoint_every_steps=2,
+            min_trainers=1,
+            wait=False,
+        )
     wait_until(lambda: list(ck.glob("step-0001-*.pt")) or run.done, what="a step checkpoint of epoch 1")
     victim = run.workers[-1]
     (nanny,) = [n for n in cluster.workers.values() if n.worker_address == victim]

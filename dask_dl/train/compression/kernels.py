@@ -116,9 +116,15 @@ def _pack(bits, length, bit0, msgs, m, head, tail, heads, tails, t):
     src = bits[e : e + 8 * full]
     for i in range(full):
         dst[i] = (
-            src[8 * i] | (src[8 * i + 1] << 1) | (src[8 * i + 2] << 2) | (src[8 * i + 3] << 3)
-            | (src[8 * i + 4] << 4) | (src[8 * i + 5] << 5) | (src[8 * i + 6] << 6) | (src[8 * i + 7] << 7)
-        )  # fmt: skip
+            src[8 * i]
+            | (src[8 * i + 1] << 1)
+            | (src[8 * i + 2] << 2)
+            | (src[8 * i + 3] << 3)
+            | (src[8 * i + 4] << 4)
+            | (src[8 * i + 5] << 5)
+            | (src[8 * i + 6] << 6)
+            | (src[8 * i + 7] << 7)
+        )
     e += 8 * full
     if e < length:
         acc = 0

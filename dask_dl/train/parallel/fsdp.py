@@ -127,8 +127,9 @@ class ShardedModel:
             shards = shards_name(name)
             model_shards, optimizer_shards = get_state_dict(self.module, optimizer)
             try:
-                dcp.save({"model": model_shards, "optimizer": optimizer_shards},
-                         storage_writer=_writer(directory, shards))  # fmt: skip
+                dcp.save(
+                    {"model": model_shards, "optimizer": optimizer_shards}, storage_writer=_writer(directory, shards)
+                )
             except (Exception, CheckpointException) as exc:  # torch's is a BaseException
                 # a RuntimeError, as torch's own errors: a restart may cure it (a peer lost while writing)
                 raise RuntimeError(
@@ -168,8 +169,7 @@ class ShardedModel:
                     f"it is damaged or incomplete; resume from an earlier checkpoint by removing {source!r}, or "
                     "train afresh with another checkpoint_dir"
                 ) from exc
-            set_state_dict(self.module, optimizer, model_state_dict=state["model"],
-                           optim_state_dict=state["optimizer"])  # fmt: skip
+            set_state_dict(self.module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
             # buffers are not sharded, and the shards keep one rank's copy: take rank 0's, which the .pt holds
             with torch.no_grad():
                 for name, buffer in self.module.named_buffers():
@@ -177,8 +177,13 @@ class ShardedModel:
                         buffer.copy_(checkpoint["model"][name])
             return
         full = StateDictOptions(full_state_dict=True)
-        set_state_dict(self.module, optimizer, model_state_dict=checkpoint["model"],
-                       optim_state_dict=checkpoint["optimizer"], options=full)  # fmt: skip
+        set_state_dict(
+            self.module,
+            optimizer,
+            model_state_dict=checkpoint["model"],
+            optim_state_dict=checkpoint["optimizer"],
+            options=full,
+        )
 
 
 def _where(directory: str, name: str) -> str:

@@ -89,8 +89,15 @@ class PipelineModel:
         example_in, example_out = (torch.empty(shape, device=device) for shape in shapes[self.stage])
         example_in.requires_grad_(not self.first)  # a later stage sends the gradient of its input back
         example_out.requires_grad_(True)
-        self._pipeline_stage = PipelineStage(self.module, self.stage, stages, device, input_args=example_in,
-                                             output_args=example_out, group=self.pipe_group)  # fmt: skip
+        self._pipeline_stage = PipelineStage(
+            self.module,
+            self.stage,
+            stages,
+            device,
+            input_args=example_in,
+            output_args=example_out,
+            group=self.pipe_group,
+        )
         kind = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
         self.schedule = kind(self._pipeline_stage, n_microbatches=microbatches, loss_fn=self._loss)
 
@@ -106,8 +113,9 @@ class PipelineModel:
         self._loss_fn = loss_fn
         losses: list[torch.Tensor] = []
         args = (x,) if self.first else ()
-        self.schedule.step(*args, target=y if self.last else None, losses=losses if self.last else None,
-                           return_outputs=False)  # fmt: skip
+        self.schedule.step(
+            *args, target=y if self.last else None, losses=losses if self.last else None, return_outputs=False
+        )
         loss = torch.stack(losses).mean().detach() if self.last else torch.zeros((), device=self.device)
         if self.stages > 1:
             dist.broadcast(loss, src=self.ranks[-1], group=self.pipe_group)

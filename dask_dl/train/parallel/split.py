@@ -118,8 +118,12 @@ def build_bare(model_name: str, model_kwargs: dict[str, Any], *, num_outputs: in
     except ConfigurationError:
         raise
     except Exception as exc:  # the builder needs real tensors: build it for real, once
-        logger.debug("model %r cannot be built on the meta device (%s: %s); building it on the CPU", model_name,
-                     type(exc).__name__, exc)  # fmt: skip
+        logger.debug(
+            "model %r cannot be built on the meta device (%s: %s); building it on the CPU",
+            model_name,
+            type(exc).__name__,
+            exc,
+        )
         return build_model(model_name, num_outputs=num_outputs, in_channels=in_channels, **model_kwargs)
 
 

@@ -21,10 +21,20 @@ def wrap_model(spec: Any, model: nn.Module, *, device: torch.device, rank: int, 
     if spec.parallel == "fsdp":
         from dask_dl.train.parallel.fsdp import ShardedModel
 
-        return ShardedModel(model, device=device, world_size=world_size, input_shape=shape,
-                            compression=spec.compression)  # fmt: skip
+        return ShardedModel(
+            model, device=device, world_size=world_size, input_shape=shape, compression=spec.compression
+        )
     from dask_dl.train.parallel.pipeline import PipelineModel
 
-    return PipelineModel(model, name=spec.model_name, device=device, rank=rank, world_size=world_size,
-                         stages=spec.stages, microbatches=spec.microbatches, schedule=spec.schedule,
-                         microbatch=spec.batch_size // spec.microbatches, input_shape=shape)  # fmt: skip
+    return PipelineModel(
+        model,
+        name=spec.model_name,
+        device=device,
+        rank=rank,
+        world_size=world_size,
+        stages=spec.stages,
+        microbatches=spec.microbatches,
+        schedule=spec.schedule,
+        microbatch=spec.batch_size // spec.microbatches,
+        input_shape=shape,
+    )
