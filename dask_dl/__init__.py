@@ -50,6 +50,13 @@ _LAZY = {
     "ChunkLoader": "dask_dl.data.loader",
     "fit": "dask_dl.train.run",
     "TrainingRun": "dask_dl.train.run",
+    "Training": "dask_dl.train.option_groups",
+    "Optimization": "dask_dl.train.option_groups",
+    "ScaleOut": "dask_dl.train.option_groups",
+    "Memory": "dask_dl.train.option_groups",
+    "Recovery": "dask_dl.train.option_groups",
+    "FineTuning": "dask_dl.train.option_groups",
+    "Reporting": "dask_dl.train.option_groups",
     "make_compressor": "dask_dl.train.compression",
     "build_model": "dask_dl.models",
     "list_models": "dask_dl.models",
@@ -147,4 +154,13 @@ if TYPE_CHECKING:  # pragma: no cover
     from dask_dl.onnx_info import read_model_info
     from dask_dl.sites.run import SitesRun, fit_sites
     from dask_dl.train.compression import make_compressor
+    from dask_dl.train.option_groups import (
+        FineTuning,
+        Memory,
+        Optimization,
+        Recovery,
+        Reporting,
+        ScaleOut,
+        Training,
+    )
     from dask_dl.train.run import TrainingRun, fit

@@ -36,7 +36,7 @@ import sys
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, NoReturn
 from urllib.parse import urlparse
@@ -53,69 +53,22 @@ from dask_dl.train import profiler
 from dask_dl.train.abort import before_group, group_sockets, shut_group_sockets
 from dask_dl.train.buffers import broadcast_buffers
 from dask_dl.train.checkpoint import rng_state, set_rng_state, to_cpu
+from dask_dl.train.options import RunOptions
 from dask_dl.train.parallel import data_shard
 
 
 @dataclass(frozen=True)
-class TrainerSpec:
-    """Everything a trainer needs to build its part of a run; the same for every rank."""
+class TrainerSpec(RunOptions):
+    """Everything a trainer needs to build its part of a run; the same for every rank.
 
-    store: str
-    train_samples: np.ndarray
-    val_samples: np.ndarray
-    labels: tuple[str, ...]
-    task: str
-    input_size: int
-    model_name: str
-    batch_size: int
-    lr: float
-    model_kwargs: dict[str, Any] = field(default_factory=dict)
-    #: what the model registry holds for ``model_name`` on the driver (a builder or its "module:attribute" path)
+    Every field of the run's :class:`~dask_dl.train.options.RunOptions` (so every option of ``fit``), and what
+    only the trainers need.
+    """
+
+    #: what the model registry holds for ``model`` on the driver (a builder or its "module:attribute" path)
     model_target: Any = None
-    optimizer: str = "sgd"
-    momentum: float = 0.9
-    weight_decay: float = 0.0
-    compression: str = "none"
-    compression_options: dict[str, Any] = field(default_factory=dict)
-    warmup_steps: int = 0
-    seed: int = 0
-    augment: bool = False
-    window: int | None = None
-    prefetch: int | None = None
-    #: bytes of decoded chunks each loader keeps across epochs (:class:`~dask_dl.data.loader.ChunkLoader`)
-    cache: int | str | None = None
-    timeout_s: float = 120.0
+    #: a checkpoint to start from (``fit(resume=True)``'s newest good one)
     resume_from: str | None = None
-    #: steps between the ranks' agreement on stop and non-finite loss (one small all-reduce each)
-    check_every: int = 8
-    #: torch.use_deterministic_algorithms(True) in this trainer (``dask-dl.train.deterministic``)
-    deterministic: bool = False
-    #: image channels of the store (1 grey, 3 RGB): the model's first layer takes this many
-    channels: int = 1
-    #: ``{"mean": m, "std": s}`` for the loaders and the checkpoint; None: DEFAULT_NORMALIZATION
-    normalization: dict[str, Any] | None = None
-    #: how the trainers share the model (:mod:`dask_dl.train.parallel`): "ddp", "fsdp" or "pipeline"
-    parallel: str = "ddp"
-    stages: int = 1
-    microbatches: int = 1
-    schedule: str = "1f1b"
-    #: a step checkpoint (weights, optimizer, compressor, generators, loader position) every this many steps
-    checkpoint_every_steps: int | None = None
-    #: ... or once this many seconds passed since the last checkpoint (agreed at the ranks' next check)
-    checkpoint_every_seconds: float | None = None
-    #: the model (:class:`dask_dl.models.source.ModelSource`); None: the registry model ``model_name``
-    model_source: Any = None
-    #: loss name or callable (:mod:`dask_dl.train.losses`); the fine-tuning and memory options of ``fit``
-    loss: Any = "bce"
-    weights: str | None = None
-    freeze_epochs: int = 0
-    head_lr: float | None = None
-    #: the learning-rate schedule (:func:`dask_dl.train.tuning.check_schedule`); ``schedule`` is the pipeline's
-    lr_schedule: dict[str, Any] = field(default_factory=lambda: {"name": "constant"})
-    precision: str = "fp32"
-    channels_last: bool = False
-    accumulate: int = 1
-    activation_checkpointing: bool = False
     #: weights loaded into the model on every rank right after it is built, before DDP and the optimizer (for
     #: :func:`dask_dl.fit_sites`: the weights a site starts its visit from)
     start_state: dict[str, torch.Tensor] | None = None
@@ -124,6 +77,11 @@ class TrainerSpec:
     #: rank 0 keeps only the model's weights (and the epoch) for the driver, not the optimizer's moments, RNG
     #: states or history: what may leave a site in :func:`dask_dl.fit_sites`
     weights_only: bool = False
+
+    @property
+    def model_name(self) -> str:
+        """The model's name (a registry name, ``torchvision:NAME``, an import path or a class name)."""
+        return self.model
 
 
 def _epoch_seed(seed: int, epoch: int, rank: int) -> int:
@@ -335,7 +293,7 @@ class TrainingActor:
         self._anchor = _proximal_anchor(model, spec)  # the parameters this rank trains, as they start
         self.tuner = Tuner(model, head=head_name(model) if spec.head_lr is not None or spec.freeze_epochs else None,
                            lr=spec.lr, head_lr=spec.head_lr, freeze_epochs=spec.freeze_epochs,
-                           schedule=spec.lr_schedule, total_steps=0)  # fmt: skip
+                           schedule=spec.schedule, total_steps=0)  # fmt: skip
         grouped = spec.head_lr is not None or spec.freeze_epochs > 0  # else one group, as checkpoints before
         self.optimizer = make_optimizer(spec, self.tuner.param_groups() if grouped else model.parameters())
         self.start_epoch, self.global_step, self._resume = 0, 0, None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -60,21 +61,13 @@ def setup_client(tmp_path_factory):
 
 
 def _spec(store: str, **kwargs) -> TrainerSpec:
-    ds = dask_dl.open_dataset(store)
-    split = ds.split.values
-    options = dict(
-        store=store,
-        train_samples=ds.sample.values[split == "train"],
-        val_samples=ds.sample.values[split == "val"],
-        labels=("a", "b"),
-        task="multilabel",
-        input_size=32,
-        model_name="small_cnn",
-        model_kwargs={"width": 4},
-        batch_size=1,
-        lr=0.01,
-    )
-    return TrainerSpec(**{**options, **kwargs})
+    """The spec fit would make for small_cnn on ``store`` (batch 1, 2 trainers), with ``kwargs`` replaced."""
+    from dask_dl.train.options import check_run
+    from dask_dl.train.run import _trainer_spec
+
+    options = check_run(dask_dl.open_dataset(store), model="small_cnn", model_kwargs={"width": 4}, batch_size=1,
+                        lr=0.01, trainers=2)  # fmt: skip
+    return replace(_trainer_spec(options, None), **kwargs)
 
 
 def profiling(client, workers, expect: bool, *, wait_s: float = 5.0) -> dict[str, bool]:
