@@ -656,7 +656,7 @@ def _trainer_spec(
     from dataclasses import fields
 
     from dask_dl.models import MODELS
-    from dask_dl.train.actor import TrainerSpec
+    from dask_dl.train.spec import TrainerSpec
 
     return TrainerSpec(
         **{f.name: getattr(options, f.name) for f in fields(options)},

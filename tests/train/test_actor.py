@@ -163,14 +163,28 @@ def _ddp_step() -> object:
     import warnings
 
     from dask_dl.models import build_model
-    from dask_dl.train.actor import _ddp
+    from dask_dl.train.step import make_ddp
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        ddp = _ddp(build_model("small_cnn", num_outputs=2, width=8), device_ids=None)
+        ddp = make_ddp(build_model("small_cnn", num_outputs=2, width=8), device_ids=None)
     ddp.train()
     ddp(torch.randn(4, 1, 32, 32)).sum().backward()  # a training step runs without the broadcast
     return getattr(ddp, "forward_sync_buffers", getattr(ddp, "broadcast_buffers", None))
+
+
+def test_the_ranks_agree_on_a_stop_a_non_finite_loss_and_a_due_checkpoint():
+    """train_epoch's agreement: one all-reduce of (stop, loss sum, checkpoint clock), each flag raised on its own."""
+    from dask_dl.train.step import Agreement, agree
+
+    cpu = torch.device("cpu")
+    with one_rank_group():
+        assert agree(stop=False, loss_sum=torch.tensor(1.5), late=False, device=cpu) == Agreement(False, False, False)
+        assert agree(stop=True, loss_sum=torch.tensor(1.5), late=False, device=cpu) == Agreement(True, False, False)
+        assert agree(stop=False, loss_sum=torch.tensor(float("nan")), late=False, device=cpu) == Agreement(bad=True)
+        assert agree(stop=False, loss_sum=torch.tensor(float("-inf")), late=True, device=cpu) == Agreement(
+            bad=True, due=True
+        )
 
 
 def test_trainer_ddp_skips_the_per_step_buffer_broadcast_without_a_warning():
