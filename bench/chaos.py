@@ -10,6 +10,10 @@ Each stage runs twice in the same cluster, calm and under chaos, and the two res
 - **fit**: 2 trainers and a spare worker, small_cnn with onebit compression and step checkpoints every 3 steps, on
   the squares collection; a trainer's worker is killed once per epoch (``--epochs``). Compared: the weights with an
   uninterrupted run's (``torch.equal``), and one restart row per kill.
+- **sweep**: 4 trials of small_cnn (a grid of learning rates, no pruning) on 2 one-trainer groups, while a worker
+  of a running trial is SIGKILLed every ``--sweep-every`` seconds (``--sweep-kills`` at most): each trial goes on
+  from its newest epoch checkpoint on another group. Compared: every trial complete, with the calm sweep's metric
+  per epoch.
 - **memory**: ``--large`` images of 7000 px into a store on 2 workers whose pause threshold is their idle memory
   plus half an image's decode buffer (``distributed.worker.memory.pause``): they pause and resume. Compared with the
   same images ingested on workers without a threshold.
@@ -21,6 +25,7 @@ machine.
     python bench/chaos.py                            # 3000 images at 224 px, a kill every second
     python bench/chaos.py --images 1000 --source-size 64 --size 64 --every 2 --workers 3
     python bench/chaos.py --stages fit memory
+    python bench/chaos.py --stages sweep --epochs 3
 """
 
 from __future__ import annotations
@@ -177,6 +182,63 @@ def fit(root: Path, args) -> dict:
     )
 
 
+def sweep(root: Path, args) -> dict:
+    from distributed import Client, LocalCluster
+    from optuna.distributions import CategoricalDistribution
+
+    import dask_dl
+    from dask_dl.testing.chaos import WorkerKiller
+    from dask_dl.testing.train import squares_collection
+
+    options = dict(model="small_cnn", model_kwargs={"width": 8}, batch_size=2, optimizer="sgd", seed=0)
+    space = {"lr": CategoricalDistribution([0.02, 0.05, 0.1, 0.2])}
+    with (
+        LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+    ):
+        store = str(root / "sweep-squares.zarr")
+        catalog = squares_collection(root / "sweep-squares", n_train=args.fit_images, n_val=32)
+        dask_dl.ingest(catalog, store, size=32, chunk=8, shard=2, client=client, progress=False)
+        dataset = dask_dl.open_dataset(store)
+
+        def run_sweep(folder: str, **kwargs):
+            return dask_dl.sweep(dataset, space, trials=4, sampler="grid", pruner="none", epochs=args.epochs,
+                                 checkpoint_dir=str(root / folder), client=client, **options, **kwargs)  # fmt: skip
+
+        calm, started, ended = timed(lambda: run_sweep("calm"))
+        calm_s = ended - started
+        started = time.time()
+        chaotic = run_sweep("chaos", wait=False)
+
+        def running() -> list[str]:
+            records = list(chaotic._scheduler.records.values())
+            return [a for r in records if r.state == "running" and r.run is not None for a in r.group]
+
+        killer = WorkerKiller(client, among=running, keep=0)
+        while not chaotic.done:
+            time.sleep(args.sweep_every)
+            if len(killer.kills) < args.sweep_kills and not chaotic.done:
+                killer.kill()
+        chaotic.wait()
+        chaos_s = time.time() - started
+        differ = []
+        a, b = (r.set_index("params_lr") for r in (calm.results, chaotic.results))
+        for lr in a.index:
+            if b.loc[lr, "state"] != "complete":
+                differ.append(f"lr {lr}: {b.loc[lr, 'state']} ({b.loc[lr, 'error']})")
+            elif list(a.loc[lr, "val_auroc_mean"]) != list(b.loc[lr, "val_auroc_mean"]):
+                differ.append(f"lr {lr}: metrics differ")
+        client.wait_for_workers(2, timeout=300)
+    return dict(
+        stage="sweep",
+        kills=len(killer.kills),
+        calm_s=calm_s,
+        chaos_s=chaos_s,
+        matched=not differ,
+        differs=", ".join(differ[:3]),
+    )
+
+
 def memory(root: Path, args) -> dict:
     import dask
     from distributed import Client, LocalCluster
@@ -229,12 +291,14 @@ def main() -> None:
     parser.add_argument("--predict-kills", type=int, default=7, help="most kills during predict")
     parser.add_argument("--epochs", type=int, default=4, help="fit epochs, one kill in each")
     parser.add_argument("--fit-images", type=int, default=128, help="training images (steps per epoch: half)")
+    parser.add_argument("--sweep-every", type=float, default=8.0, help="seconds between kills in the sweep stage")
+    parser.add_argument("--sweep-kills", type=int, default=3, help="most kills during the sweep")
     parser.add_argument("--large", type=int, default=16, help="7000 px images for the memory stage")
     parser.add_argument(
         "--stages",
         nargs="+",
-        default=["ingest", "predict", "fit", "memory"],
-        choices=["ingest", "predict", "fit", "memory"],
+        default=["ingest", "predict", "fit", "sweep", "memory"],
+        choices=["ingest", "predict", "fit", "sweep", "memory"],
         help="stages to run (ingest and predict run together)",
     )
     args = parser.parse_args()
@@ -244,7 +308,7 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="dask-dl-bench-chaos-"))
     rows = []
     try:
-        stages = {"ingest, predict": ingest_and_predict, "fit": fit, "memory": memory}
+        stages = {"ingest, predict": ingest_and_predict, "fit": fit, "sweep": sweep, "memory": memory}
         for stage, run in stages.items():
             if not set(stage.split(", ")) & set(args.stages):
                 continue
@@ -265,7 +329,7 @@ def main() -> None:
     print(
         f"\nchaos: {args.images} images ({args.source_size} px, ingested at {args.size}) on {args.workers} workers, "
         f"a kill every {args.every} s; fit: a trainer killed in each of {args.epochs} epochs; memory: "
-        f"{args.large} images of 7000 px on paused workers"
+        f"{args.large} images of 7000 px on paused workers; sweep: 4 trials, a kill every {args.sweep_every} s"
     )
     print(table[columns].to_string(float_format=lambda v: f"{v:.1f}"))
 

@@ -51,6 +51,13 @@ _LAZY = {
     "fit": "dask_dl.train.run",
     "TrainingRun": "dask_dl.train.run",
     "find_lr": "dask_dl.train.lr_find",
+    "Training": "dask_dl.train.option_groups",
+    "Optimization": "dask_dl.train.option_groups",
+    "ScaleOut": "dask_dl.train.option_groups",
+    "Memory": "dask_dl.train.option_groups",
+    "Recovery": "dask_dl.train.option_groups",
+    "FineTuning": "dask_dl.train.option_groups",
+    "Reporting": "dask_dl.train.option_groups",
     "make_compressor": "dask_dl.train.compression",
     "build_model": "dask_dl.models",
     "list_models": "dask_dl.models",
@@ -153,4 +160,13 @@ if TYPE_CHECKING:  # pragma: no cover
     from dask_dl.sweeps.run import Sweep, sweep
     from dask_dl.train.compression import make_compressor
     from dask_dl.train.lr_find import find_lr
+    from dask_dl.train.option_groups import (
+        FineTuning,
+        Memory,
+        Optimization,
+        Recovery,
+        Reporting,
+        ScaleOut,
+        Training,
+    )
     from dask_dl.train.run import TrainingRun, fit

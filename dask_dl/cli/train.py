@@ -15,56 +15,40 @@ from dask_dl.cli.session import connect, follow
 from dask_dl.interrupt import Interrupted
 from dask_dl.models import MODELS
 from dask_dl.train.compressors import COMPRESSORS
-from dask_dl.train.options import OPTIMIZERS, PRECISIONS
-from dask_dl.train.parallel import PARALLEL
-from dask_dl.train.tuning import SCHEDULES
+from dask_dl.train.option_groups import DEFAULTS
+
+
+def train_options(f):
+    """The options of ``dask-dl train`` that are options of ``fit``: one per option with flags
+    (:func:`dask_dl.train.option_groups.cli_options`), named as ``fit``'s keyword. ``--model`` and
+    ``--compression`` take their choices and help lines from their registries; ``--lr`` also takes ``find``."""
+    from dask_dl.train.option_groups import cli_options
+
+    for opt in reversed(cli_options()):  # click lists the options in the order they decorate, last first
+        if opt.name == "model":
+            decorate = model_option(*opt.flags, opt.name)
+        elif opt.name == "compression":
+            decorate = registry_option(*opt.flags, opt.name, registry=COMPRESSORS, what="Gradient compressor")
+        elif opt.name == "lr":
+            decorate = click.option(
+                *opt.flags, opt.name, default=DEFAULTS[opt.name], metavar="LR|find",
+                callback=lambda ctx, param, value: _lr(value),
+                help=f"{opt.help} find: run a learning-rate range test first (dask_dl.find_lr) and train with its "
+                "suggestion.",
+            )  # fmt: skip
+        elif opt.cli == "flag":
+            decorate = click.option(*opt.flags, opt.name, is_flag=True, default=DEFAULTS[opt.name], help=opt.help)
+        else:
+            kind = click.Choice(list(opt.cli())) if callable(opt.cli) and opt.cli not in (int, float, str) else opt.cli
+            decorate = click.option(*opt.flags, opt.name, type=kind, default=DEFAULTS[opt.name], help=opt.help,
+                                    metavar=opt.metavar)  # fmt: skip
+        f = decorate(f)
+    return f
 
 
 @cli.command("train")
 @click.argument("store")
-@model_option("--model", "-m")
-@click.option("--epochs", "-e", type=int, default=None, help="Epochs in all (a resumed run continues up to it).")
-@click.option("--batch-size", "-b", type=int, default=None, help="Images per step on each trainer.")
-@click.option("--trainers", "-t", type=int, default=None, help="Data-parallel trainers, one per worker.")
-@registry_option("--compression", "-c", registry=COMPRESSORS, what="Gradient compressor")
-@click.option(
-    "--lr",
-    default=None,
-    metavar="LR|find",
-    callback=lambda ctx, param, value: _lr(value),
-    help="Learning rate; find: run a learning-rate range test first (dask_dl.find_lr) and train with its suggestion.",
-)
-@click.option("--optimizer", type=click.Choice(OPTIMIZERS), default=None, help="Optimizer (default: config).")
-@click.option("--checkpoint-dir", default=None, help="Directory or fsspec URL for one checkpoint per epoch.")
-@click.option("--resume", is_flag=True, help="Continue from the latest checkpoint in --checkpoint-dir.")
-@click.option("--seed", type=int, default=None, help="Seed of weights, data order and augmentation.")
-@click.option("--augment", is_flag=True, help="Random affine and brightness/contrast augmentation.")
-@click.option(
-    "--parallel",
-    type=click.Choice(PARALLEL),
-    default=None,
-    help="How the trainers share the model: ddp (each all of it), fsdp (sharded), pipeline (stages).",
-)
-@click.option("--stages", type=int, default=None, help="Pipeline stages (--parallel pipeline; default 2).")
-@click.option("--microbatches", type=int, default=None, help="Micro-batches per pipeline batch (default: stages).")
-@click.option("--memory-budget", default=None, help="Model state one trainer may hold, e.g. '2 GiB'; checked first.")
-@click.option("--max-restarts", type=int, default=None, help="Restarts after a lost trainer before failing (0: none).")
-@click.option("--min-trainers", type=int, default=None, help="Fewest trainers a restarted run goes on with.")
-@click.option("--checkpoint-every", type=int, default=None, help="Also checkpoint every N steps inside epochs.")
-@click.option("--weights", default=None, help="Start weights: a state dict file or checkpoint (path or fsspec URL).")
-@click.option("--freeze-epochs", type=int, default=0, help="Epochs training only the head (backbone frozen).")
-@click.option("--head-lr", type=float, default=None, help="Learning rate of the head (default: --lr).")
-@click.option("--schedule", type=click.Choice(list(SCHEDULES)), default=None, help="Learning-rate schedule.")
-@click.option("--precision", type=click.Choice(PRECISIONS), default=None, help="fp32, bf16, or fp16 (GPU only).")
-@click.option("--accumulate", type=int, default=None, help="Micro-batches per optimizer step.")
-@click.option(
-    "--normalization",
-    default=None,
-    metavar="MEAN:STD|imagenet|stats",
-    help="Pixels as (x / 255 - MEAN) / STD: numbers, or one per channel separated by commas "
-    "(0.485,0.456,0.406:0.229,0.224,0.225); imagenet: those, for ImageNet weights; stats: measured on the train "
-    "split, one pass on the cluster. Default 0.5:0.25.",
-)
+@train_options
 @click.option(
     "--upload",
     multiple=True,
@@ -81,39 +65,7 @@ from dask_dl.train.tuning import SCHEDULES
 )
 @scheduler_option
 @quiet_option
-def train_command(
-    store,
-    model,
-    epochs,
-    batch_size,
-    trainers,
-    compression,
-    lr,
-    optimizer,
-    checkpoint_dir,
-    resume,
-    seed,
-    augment,
-    parallel,
-    stages,
-    microbatches,
-    memory_budget,
-    max_restarts,
-    min_trainers,
-    checkpoint_every,
-    weights,
-    freeze_epochs,
-    head_lr,
-    schedule,
-    precision,
-    accumulate,
-    normalization,
-    upload,
-    tracking,
-    scheduler,
-    workers,
-    quiet,
-) -> None:
+def train_command(store, upload, tracking, scheduler, workers, quiet, **options) -> None:
     """Train a model on the train split of STORE, validating on its val split after every epoch.
 
     Prints one line per epoch and a final table; Ctrl-C stops the trainers within a few steps and frees the
@@ -125,61 +77,33 @@ def train_command(
     from dask_dl.normalize import channel_stats
     from dask_dl.train.run import fit
 
-    n_trainers = config.get("train.trainers", trainers)
+    n_trainers = config.get("train.trainers", options.pop("trainers"))
     dataset = open_dataset(store)
     n_workers = workers or max(n_trainers, config.get("cluster.n-workers"))
     interactive = not quiet and sys.stderr is not None and sys.stderr.isatty()
-    normalization = _normalization(normalization, dataset)
+    normalization = _normalization(options.pop("normalization"), dataset)
     with connect(scheduler, n_workers) as client:
         for path in upload:
             _upload(client, path)
         if normalization == "stats":
             normalization = channel_stats(dataset)  # one pass over the train split, on the cluster
             click.echo(f"normalization of the train split: mean {normalization['mean']}, std {normalization['std']}")
-        if lr == "find":
-            lr = _found_lr(
-                dataset, client, model=model, batch_size=batch_size, optimizer=optimizer, seed=seed, augment=augment,
-                weights=weights, accumulate=accumulate, normalization=normalization,
+        if options["lr"] == "find":
+            found = ("model", "batch_size", "optimizer", "seed", "augment", "weights", "accumulate")
+            options["lr"] = _found_lr(
+                dataset, client, normalization=normalization, **{k: options[k] for k in found}
             )  # fmt: skip
         run = fit(
-            dataset,
-            model=model,
-            epochs=epochs,
-            batch_size=batch_size,
-            trainers=n_trainers,
-            compression=compression,
-            lr=lr,
-            optimizer=optimizer,
-            checkpoint_dir=checkpoint_dir,
-            resume=resume,
-            seed=seed,
-            augment=augment,
-            view="terminal" if interactive else "none",
-            client=client,
-            wait=False,
-            parallel=parallel,
-            stages=stages,
-            microbatches=microbatches,
-            memory_budget=memory_budget,
-            max_restarts=max_restarts,
-            min_trainers=min_trainers,
-            checkpoint_every_steps=checkpoint_every,
-            weights=weights,
-            freeze_epochs=freeze_epochs,
-            head_lr=head_lr,
-            schedule=schedule,
-            precision=precision,
-            accumulate=accumulate,
-            normalization=normalization,
-            tracking=tracking,
-        )
+            dataset, trainers=n_trainers, normalization=normalization, view="terminal" if interactive else "none",
+            client=client, wait=False, tracking=tracking, **options,
+        )  # fmt: skip
         interrupted = follow(
             run, lambda shown: _echo_training(run, shown, interactive), "stopping the trainers", shown=(0, 0)
         )
         if "weights" in run.info:  # what of the start weights was loaded, adapted, re-initialised
             from dask_dl.models.weights import describe
 
-            click.echo(describe(run.info["weights"], weights))
+            click.echo(describe(run.info["weights"], options["weights"]))
         if len(run.history):
             click.echo(_final_table(run.history))
         click.echo(f"{run.run_id}: {run.status}")

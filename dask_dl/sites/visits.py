@@ -2,11 +2,12 @@
 
 A :class:`Coordinator` holds the connected sites, the run's training options and the ledger of what it received
 (:class:`~dask_dl.sites.transfers.Transfers`). :meth:`Coordinator.visit` trains on one site from given weights
-with ``fit(..., start_state=, proximal_mu=, workers=, weights_only=True)`` and brings back the new weights and the
-visit's history rows; :meth:`Coordinator.visit_many` runs several visits at once (sites in parallel, sharing a
-cluster's workers in waves when they must); :meth:`Coordinator.evaluate` scores weights on every site's validation
-split with a task on that site (:func:`dask_dl.sites.score.score`) and on the pooled test split. A site that fails
-is marked lost and reported; the protocol decides what follows.
+with ``fit_visit(..., start_state=, proximal_mu=, workers=, weights_only=True)`` (:func:`~dask_dl.train.run.fit`
+with a visit's options) and brings back the new weights and the visit's history rows;
+:meth:`Coordinator.visit_many` runs several visits at once (sites in parallel, sharing a cluster's workers in waves
+when they must); :meth:`Coordinator.evaluate` scores weights on every site's validation split with a task on that
+site (:func:`dask_dl.sites.score.score`) and on the pooled test split. A site that fails is marked lost and
+reported; the protocol decides what follows.
 """
 
 from __future__ import annotations
@@ -130,7 +131,7 @@ class Coordinator:
         return [results[i] for i in range(len(plans))]
 
     def _start(self, plan: VisitPlan) -> tuple[Any, Visit]:
-        from dask_dl.train.run import fit
+        from dask_dl.train.run import fit_visit
 
         site = plan.site
         visit = Visit(site, lr=plan.lr)
@@ -144,7 +145,7 @@ class Coordinator:
             tracking = self.tracker.nested(f"{site.name} round {n}", tags={"dask_dl.site": site.name,
                                                                             "dask_dl.round": n})  # fmt: skip
         try:
-            run = fit(
+            run = fit_visit(
                 dataset, epochs=plan.epochs, lr=plan.lr, seed=plan.seed, trainers=self.trainers,
                 client=site.client, workers=site.workers, start_state=plan.state, proximal_mu=plan.mu,
                 weights_only=True, view="none", wait=False, tracking=tracking, **self.fit_options,

@@ -8,35 +8,21 @@ methods one at a time on a single thread, so the collective ones (``setup``, ``r
 ``latest_checkpoint`` and ``abort_group`` are ``async`` methods: they run on the worker's event loop and answer
 while epochs run (a trainer that does not answer them hangs: the driver leaves its worker out).
 
-Time accounting of an epoch (the ``*_s`` fields of :meth:`TrainingActor.train_epoch`):
-
-``data_wait_s``
-    time the trainer waited for its next batch (the loader's ``wait_s``);
-``comm_s``
-    communication the trainer was blocked on: the synchronous part of every DDP comm-hook call (compression,
-    launching the collective), plus the wait from the return of the last bucket's hook to the end of
-    ``backward()`` (all-reduces still in flight once gradients are computed), plus the all-reduce of the
-    stop/finite flags (every ``check_every`` steps). All-reduce time hidden behind backward compute is not
-    counted: it cost nothing;
-``compute_s``
-    the rest of the step: forward, backward compute, optimizer (step wall time minus ``comm_s``).
+The pieces live beside it: the process group this worker is in (:mod:`dask_dl.train.process_group`), what a step
+is made of besides the model (its clock, the ranks' agreement, DDP: :mod:`dask_dl.train.step`) and the
+checkpoint dict (:mod:`dask_dl.train.checkpoint_state`).
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import gc
 import itertools
 import logging
 import multiprocessing
-import os
 import socket
-import sys
 import threading
 import time
-import weakref
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, NoReturn
 from urllib.parse import urlparse
@@ -44,143 +30,30 @@ from urllib.parse import urlparse
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
 from dask_dl import allocator
 from dask_dl.checkpoint import load_checkpoint
-from dask_dl.errors import ClusterError, ConfigurationError, TrainingError
+from dask_dl.errors import TrainingError
 from dask_dl.train import profiler
 from dask_dl.train.abort import before_group, group_sockets, shut_group_sockets
 from dask_dl.train.buffers import broadcast_buffers
-from dask_dl.train.checkpoint import rng_state, set_rng_state, to_cpu
+from dask_dl.train.checkpoint import set_rng_state, to_cpu
+from dask_dl.train.checkpoint_state import checkpoint_state, kept, plain
 from dask_dl.train.parallel import data_shard
+from dask_dl.train.process_group import (
+    CLAIM_WAIT_S,
+    claim_process_group,
+    exit_without_finalization,
+    own_group,
+    owns_group,
+    registered,
+    rendezvous,
+    reset_process_group,
+)
+from dask_dl.train.spec import TrainerSpec, unpickle_spec
+from dask_dl.train.step import Agreement, Alone, CommTimer, StepClock, agree, epoch_seed, make_ddp
 
-
-@dataclass(frozen=True)
-class TrainerSpec:
-    """Everything a trainer needs to build its part of a run; the same for every rank."""
-
-    store: str
-    train_samples: np.ndarray
-    val_samples: np.ndarray
-    labels: tuple[str, ...]
-    task: str
-    input_size: int
-    model_name: str
-    batch_size: int
-    lr: float
-    model_kwargs: dict[str, Any] = field(default_factory=dict)
-    #: what the model registry holds for ``model_name`` on the driver (a builder or its "module:attribute" path)
-    model_target: Any = None
-    optimizer: str = "sgd"
-    momentum: float = 0.9
-    weight_decay: float = 0.0
-    compression: str = "none"
-    compression_options: dict[str, Any] = field(default_factory=dict)
-    warmup_steps: int = 0
-    seed: int = 0
-    augment: bool = False
-    window: int | None = None
-    prefetch: int | None = None
-    #: bytes of decoded chunks each loader keeps across epochs (:class:`~dask_dl.data.loader.ChunkLoader`)
-    cache: int | str | None = None
-    timeout_s: float = 120.0
-    resume_from: str | None = None
-    #: steps between the ranks' agreement on stop and non-finite loss (one small all-reduce each)
-    check_every: int = 8
-    #: torch.use_deterministic_algorithms(True) in this trainer (``dask-dl.train.deterministic``)
-    deterministic: bool = False
-    #: image channels of the store (1 grey, 3 RGB): the model's first layer takes this many
-    channels: int = 1
-    #: ``{"mean": m, "std": s}`` for the loaders and the checkpoint; None: DEFAULT_NORMALIZATION
-    normalization: dict[str, Any] | None = None
-    #: how the trainers share the model (:mod:`dask_dl.train.parallel`): "ddp", "fsdp" or "pipeline"
-    parallel: str = "ddp"
-    stages: int = 1
-    microbatches: int = 1
-    schedule: str = "1f1b"
-    #: a step checkpoint (weights, optimizer, compressor, generators, loader position) every this many steps
-    checkpoint_every_steps: int | None = None
-    #: ... or once this many seconds passed since the last checkpoint (agreed at the ranks' next check)
-    checkpoint_every_seconds: float | None = None
-    #: the model (:class:`dask_dl.models.source.ModelSource`); None: the registry model ``model_name``
-    model_source: Any = None
-    #: loss name or callable (:mod:`dask_dl.train.losses`); the fine-tuning and memory options of ``fit``
-    loss: Any = "bce"
-    weights: str | None = None
-    freeze_epochs: int = 0
-    head_lr: float | None = None
-    #: the learning-rate schedule (:func:`dask_dl.train.tuning.check_schedule`); ``schedule`` is the pipeline's
-    lr_schedule: dict[str, Any] = field(default_factory=lambda: {"name": "constant"})
-    precision: str = "fp32"
-    channels_last: bool = False
-    accumulate: int = 1
-    activation_checkpointing: bool = False
-    #: weights loaded into the model on every rank right after it is built, before DDP and the optimizer (for
-    #: :func:`dask_dl.fit_sites`: the weights a site starts its visit from)
-    start_state: dict[str, torch.Tensor] | None = None
-    #: FedProx: ``proximal_mu / 2 * ||w - w_start||^2`` is added to the training loss, against ``start_state``
-    proximal_mu: float = 0.0
-    #: rank 0 keeps only the model's weights (and the epoch) for the driver, not the optimizer's moments, RNG
-    #: states or history: what may leave a site in :func:`dask_dl.fit_sites`
-    weights_only: bool = False
-
-
-def _epoch_seed(seed: int, epoch: int, rank: int) -> int:
-    # Reseeding at every epoch start makes an epoch's randomness (dropout, augmentation) a function of
-    # (seed, epoch, rank) alone, so a resumed run draws exactly what the uninterrupted one drew.
-    return (seed * 1_000_003 + epoch * 10_007 + rank) % (2**63)
-
-
-class _CommTimer:
-    """Wraps DDP comm hooks to measure the communication a trainer is blocked on (see module docstring)."""
-
-    def __init__(self) -> None:
-        self.hook_s = 0.0
-        self.last_return: float | None = None
-        self.calls = 0
-
-    def wrap(self, hook):
-        def timed_hook(state, bucket):
-            start = time.perf_counter()
-            future = hook(state, bucket)
-            self.last_return = time.perf_counter()
-            self.hook_s += self.last_return - start
-            self.calls += 1
-            return future
-
-        return timed_hook
-
-    def attach(self, ddp: DistributedDataParallel) -> None:
-        """Make every later ``ddp.register_comm_hook`` register a timed version of its hook."""
-        register = ddp.register_comm_hook
-
-        def register_timed(state, hook):
-            return register(state, self.wrap(hook))
-
-        ddp.register_comm_hook = register_timed  # instance attribute shadows the method
-
-
-class _Alone:
-    """What DDP is to a lone trainer with no compression: the model itself.
-
-    An all-reduce over one rank is the identity and DDP's buffer broadcast a no-op, so training is bit for bit
-    what it is inside DDP, without DDP's per-step bucket copies and hook calls (2-5 % of a small model's step on
-    one core, measured with the process pinned). Offers the parts of DDP the trainer uses.
-    """
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        self.module = module
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
-
-    def train(self, mode: bool = True) -> _Alone:
-        self.module.train(mode)
-        return self
-
-    def no_sync(self) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
+__all__ = ["TrainerSpec", "TrainingActor"]
 
 
 class TrainingActor:
@@ -215,7 +88,7 @@ class TrainingActor:
             return self._latest_step
         if step or self._latest is None:
             return self._latest
-        return _kept(self._latest, self.spec)  # what the driver may take away for run.checkpoint()
+        return kept(self._latest, self.spec)  # what the driver may take away for run.checkpoint()
 
     async def abort_group(self, peers: list[int]) -> int:
         """Make this trainer's pending collectives fail now (a peer is lost or hung); return the sockets shut.
@@ -227,7 +100,7 @@ class TrainingActor:
         group (or never joined one) has nothing to shut.
         """
         sockets = self.__dict__.get("_group_sockets")
-        if sockets is None or _GROUP_OWNER is None or _GROUP_OWNER() is not self:
+        if sockets is None or not owns_group(self):
             return 0
         try:
             backend = dist.get_backend()
@@ -261,8 +134,8 @@ class TrainingActor:
         from distributed import get_worker
 
         worker = get_worker()
-        spec = _unpickle_spec(spec, worker.address)
-        _claim_process_group(worker, wait_s=min(float(spec.timeout_s), _CLAIM_WAIT_S))
+        spec = unpickle_spec(spec, worker.address)
+        claim_process_group(worker, wait_s=min(float(spec.timeout_s), CLAIM_WAIT_S))
         try:
             return self._setup(
                 worker, spec, init_method=init_method, rank=rank, world_size=world_size, checkpoint=checkpoint
@@ -285,12 +158,12 @@ class TrainingActor:
         from dask_dl.train.tuning import Tuner
 
         if worker.nanny is not None and multiprocessing.parent_process() is not None:
-            _exit_without_finalization()  # only in a worker process of a nanny: never in the user's own process
+            exit_without_finalization()  # only in a worker process of a nanny: never in the user's own process
         if spec.model_name not in MODELS and spec.model_target is not None:  # registered in the user's process
             MODELS.register(spec.model_name, spec.model_target)
         torch.set_num_threads(max(1, worker.state.nthreads))  # a fixed count: the sums of a kernel split by thread
         torch.use_deterministic_algorithms(spec.deterministic)
-        if not self.__dict__.get("_holds_allocator"):  # held once per trainer: see _let_go_of_allocator
+        if not self.__dict__.get("_holds_allocator"):  # held once per trainer: see let_go_of_allocator
             allocator.keep_freed_memory()  # the nanny's MALLOC_TRIM_THRESHOLD_ made every step 1.65x slower
             self._holds_allocator = True
         self._worker = worker
@@ -298,12 +171,11 @@ class TrainingActor:
         self.spec, self.rank, self.world_size = spec, rank, world_size
         cuda = torch.cuda.is_available()
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-        global _GROUP_OWNER
-        _GROUP_OWNER = weakref.ref(self)
+        own_group(self)
         sockets_before = before_group()  # what the group opens is what abort_group shuts
         dist.init_process_group(
             "nccl" if cuda else "gloo",
-            store=_rendezvous(init_method, rank=rank, world_size=world_size, timeout_s=spec.timeout_s),
+            store=rendezvous(init_method, rank=rank, world_size=world_size, timeout_s=spec.timeout_s),
             rank=rank,
             world_size=world_size,
             timeout=timedelta(seconds=spec.timeout_s),
@@ -320,12 +192,12 @@ class TrainingActor:
 
             self.ddp = self.parallel = wrap_model(spec, model, device=self.device, rank=rank, world_size=world_size)
             model = self.parallel.module  # what this rank trains: the sharded model or its pipeline stage
-            self.timer, self.compressor = _CommTimer(), make_compressor("none")
+            self.timer, self.compressor = CommTimer(), make_compressor("none")
         elif world_size == 1 and spec.compression == "none":
-            self.ddp, self.timer, self.compressor = _Alone(model), _CommTimer(), make_compressor("none")
+            self.ddp, self.timer, self.compressor = Alone(model), CommTimer(), make_compressor("none")
         else:
-            self.ddp = _ddp(model, device_ids=[self.device.index] if cuda else None)
-            self.timer = _CommTimer()
+            self.ddp = make_ddp(model, device_ids=[self.device.index] if cuda else None)
+            self.timer = CommTimer()
             self.timer.attach(self.ddp)
             self.compressor = make_compressor(
                 spec.compression, warmup_steps=spec.warmup_steps, **dict(spec.compression_options)
@@ -335,7 +207,7 @@ class TrainingActor:
         self._anchor = _proximal_anchor(model, spec)  # the parameters this rank trains, as they start
         self.tuner = Tuner(model, head=head_name(model) if spec.head_lr is not None or spec.freeze_epochs else None,
                            lr=spec.lr, head_lr=spec.head_lr, freeze_epochs=spec.freeze_epochs,
-                           schedule=spec.lr_schedule, total_steps=0)  # fmt: skip
+                           schedule=spec.schedule, total_steps=0)  # fmt: skip
         grouped = spec.head_lr is not None or spec.freeze_epochs > 0  # else one group, as checkpoints before
         self.optimizer = make_optimizer(spec, self.tuner.param_groups() if grouped else model.parameters())
         self.start_epoch, self.global_step, self._resume = 0, 0, None
@@ -425,108 +297,57 @@ class TrainingActor:
         TrainingError
             On every rank, when the loss of any rank is not finite (no optimizer step is taken with it).
         """
-        from dask_dl.data.position import EpochPosition
-
-        loader = self.train_loader
-        position = EpochPosition.start(epoch, seed=self.spec.seed, world_size=loader.world_size,
-                                       batch_size=loader.batch_size)  # fmt: skip
-        before_steps, before_examples, examples, loss_acc = 0, 0, 0, torch.zeros((), device=self.device)
-        if resume is None:
-            torch.manual_seed(_epoch_seed(self.spec.seed, epoch, self.rank))
-        else:
-            position, before_steps, before_examples = resume.position, resume.steps, resume.examples
-            loss_acc = resume.loss_acc.to(self.device).clone()
-            if resume.rng is not None:
-                set_rng_state(resume.rng)  # the generators exactly where the uninterrupted epoch had them
-            else:
-                torch.manual_seed(_epoch_seed(self.spec.seed, epoch, self.rank) + 7919 * len(position.segments))
-        self.ddp.train()
-        self.tuner.start_epoch(epoch, self.optimizer)
-        self.tuner.train_mode()
-        timer, device, precision, accumulate = self.timer, self.device, self.precision, int(self.spec.accumulate)
+        spec, loader, accumulate = self.spec, self.train_loader, int(self.spec.accumulate)
+        position, before_steps, before_examples, loss_acc = self._begin_epoch(epoch, resume)
         # micro-batches that fill whole optimizer steps (the rest of the epoch's batches is not read)
         steps = loader.steps_from(position) if not position.fresh else loader.steps_per_epoch
         steps = steps // accumulate * accumulate
-        lrs = self.tuner.lrs(self.optimizer)
-        bytes_before = int(self.compressor.bytes_sent)
-        loss_sum, step, comm_s, busy_s, stopped = float(loss_acc), 0, 0.0, 0.0, False
-        check_every = int(self.spec.check_every)
-        every_steps, every_s = self.spec.checkpoint_every_steps, self.spec.checkpoint_every_seconds
-        last_checkpoint = time.monotonic()
         offset = position.step  # in-epoch steps before this call, in the current segment
         self._progress = {"epoch": epoch, "step": offset, "steps": offset + steps, "loss": None, "images_per_s": None}
-        served: list[np.ndarray] = []
+        lrs, bytes_before = self.tuner.lrs(self.optimizer), int(self.compressor.bytes_sent)
+        loss_sum, step, examples, stopped, served = float(loss_acc), 0, 0, False, []
         counts_examples = getattr(self.parallel, "counts_examples", True)  # pipelines: the reading stage
         data_world = getattr(self.parallel, "data_world", self.world_size)
-        started = time.perf_counter()
+        last_checkpoint = time.monotonic()
+        clock = StepClock(self.timer)
         batches = loader.epoch(epoch, with_samples=True, position=position)
         for step, (x, y, rows) in enumerate(itertools.islice(batches, steps)):
             served.append(rows)
-            begin = time.perf_counter()
-            x, y = precision.prepare_input(x.to(device, non_blocking=True)), y.to(device, non_blocking=True)
-            hook_s_before, timer.last_return = timer.hook_s, None
+            clock.begin()
+            x = self.precision.prepare_input(x.to(self.device, non_blocking=True))
+            y = y.to(self.device, non_blocking=True)
             last_micro = (step + 1) % accumulate == 0  # this micro-batch's backward all-reduces and steps
             if step % accumulate == 0:
                 self.optimizer.zero_grad(set_to_none=True)
-            if self.parallel is not None:
-                loss = self.parallel.forward_backward(x, y, self._loss)
-            else:
-                # the first accumulate-1 micro-batches only add up gradients locally: no communication
-                with contextlib.nullcontext() if last_micro else self.ddp.no_sync():
-                    with precision.autocast():
-                        loss = self._loss(self.ddp(x), y)
-                    precision.backward(loss / accumulate if accumulate > 1 else loss)
-            backward_end = time.perf_counter()
+            loss = self._forward_backward(x, y, sync=last_micro)
+            clock.backward_done()
             loss_acc += loss.detach()  # stays on the device: no host sync per step
             examples += x.shape[0] if counts_examples else 0
-            stop = bad = due = False
-            if (step + 1) % check_every == 0 or step + 1 == steps:
-                # every `check_every` steps (the same steps on every rank) one small all-reduce makes the ranks
-                # agree to stop, or to fail, at the same step: a rank that broke out alone would leave the others
-                # waiting in DDP's next all-reduce. A non-finite loss anywhere since the last check makes the
-                # running sum non-finite.
-                late = every_s is not None and time.monotonic() - last_checkpoint >= every_s
-                flags = torch.stack([torch.tensor(float(self._stop.is_set()), device=device), loss_acc,
-                                     torch.tensor(float(late), device=device)])  # fmt: skip
-                flags[1] = (~torch.isfinite(flags[1])).float()
-                dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-                stop, bad, due = bool(flags[0] > 0), bool(flags[1] > 0), bool(flags[2] > 0)
-                if bad:
-                    raise TrainingError(
-                        f"non-finite training loss at epoch {epoch} step {step} (checked every {check_every} "
-                        f"steps; rank {self.rank} loss sum {float(loss_acc):.4g}); the weights of the last "
-                        "completed epoch are kept in its checkpoint; lower the learning rate (lr=...) or check "
-                        "the data"
-                    )
+            agreed = Agreement()
+            if (step + 1) % spec.check_every == 0 or step + 1 == steps:
+                late = spec.checkpoint_every_seconds is not None and (
+                    time.monotonic() - last_checkpoint >= spec.checkpoint_every_seconds
+                )
+                agreed = self._agree(epoch, step, loss_acc, late=late)
                 loss_sum = float(loss_acc)
                 self._progress.update(loss=loss_sum / (before_steps + step + 1))
-            flags_end = time.perf_counter()
+            clock.agreed()
             if last_micro:
-                lrs = self.tuner.lrs(self.optimizer)
-                self._add_proximal_gradient(precision)
-                precision.step(self.optimizer)
-                self.tuner.stepped(self.optimizer)
-            end = time.perf_counter()
-            tail = backward_end - timer.last_return if timer.last_return is not None else 0.0
-            comm_s += (timer.hook_s - hook_s_before) + tail + (flags_end - backward_end)
-            busy_s += end - begin
-            elapsed = time.perf_counter() - started
+                lrs = self._optimizer_step()
+            clock.end()
             self.global_step += 1
-            self._progress.update(step=offset + step + 1, images_per_s=examples * data_world / elapsed,
+            self._progress.update(step=offset + step + 1, images_per_s=examples * data_world / clock.elapsed(),
                                   global_step=self.global_step)  # fmt: skip
-            due = due or (every_steps is not None and self.global_step % every_steps == 0)
             # step checkpoints at optimizer steps only: an accumulation's partial gradients are not saved
-            boundary = last_micro and step + 1 < steps and not stop
-            if due and boundary and self._context is not None:
+            if self._step_checkpoint_due(agreed) and last_micro and step + 1 < steps and not agreed.stop:
                 partial = dict(loss_acc=loss_acc, examples=before_examples + examples, steps=before_steps + step + 1)
                 self._step_checkpoint(position.advanced(step + 1), partial)
                 last_checkpoint = time.monotonic()
-            if stop:
+            if agreed.stop:
                 stopped = True
                 break
         else:
             step = steps - 1 if steps else -1
-        seconds = time.perf_counter() - started
         done = step + 1 if steps else 0
         return {
             "rank": self.rank,
@@ -534,9 +355,9 @@ class TrainingActor:
             "steps": before_steps + done,
             "loss_sum": loss_sum,
             "examples": examples,
-            "seconds": seconds,
-            "compute_s": busy_s - comm_s,
-            "comm_s": comm_s,
+            "seconds": clock.elapsed(),
+            "compute_s": clock.busy_s - clock.comm_s,
+            "comm_s": clock.comm_s,
             "data_wait_s": float(self.train_loader.wait_s),
             "bytes_sent": int(self.compressor.bytes_sent) - bytes_before,
             "stopped": stopped,
@@ -544,6 +365,70 @@ class TrainingActor:
             "position": position.advanced(done).to_dict(),
             "lrs": lrs,
         }
+
+    def _begin_epoch(self, epoch: int, resume: Any) -> tuple[Any, int, int, torch.Tensor]:
+        """Seed (or restore) the generators and put the model in training mode for epoch ``epoch``.
+
+        Returns where the epoch starts (an :class:`~dask_dl.data.position.EpochPosition`), the steps and examples
+        a step checkpoint's earlier part of it took, and its running loss sum.
+        """
+        from dask_dl.data.position import EpochPosition
+
+        seed, loader = self.spec.seed, self.train_loader
+        position = EpochPosition.start(epoch, seed=seed, world_size=loader.world_size, batch_size=loader.batch_size)
+        before_steps, before_examples, loss_acc = 0, 0, torch.zeros((), device=self.device)
+        if resume is None:
+            torch.manual_seed(epoch_seed(seed, epoch, self.rank))
+        else:
+            position, before_steps, before_examples = resume.position, resume.steps, resume.examples
+            loss_acc = resume.loss_acc.to(self.device).clone()
+            if resume.rng is not None:
+                set_rng_state(resume.rng)  # the generators exactly where the uninterrupted epoch had them
+            else:
+                torch.manual_seed(epoch_seed(seed, epoch, self.rank) + 7919 * len(position.segments))
+        self.ddp.train()
+        self.tuner.start_epoch(epoch, self.optimizer)
+        self.tuner.train_mode()
+        return position, before_steps, before_examples, loss_acc
+
+    def _forward_backward(self, x: torch.Tensor, y: torch.Tensor, *, sync: bool) -> torch.Tensor:
+        """The loss of one micro-batch, its gradients added up; ``sync``: DDP all-reduces them in backward."""
+        if self.parallel is not None:
+            return self.parallel.forward_backward(x, y, self._loss)
+        accumulate = int(self.spec.accumulate)
+        # the first accumulate-1 micro-batches only add up gradients locally: no communication
+        with contextlib.nullcontext() if sync else self.ddp.no_sync():
+            with self.precision.autocast():
+                loss = self._loss(self.ddp(x), y)
+            self.precision.backward(loss / accumulate if accumulate > 1 else loss)
+        return loss
+
+    def _agree(self, epoch: int, step: int, loss_acc: torch.Tensor, *, late: bool) -> Agreement:
+        """The ranks' agreement (:func:`~dask_dl.train.step.agree`); a non-finite loss on any rank fails them all."""
+        agreed = agree(stop=self._stop.is_set(), loss_sum=loss_acc, late=late, device=self.device)
+        if agreed.bad:
+            raise TrainingError(
+                f"non-finite training loss at epoch {epoch} step {step} (checked every {self.spec.check_every} "
+                f"steps; rank {self.rank} loss sum {float(loss_acc):.4g}); the weights of the last completed epoch "
+                "are kept in its checkpoint; lower the learning rate (lr=...) or check the data"
+            )
+        return agreed
+
+    def _optimizer_step(self) -> dict[str, float]:
+        """Step the optimizer (FedProx's term added, the gradient scaler applied) and the schedule; return the
+        learning rates the step took."""
+        lrs = self.tuner.lrs(self.optimizer)
+        self._add_proximal_gradient(self.precision)
+        self.precision.step(self.optimizer)
+        self.tuner.stepped(self.optimizer)
+        return lrs
+
+    def _step_checkpoint_due(self, agreed: Agreement) -> bool:
+        """A step checkpoint is due: the ranks agreed ``checkpoint_every_seconds`` passed, or the run's step count
+        is a multiple of ``checkpoint_every_steps``; only when :meth:`run_epochs` drives the epoch."""
+        every = self.spec.checkpoint_every_steps
+        due = agreed.due or (every is not None and self.global_step % every == 0)
+        return due and self._context is not None
 
     @torch.no_grad()
     def _add_proximal_gradient(self, precision: Any) -> None:
@@ -654,7 +539,7 @@ class TrainingActor:
         epochs, running in the actor's thread, would otherwise go on for ever.
         """
         while not done.wait(_WATCH_S):
-            if not _registered(worker, self):
+            if not registered(worker, self):
                 logger.warning("worker %s: trainer %d was released by its client (disconnected?); stopping",
                                worker.address, self.rank)  # fmt: skip
                 self._orphaned = True
@@ -678,12 +563,12 @@ class TrainingActor:
         from dask_dl.train.aggregate import epoch_row
 
         worker = get_worker() if self.rank == 0 else None
-        history, published = [_plain(r) for r in history], []
+        history, published = [plain(r) for r in history], []
         self.tuner.total_steps = epochs * (self.train_loader.steps_per_epoch // int(self.spec.accumulate))
         common = dict(labels=self.spec.labels, task=self.spec.task, global_batch=global_batch, price=price)
 
         def publish(row: dict[str, Any]) -> None:
-            row = _plain(row)
+            row = plain(row)
             published.append(row)
             worker.log_event(topic, row)
 
@@ -708,7 +593,7 @@ class TrainingActor:
                                 event=event if epoch == first_epoch else "", **common)  # fmt: skip
                 row.update({k: trained[0][k] for k in ("samples", "samples_repeated") if k in trained[0]})
                 row.update(report["lrs"])
-                history.append(_plain(row))
+                history.append(plain(row))
             if self.tuner.schedule["name"] == "plateau":  # every rank needs rank 0's validation loss
                 box = [row["val_loss"] if row is not None else None]
                 dist.broadcast_object_list(box, src=0)
@@ -744,60 +629,8 @@ class TrainingActor:
         ``position`` (an :class:`~dask_dl.data.position.EpochPosition`) and ``partial`` (this rank's loss
         accumulators) make it a step checkpoint inside epoch ``position.epoch``.
         """
-        from dask_dl.checkpoint import FORMAT, checkpoint_name
-        from dask_dl.normalize import DEFAULT_NORMALIZATION
-        from dask_dl.train.building import source_of_spec
-        from dask_dl.train.checkpoint import save_checkpoint, step_checkpoint_name
-        from dask_dl.train.resume import partial_state
-
-        mine: dict[str, Any] = {"compressor": to_cpu(self.compressor.state_dict()), "rng": rng_state()}
-        if partial is not None:
-            mine["partial"] = partial_state(**partial)
-        name = checkpoint_name(epoch) if position is None else step_checkpoint_name(position.epoch, self.global_step)
-        # fsdp / pipeline: collective (shards written, the model consolidated on rank 0)
-        parts = {} if self.parallel is None else self.parallel.checkpoint_parts(self.optimizer, name=name,
-                                                                               directory=directory)  # fmt: skip
-        model = parts["model"] if parts else to_cpu(self.ddp.module.state_dict())
-        if directory is None and self.parallel is None:
-            if self.rank == 0:
-                mine["buffers"] = {k: v for k, v in model.items() if k in dict(self.ddp.module.named_buffers())}
-            gathered: list[Any] | None = [None] * self.world_size
-            dist.all_gather_object(gathered, mine)
-            model.update(gathered[0]["buffers"])  # every rank keeps rank 0's buffers: the ones training goes on with
-        else:  # to a directory, or a sharded model (only rank 0 holds it whole)
-            gathered = [None] * self.world_size if self.rank == 0 else None
-            dist.gather_object(mine, gathered, dst=0)
-            if self.rank != 0:
-                return None
-        spec = self.spec
-        checkpoint = {
-            "format": FORMAT,
-            "model_name": spec.model_name,
-            "model_kwargs": dict(spec.model_kwargs),
-            "model_source": source_of_spec(spec).to_dict(),
-            "loss": spec.loss if isinstance(spec.loss, str) else None,
-            "tuning": self.tuner.state_dict(),
-            "scaler": to_cpu(self.precision.state_dict()),
-            "model": model,
-            "labels": list(spec.labels),
-            "task": spec.task,
-            "input_size": int(spec.input_size),
-            "in_channels": int(spec.channels),
-            "normalization": dict(spec.normalization or DEFAULT_NORMALIZATION),
-            "epoch": int(epoch),
-            "optimizer": parts["optimizer"] if parts else to_cpu(self.optimizer.state_dict()),
-            "compressor": [g["compressor"] for g in gathered],
-            "rng": [g["rng"] for g in gathered],
-            "history": [_plain(row) for row in history],
-            "parallel": parts.get("parallel", {"kind": "ddp", "trainers": self.world_size}),
-            "global_step": int(self.global_step),
-        }
-        if position is not None:
-            checkpoint["position"] = position.to_dict()
-            checkpoint["partial"] = [g["partial"] for g in gathered]
-        if directory is not None and self.rank == 0:
-            save_checkpoint(checkpoint, directory, name=name)
-        return checkpoint
+        return checkpoint_state(self, epoch, history=history, directory=directory, position=position,
+                                partial=partial)  # fmt: skip
 
     def _step_checkpoint(self, position: Any, partial: dict[str, Any]) -> None:
         """A checkpoint inside epoch ``position.epoch``, taken by every rank at the same step (collective)."""
@@ -808,7 +641,7 @@ class TrainingActor:
         if directory is None:
             self._latest_step = checkpoint
 
-    def _let_go_of_allocator(self) -> None:
+    def let_go_of_allocator(self) -> None:
         """Let go of this trainer's hold on the allocator settings, once: at teardown, or when the worker drops
         the stale group of a trainer whose teardown never came. Other holders in the worker keep theirs."""
         if self.__dict__.pop("_holds_allocator", False):
@@ -830,10 +663,10 @@ class TrainingActor:
             self._latest = self._latest_step = None
         # DDP's reducer holds the process group: free it before the group goes, not at interpreter exit
         gc.collect()
-        if _GROUP_OWNER is not None and _GROUP_OWNER() is self:
-            _reset_process_group()
+        if owns_group(self):
+            reset_process_group()
         self._ready = False
-        self._let_go_of_allocator()
+        self.let_go_of_allocator()
         worker = self.__dict__.pop("_worker", None)  # the worker whose profiler setup paused
         if worker is not None:
             profiler.resume(worker)
@@ -844,44 +677,7 @@ class TrainingActor:
 
 logger = logging.getLogger("dask_dl.train")
 
-_GROUP_OWNER: weakref.ref | None = None  # the actor whose process group this worker process is in
 _WATCH_S = 1.0  # how often a running trainer checks that its actor is still wanted (its client still there)
-_CLAIM_WAIT_S = 10.0  # how long setup waits for a failed run's trainer to leave its group before judging it stale
-_RENDEZVOUS_MIN_S = 60.0  # the least time ranks wait for each other to arrive: see _rendezvous
-
-
-def _rendezvous(init_method: str, *, rank: int, world_size: int, timeout_s: float) -> dist.TCPStore:
-    """The group's key-value store at ``init_method`` (``tcp://host:port``, hosted by rank 0).
-
-    Ranks arrive seconds apart on a busy cluster (a worker still importing torch, a restart's new worker), so they
-    wait for each other at least ``_RENDEZVOUS_MIN_S``, however short ``dask-dl.train.timeout`` is set to notice a
-    hung collective. A rank that never arrives because its worker died is noticed by the driver, which shuts this
-    wait with the group's other connections (:func:`dask_dl.train.abort.shut_group_sockets`).
-    """
-    address = urlparse(init_method)
-    return dist.TCPStore(
-        address.hostname,
-        address.port,
-        world_size,
-        is_master=rank == 0,
-        timeout=timedelta(seconds=max(float(timeout_s), _RENDEZVOUS_MIN_S)),
-    )
-
-
-def _unpickle_spec(spec: TrainerSpec | bytes, address: str) -> TrainerSpec:
-    """The run's spec from the driver's pickle, or a ConfigurationError naming the module this worker lacks."""
-    if not isinstance(spec, bytes):
-        return spec
-    from distributed.protocol import pickle
-
-    try:
-        return pickle.loads(spec)
-    except Exception as exc:
-        raise ConfigurationError(
-            f"worker {address} cannot load the run's model and options: {type(exc).__name__}: {exc}. The model or "
-            "loss comes from a module that does not import there (or imports one that does not): install it where "
-            "the workers run, or send it to them before the run (client.upload_file, or dask-dl train --upload)"
-        ) from None
 
 
 def _raise_for_the_driver(exc: BaseException) -> NoReturn:
@@ -900,104 +696,6 @@ def _raise_for_the_driver(exc: BaseException) -> NoReturn:
     raise RuntimeError(f"{type(exc).__name__}: {failure_causes(exc)}") from exc
 
 
-def _claim_process_group(worker: Any, *, wait_s: float) -> None:
-    """Make this worker process free to join a new process group, or raise when a live run holds it.
-
-    A group whose actor is no longer on the worker (its run failed and was released while the trainer hung) is
-    stale: it is destroyed. torch's group counter, which a failed rendezvous advances without a group to
-    destroy, is reset, so every rank of the next run names its group alike.
-    """
-    deadline = time.monotonic() + wait_s
-    while dist.is_available() and dist.is_initialized():
-        owner = _GROUP_OWNER() if _GROUP_OWNER is not None else None
-        registered = owner is not None and _registered(worker, owner)
-        if registered and getattr(owner, "_ready", False):
-            raise ClusterError(
-                f"worker {worker.address} is already in a torch.distributed process group (another fit is "
-                "running on it); wait for that run or stop it (run.stop()), or train on other workers"
-            )
-        if not registered or time.monotonic() > deadline:  # released, or its teardown never ends: stale
-            logger.warning("worker %s: leaving a process group a failed run left behind", worker.address)
-            if owner is not None:
-                owner._let_go_of_allocator()  # its teardown will not come either
-            break
-        time.sleep(0.2)  # its trainer is leaving the group (a failed run's teardown)
-    _reset_process_group()
-
-
-def _registered(worker: Any, actor: Any) -> bool:
-    """True while ``actor`` is one of the worker's actors (the scheduler has not forgotten it)."""
-    for _ in range(10):
-        try:  # the worker's event loop changes the dict while this thread reads it
-            return any(a is actor for a in list(worker.state.actors.values()))
-        except RuntimeError:
-            time.sleep(0.01)
-    return True  # cannot tell: assume still wanted
-
-
-def _reset_process_group() -> None:
-    """Destroy this process's default group, if any, and reset torch's group counter."""
-    global _GROUP_OWNER
-    from torch.distributed import distributed_c10d
-
-    if dist.is_available() and dist.is_initialized():
-        try:
-            dist.destroy_process_group()
-        except Exception as exc:  # a group broken by a dead peer: forget it all the same
-            logger.warning("destroying the process group failed: %s: %s", type(exc).__name__, exc)
-    world = getattr(distributed_c10d, "_world", None)
-    if world is not None and not dist.is_initialized():
-        world.group_count = 0
-    _GROUP_OWNER = None
-
-
-_fast_exit_installed = False
-
-
-def _exit_without_finalization() -> None:
-    """Make this worker process end right after its ``atexit`` handlers, skipping the interpreter's finalization.
-
-    Measured on 2 loaded cores: a worker process that imported torch.distributed and ran a gloo group spends
-    4 s and more in interpreter finalization (module teardown and C++ static destructors, after the last
-    ``atexit`` handler), longer than the nanny's grace period, so every ``cluster.close()`` after a fit logged
-    "Worker process still alive after 4.0 seconds, killing"; gloo's threads (``pt_gloo_runloop``,
-    ``gloo_tcp_loop``, rank 0's ``pt_tcpstore_uv``) also outlive ``destroy_process_group``. Flushing the logs
-    and standard streams and leaving with ``os._exit`` from the first ``atexit`` handler that runs (the last
-    registered) cut the close from 4.2 s to 0.1-0.4 s. The worker has closed by then (its executors, comms
-    and the nanny's queues are done), so nothing is lost but the finalization. The exit status is 0: a process
-    that gets this far exits normally (crashes and kills do not run ``atexit`` handlers).
-    """
-    global _fast_exit_installed
-    if _fast_exit_installed:
-        return
-    _fast_exit_installed = True
-
-    def exit_now() -> None:
-        logging.shutdown()
-        for stream in (sys.stdout, sys.stderr):
-            if stream is not None:
-                try:
-                    stream.flush()
-                except (OSError, ValueError) as exc:  # a closed or broken stream: nothing more to flush into it
-                    logging.getLogger("dask_dl.train").debug("could not flush %s at exit: %s", stream, exc)
-        os._exit(0)
-
-    atexit.register(exit_now)
-
-
-def _ddp(model: torch.nn.Module, *, device_ids: list[int] | None) -> DistributedDataParallel:
-    """DDP that does not broadcast buffers at every forward (one more collective a step, where ranks wait for
-    each other): rank 0's are sent before validation (:mod:`dask_dl.train.buffers`), and are the checkpointed
-    ones. torch 2.13 names the switch ``forward_sync_buffers`` and warns on the older ``broadcast_buffers``,
-    which the torch versions before it take. (The new switch still sends rank 0's buffers once, when DDP starts;
-    the ranks build the same model either way.)"""
-    import inspect
-
-    parameters = inspect.signature(DistributedDataParallel.__init__).parameters
-    switch = "forward_sync_buffers" if "forward_sync_buffers" in parameters else "broadcast_buffers"
-    return DistributedDataParallel(model, device_ids=device_ids, **{switch: False})
-
-
 def _evaluate(model: Any, batches: Any, device: torch.device, precision: Any = None) -> Any:
     """``(logits, y, samples)`` of each validation batch, by the whole (unwrapped) model on this rank."""
     for x, y, s in batches:
@@ -1008,13 +706,6 @@ def _evaluate(model: Any, batches: Any, device: torch.device, precision: Any = N
         with precision.autocast():
             logits = model(precision.prepare_input(x))
         yield logits, y.to(device), s
-
-
-def _kept(checkpoint: dict[str, Any], spec: TrainerSpec) -> dict[str, Any]:
-    """What rank 0 keeps for the driver: the whole checkpoint, or only the weights (``spec.weights_only``)."""
-    if not spec.weights_only:
-        return checkpoint
-    return {"model": checkpoint["model"], "epoch": checkpoint["epoch"], "model_name": checkpoint["model_name"]}
 
 
 def _load_start_state(model: torch.nn.Module, spec: TrainerSpec) -> None:
@@ -1035,16 +726,6 @@ def _proximal_anchor(model: torch.nn.Module, spec: TrainerSpec) -> list[tuple[to
     if spec.proximal_mu <= 0:
         return None
     return [(p, p.detach().clone()) for p in model.parameters()]
-
-
-def _plain(row: dict[str, Any]) -> dict[str, Any]:
-    """History rows as plain Python values (``weights_only`` loading takes no numpy scalars)."""
-    out = {}
-    for key, value in row.items():
-        if isinstance(value, np.generic):
-            value = value.item()
-        out[str(key)] = value
-    return out
 
 
 def _count_samples(trained: list[dict[str, Any]], resume: Any, loader: Any) -> None:

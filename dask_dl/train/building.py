@@ -1,4 +1,4 @@
-"""Building a trainer's model and optimizer from its :class:`~dask_dl.train.actor.TrainerSpec`.
+"""Building a trainer's model and optimizer from its :class:`~dask_dl.train.spec.TrainerSpec`.
 
 In this order, on every rank, before DDP wraps the model: build it (:class:`dask_dl.models.source.ModelSource`),
 check that it fits the data with one dummy batch (so a wrong head or first layer fails before any epoch), load

@@ -46,7 +46,7 @@ from dask_dl.train.recovery import RestartPolicy, recoverable, restart_row, wait
 if TYPE_CHECKING:  # pragma: no cover
     from distributed import Client
 
-    from dask_dl.train.actor import TrainerSpec
+    from dask_dl.train.spec import TrainerSpec
 
 __all__ = ["Driver", "RunSink"]
 

@@ -12,7 +12,6 @@ same options (:func:`dask_dl.train.building.build_trainer_model`, :func:`~dask_d
 from __future__ import annotations
 
 import difflib
-import inspect
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -205,7 +204,9 @@ def _check_ramp(
 
 
 def _check_kwargs(fit_kwargs: dict[str, Any], check_run: Any) -> None:
-    taken = [name for name in inspect.signature(check_run).parameters if name != "dataset"]
+    from dask_dl.train.option_groups import OPTIONS
+
+    taken = list(OPTIONS)
     for name in fit_kwargs:
         if name == "lr":
             raise ConfigurationError("find_lr takes no lr: the ramp sets it; pass start_lr= and end_lr= instead")

@@ -20,6 +20,16 @@ import pandas as pd
 
 from dask_dl.errors import CheckpointError, ConfigurationError, TrainingError
 from dask_dl.interrupt import wait_for
+from dask_dl.train.option_groups import (
+    FineTuning,
+    Memory,
+    Optimization,
+    Recovery,
+    Reporting,
+    ScaleOut,
+    Training,
+    non_negative_real,
+)
 from dask_dl.train.options import RunOptions, check_run
 from dask_dl.train.parallel import check_resume
 from dask_dl.train.placement import place_trainers
@@ -78,10 +88,14 @@ def fit(
     channels_last: bool = False,
     accumulate: int | None = None,
     activation_checkpointing: bool = False,
-    start_state: dict[str, torch.Tensor] | None = None,
-    proximal_mu: float = 0.0,
+    training: Training | None = None,
+    optimization: Optimization | None = None,
+    scale_out: ScaleOut | None = None,
+    memory: Memory | None = None,
+    recovery: Recovery | None = None,
+    fine_tuning: FineTuning | None = None,
+    reporting: Reporting | None = None,
     workers: list[str] | None = None,
-    weights_only: bool = False,
     tracking: str | os.PathLike | Tracker | None = None,
 ) -> TrainingRun:
     """Train a model on ``dataset`` with synchronous data-parallel SGD over Dask workers.
@@ -199,18 +213,19 @@ def fit(
     activation_checkpointing : bool
         Recompute the model's blocks' activations in backward to save memory (registry models, timm models, and
         models with a ``checkpoint_blocks()`` method).
-    start_state : dict of str to torch.Tensor, optional
-        For :func:`dask_dl.fit_sites`: weights (a ``state_dict``) loaded into the model on every trainer right
-        after it is built, instead of the seeded initial weights.
-    proximal_mu : float
-        For :func:`dask_dl.fit_sites` (FedProx): adds ``proximal_mu / 2 * ||w - w_start||^2`` to the training
-        loss, ``w_start`` being ``start_state`` (the seeded initial weights without it). Default 0: off.
+    training, optimization, scale_out, memory, recovery, fine_tuning, reporting : optional
+        The same options in groups, for configurations kept as objects: :class:`dask_dl.Training` (``model``,
+        ``model_kwargs``, ``loss``, ``epochs``, ``batch_size``, ``seed``, ``augment``, ``normalization``),
+        :class:`dask_dl.Optimization` (``lr``, ``optimizer``, ``schedule``, ``accumulate``),
+        :class:`dask_dl.ScaleOut` (``trainers``, ``compression``, ``compression_options``, ``warmup_steps``,
+        ``parallel``, ``stages``, ``microbatches``), :class:`dask_dl.Memory` (``precision``, ``channels_last``,
+        ``activation_checkpointing``, ``memory_budget``), :class:`dask_dl.Recovery` (``checkpoint_dir``,
+        ``resume``, ``max_restarts``, ``min_trainers``, ``checkpoint_every_steps``, ``checkpoint_every_seconds``),
+        :class:`dask_dl.FineTuning` (``weights``, ``freeze_epochs``, ``head_lr``) and :class:`dask_dl.Reporting`
+        (``view``, ``tensorboard``); e.g. ``fit(ds, recovery=Recovery(max_restarts=5))``. A flat keyword may add
+        to a group; one that sets an option of the group to another value is a ConfigurationError.
     workers : list of str, optional
-        For :func:`dask_dl.fit_sites`: train only on these worker addresses (a site's workers).
-    weights_only : bool
-        For :func:`dask_dl.fit_sites`: without ``checkpoint_dir``, rank 0 keeps only the model's weights for
-        ``run.checkpoint()`` (a dict of ``model``, ``epoch`` and ``model_name``), so that no optimizer moment,
-        RNG state or history leaves the trainers.
+        Train only on these worker addresses (``client.scheduler_info()["workers"]``); a restart stays among them.
     tracking : str, path or Tracker, optional
         Record the run in MLflow (the ``tracking`` extra), from the client: ``http://host:port`` (a tracking
         server), ``sqlite:///runs.db`` or a folder; a :class:`dask_dl.tracking.Tracker`
@@ -250,24 +265,53 @@ def fit(
     >>> run = fit(ds, model="resnet18", epochs=10, trainers=2, compression="onebit", wait=False)  # doctest: +SKIP
     >>> run.history[["epoch", "train_loss", "val_auroc_mean"]]  # doctest: +SKIP
     """
+    options = {k: v for k, v in locals().items() if k not in ("dataset", "client", "wait", "workers", "tracking")}
+    return fit_visit(dataset, client=client, wait=wait, workers=workers, tracking=tracking, stacklevel=3, **options)
+
+
+def fit_visit(
+    dataset: xr.Dataset,
+    *,
+    client: Client | None = None,
+    wait: bool = True,
+    start_state: dict[str, torch.Tensor] | None = None,
+    proximal_mu: float = 0.0,
+    workers: list[str] | None = None,
+    weights_only: bool = False,
+    tracking: str | os.PathLike | Tracker | None = None,
+    stacklevel: int = 2,
+    **given: Any,
+) -> TrainingRun:
+    """:func:`fit` with the options of a visit of :func:`dask_dl.fit_sites` to one site (not part of ``fit``).
+
+    Parameters
+    ----------
+    start_state : dict of str to torch.Tensor, optional
+        Weights (a ``state_dict``) loaded into the model on every trainer right after it is built, instead of the
+        seeded initial weights.
+    proximal_mu : float
+        FedProx: adds ``proximal_mu / 2 * ||w - w_start||^2`` to the training loss, ``w_start`` being
+        ``start_state`` (the seeded initial weights without it). Default 0: off.
+    workers : list of str, optional
+        Train only on these worker addresses (a site's workers).
+    weights_only : bool
+        Without ``checkpoint_dir``, rank 0 keeps only the model's weights for ``run.checkpoint()`` (a dict of
+        ``model``, ``epoch`` and ``model_name``), so that no optimizer moment, RNG state or history leaves the
+        trainers.
+    tracking
+        As :func:`fit`'s.
+    **given
+        The options of :func:`fit`.
+    """
     from dask_dl.cluster import check_importable, check_visible, close_client, get_client
     from dask_dl.data.order import warn_if_sorted
     from dask_dl.tracking import Tracker, open_tracker, tracking_uri
 
     given_tracker = tracking if isinstance(tracking, Tracker) else None
     uri = None if given_tracker is not None else tracking_uri(tracking)  # a bad URI fails before any work
-    options = check_run(
-        dataset, model=model, epochs=epochs, batch_size=batch_size, trainers=trainers, compression=compression,
-        lr=lr, optimizer=optimizer, warmup_steps=warmup_steps, checkpoint_dir=checkpoint_dir, resume=resume,
-        seed=seed, augment=augment, model_kwargs=model_kwargs, compression_options=compression_options, view=view,
-        tensorboard=tensorboard, normalization=normalization, parallel=parallel, stages=stages,
-        microbatches=microbatches, memory_budget=memory_budget, max_restarts=max_restarts, min_trainers=min_trainers,
-        checkpoint_every_steps=checkpoint_every_steps, checkpoint_every_seconds=checkpoint_every_seconds,
-        loss=loss, weights=weights, freeze_epochs=freeze_epochs, head_lr=head_lr, schedule=schedule,
-        precision=precision, channels_last=channels_last, accumulate=accumulate,
-        activation_checkpointing=activation_checkpointing,
-        proximal_mu=proximal_mu,
-    )  # fmt: skip
+    options = check_run(dataset, **given)
+    visit = {"start_state": start_state, "proximal_mu": non_negative_real("proximal_mu", proximal_mu),
+             "weights_only": bool(weights_only)}  # fmt: skip
     total_steps = options.steps_per_epoch // options.accumulate * options.epochs
     if options.compression != "none" and options.parallel == "ddp" and options.warmup_steps >= total_steps:
         warnings.warn(
@@ -276,9 +320,9 @@ def fit(
             f"{options.steps_per_epoch} steps of global batch {options.global_batch}): every step would send "
             f"float32 gradients. Pass warmup_steps < {total_steps} (e.g. warmup_steps=0) or train longer",
             UserWarning,
-            stacklevel=2,
+            stacklevel=stacklevel,
         )
-    warn_if_sorted(options.store, split="train", stacklevel=2)  # a store in class-folder order learns poorly
+    warn_if_sorted(options.store, split="train", stacklevel=stacklevel)  # a store in class-folder order learns poorly
     lease = None
     if options.checkpoint_dir is not None:  # one live run per checkpoint_dir, held until the run ends
         from dask_dl.train.lease import CheckpointLease
@@ -294,7 +338,7 @@ def fit(
         check_importable(client, _modules_needed(options), workers=workers)  # and import the user's modules
         run = TrainingRun(
             client, options, workers=workers, history=history, resume_from=resume_from, owns_client=owns_client,
-            start_state=start_state, weights_only=weights_only, among=workers_allowed,
+            visit=visit, among=workers_allowed,
         )  # fmt: skip
     except BaseException:
         if lease is not None:
@@ -359,8 +403,7 @@ class TrainingRun:
         history: list[dict[str, Any]],
         resume_from: str | None = None,
         owns_client: bool = False,
-        start_state: dict[str, Any] | None = None,
-        weights_only: bool = False,
+        visit: dict[str, Any] | None = None,
         among: tuple[str, ...] | None = None,
     ) -> None:
         from dask_dl.train.driver import Driver
@@ -390,7 +433,7 @@ class TrainingRun:
         self._history_writer = HistoryWriter(
             options.checkpoint_dir, tensorboard=options.tensorboard, run_id=self.run_id
         )
-        self.spec = _trainer_spec(options, resume_from, start_state=start_state, weights_only=weights_only)
+        self.spec = _trainer_spec(options, resume_from, **(visit or {}))
         self._driver = Driver(
             client,
             self.spec,
@@ -649,58 +692,21 @@ def _trainer_spec(
     resume_from: str | None,
     *,
     start_state: dict[str, Any] | None = None,
+    proximal_mu: float = 0.0,
     weights_only: bool = False,
 ) -> Any:
+    """The trainers' spec: every field of the run's options, and what only the trainers need."""
+    from dataclasses import fields
+
     from dask_dl.models import MODELS
-    from dask_dl.train.actor import TrainerSpec
+    from dask_dl.train.spec import TrainerSpec
 
     return TrainerSpec(
-        store=options.store,
-        train_samples=options.train_samples,
-        val_samples=options.val_samples,
-        labels=options.labels,
-        task=options.task,
-        input_size=options.input_size,
-        model_name=options.model,
+        **{f.name: getattr(options, f.name) for f in fields(options)},
         model_target=MODELS.entry(options.model).target if options.model_source.kind == "registry" else None,
-        model_kwargs=dict(options.model_kwargs),
-        batch_size=options.batch_size,
-        lr=options.lr,
-        optimizer=options.optimizer,
-        momentum=options.momentum,
-        weight_decay=options.weight_decay,
-        compression=options.compression,
-        compression_options=dict(options.compression_options),
-        warmup_steps=options.warmup_steps,
-        seed=options.seed,
-        augment=options.augment,
-        window=options.window,
-        prefetch=options.prefetch,
-        cache=options.cache,
-        timeout_s=options.timeout_s,
-        check_every=options.check_every,
-        deterministic=options.deterministic,
         resume_from=resume_from,
-        channels=options.channels,
-        normalization=dict(options.normalization),
-        parallel=options.parallel,
-        stages=options.stages,
-        microbatches=options.microbatches,
-        schedule=options.schedule,
-        checkpoint_every_steps=options.checkpoint_every_steps,
-        checkpoint_every_seconds=options.checkpoint_every_seconds,
-        model_source=options.model_source,
-        loss=options.loss,
-        weights=options.weights,
-        freeze_epochs=options.freeze_epochs,
-        head_lr=options.head_lr,
-        lr_schedule=dict(options.lr_schedule),
-        precision=options.precision,
-        channels_last=options.channels_last,
-        accumulate=options.accumulate,
-        activation_checkpointing=options.activation_checkpointing,
         start_state=None if start_state is None else dict(start_state),
-        proximal_mu=options.proximal_mu,
+        proximal_mu=proximal_mu,
         weights_only=bool(weights_only),
     )
 

@@ -22,6 +22,7 @@ from dask_dl.normalize import DEFAULT_NORMALIZATION
 from dask_dl.sites.score import Ensemble, ModelSpec, score
 from dask_dl.sites.synthetic import synthetic_sites
 from dask_dl.testing.train import squares_collection
+from dask_dl.train.run import fit_visit
 
 # Rounds of trainers at three sites per test: for the full run only.
 pytestmark = pytest.mark.slow
@@ -63,7 +64,7 @@ def _datasets(stores):
     return {name: dask_dl.open_dataset(store) for name, store in stores.items()}
 
 
-# ---- fit's start_state and proximal term ------------------------------------------------------------------
+# ---- a visit's start_state and proximal term ----------------------------------------------------------------
 
 
 def _params(state):
@@ -75,27 +76,14 @@ def test_fit_starts_from_start_state_and_pulls_towards_it(squares, cluster3):
     start = build_model("small_cnn", num_outputs=2, width=8).state_dict()
     torch.manual_seed(OPTIONS["seed"])
     seeded = build_model("small_cnn", num_outputs=2, width=8).state_dict()  # what fit starts from without it
-    still = dask_dl.fit(
-        dask_dl.open_dataset(squares["B"]),
-        epochs=1,
-        trainers=1,
-        client=cluster3,
-        start_state=start,
-        **{**OPTIONS, "lr": 1e-9},
-    ).checkpoint()["model"]
+    still = fit_visit(dask_dl.open_dataset(squares["B"]), epochs=1, trainers=1, client=cluster3, start_state=start,
+                      **{**OPTIONS, "lr": 1e-9}).checkpoint()["model"]  # fmt: skip
     torch.testing.assert_close(_params(still), _params(start), rtol=0, atol=1e-6)
     assert float((_params(seeded) - _params(start)).abs().max()) > 0.1  # not the seeded initial weights
 
     def moved(mu: float) -> float:
-        run = dask_dl.fit(
-            dask_dl.open_dataset(squares["B"]),
-            epochs=2,
-            trainers=1,
-            client=cluster3,
-            start_state=start,
-            proximal_mu=mu,
-            **OPTIONS,
-        )
+        run = fit_visit(dask_dl.open_dataset(squares["B"]), epochs=2, trainers=1, client=cluster3,
+                        start_state=start, proximal_mu=mu, **OPTIONS)  # fmt: skip
         return float((_params(run.checkpoint()["model"]) - _params(start)).norm())
 
     free, held = moved(0.0), moved(5.0)
@@ -104,19 +92,12 @@ def test_fit_starts_from_start_state_and_pulls_towards_it(squares, cluster3):
 
 def test_fit_trains_only_on_the_workers_given(squares, cluster3):
     workers = sorted(cluster3.scheduler_info()["workers"])
-    run = dask_dl.fit(
-        dask_dl.open_dataset(squares["A"]),
-        epochs=1,
-        trainers=1,
-        client=cluster3,
-        workers=workers[2:],
-        weights_only=True,
-        **OPTIONS,
-    )
+    run = fit_visit(dask_dl.open_dataset(squares["A"]), epochs=1, trainers=1, client=cluster3,
+                    workers=workers[2:], weights_only=True, **OPTIONS)  # fmt: skip
     assert run.workers == workers[2:]
     assert set(run.checkpoint()) == {"model", "epoch", "model_name"}
     with pytest.raises(dask_dl.ClusterError, match="not workers of the cluster"):
-        dask_dl.fit(dask_dl.open_dataset(squares["A"]), trainers=1, client=cluster3, workers=["tcp://nowhere:1"])
+        fit_visit(dask_dl.open_dataset(squares["A"]), trainers=1, client=cluster3, workers=["tcp://nowhere:1"])
 
 
 # ---- protocols and the run handle ---------------------------------------------------------------------------
@@ -219,7 +200,7 @@ def test_incremental_trains_each_site_until_it_stops_improving_and_hands_over_th
     )
     assert alone.model_round == best["A"] < n_a - 1
     visit = {**OPTIONS, "seed": OPTIONS["seed"] + 1000 * (n_a + 1) + 1, "warmup_steps": 0}
-    first = dask_dl.fit(ds, epochs=1, trainers=1, client=cluster3, start_state=alone.state(), **visit)
+    first = fit_visit(ds, epochs=1, trainers=1, client=cluster3, start_state=alone.state(), **visit)
     scored_like(n_a, first.checkpoint()["model"])
 
 
@@ -239,9 +220,8 @@ def test_normalization_is_every_sites_and_travels_with_the_model(squares, cluste
     torch.manual_seed(OPTIONS["seed"])
     initial = build_model("small_cnn", num_outputs=2, width=8).state_dict()  # what every protocol starts from
     visit = {**OPTIONS, "seed": OPTIONS["seed"] + 1000, "warmup_steps": 0}
-    alone = dask_dl.fit(
-        ds, epochs=1, trainers=1, client=cluster3, start_state=initial, normalization=norm, **visit
-    ).checkpoint()["model"]
+    alone = fit_visit(ds, epochs=1, trainers=1, client=cluster3, start_state=initial, normalization=norm,
+                      **visit).checkpoint()["model"]  # fmt: skip
     for key, value in alone.items():
         torch.testing.assert_close(run.state()[key], value, rtol=0, atol=1e-6)
     # scored with it, on the site

@@ -26,7 +26,7 @@ from dask_dl import ConfigurationError
 from dask_dl.testing.train import squares_collection
 
 SIZE = 32
-FIXED = dict(model="small_cnn", model_kwargs={"width": 8}, batch_size=8, seed=0)
+FIXED = dict(model="small_cnn", model_kwargs={"width": 8}, batch_size=8, optimizer="sgd", seed=0)
 #: three learning rates that learn and three that barely move, in a grid (each tried once)
 LRS = [1e-5, 3e-5, 1e-4, 0.05, 0.1, 0.2]
 

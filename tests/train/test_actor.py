@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -60,21 +61,13 @@ def setup_client(tmp_path_factory):
 
 
 def _spec(store: str, **kwargs) -> TrainerSpec:
-    ds = dask_dl.open_dataset(store)
-    split = ds.split.values
-    options = dict(
-        store=store,
-        train_samples=ds.sample.values[split == "train"],
-        val_samples=ds.sample.values[split == "val"],
-        labels=("a", "b"),
-        task="multilabel",
-        input_size=32,
-        model_name="small_cnn",
-        model_kwargs={"width": 4},
-        batch_size=1,
-        lr=0.01,
-    )
-    return TrainerSpec(**{**options, **kwargs})
+    """The spec fit would make for small_cnn on ``store`` (batch 1, 2 trainers), with ``kwargs`` replaced."""
+    from dask_dl.train.options import check_run
+    from dask_dl.train.run import _trainer_spec
+
+    options = check_run(dask_dl.open_dataset(store), model="small_cnn", model_kwargs={"width": 4}, batch_size=1,
+                        lr=0.01, trainers=2)  # fmt: skip
+    return replace(_trainer_spec(options, None), **kwargs)
 
 
 def profiling(client, workers, expect: bool, *, wait_s: float = 5.0) -> dict[str, bool]:
@@ -171,14 +164,28 @@ def _ddp_step() -> object:
     import warnings
 
     from dask_dl.models import build_model
-    from dask_dl.train.actor import _ddp
+    from dask_dl.train.step import make_ddp
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        ddp = _ddp(build_model("small_cnn", num_outputs=2, width=8), device_ids=None)
+        ddp = make_ddp(build_model("small_cnn", num_outputs=2, width=8), device_ids=None)
     ddp.train()
     ddp(torch.randn(4, 1, 32, 32)).sum().backward()  # a training step runs without the broadcast
     return getattr(ddp, "forward_sync_buffers", getattr(ddp, "broadcast_buffers", None))
+
+
+def test_the_ranks_agree_on_a_stop_a_non_finite_loss_and_a_due_checkpoint():
+    """train_epoch's agreement: one all-reduce of (stop, loss sum, checkpoint clock), each flag raised on its own."""
+    from dask_dl.train.step import Agreement, agree
+
+    cpu = torch.device("cpu")
+    with one_rank_group():
+        assert agree(stop=False, loss_sum=torch.tensor(1.5), late=False, device=cpu) == Agreement(False, False, False)
+        assert agree(stop=True, loss_sum=torch.tensor(1.5), late=False, device=cpu) == Agreement(True, False, False)
+        assert agree(stop=False, loss_sum=torch.tensor(float("nan")), late=False, device=cpu) == Agreement(bad=True)
+        assert agree(stop=False, loss_sum=torch.tensor(float("-inf")), late=True, device=cpu) == Agreement(
+            bad=True, due=True
+        )
 
 
 def test_trainer_ddp_skips_the_per_step_buffer_broadcast_without_a_warning():
