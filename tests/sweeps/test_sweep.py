@@ -231,7 +231,7 @@ if __name__ == "__main__":
             Client(cluster) as client:
         dask_dl.sweep(dask_dl.open_dataset({store!r}), {{"lr": CategoricalDistribution([0.05, 0.1, 0.2, 0.15])}},
                       trials=4, sampler="grid", pruner="none", epochs={epochs}, storage={storage!r}, client=client,
-                      model="small_cnn", model_kwargs={{"width": 8}}, batch_size=8, seed=0)
+                      model="small_cnn", model_kwargs={{"width": 8}}, batch_size=8, optimizer="sgd", seed=0)
 """
 
 
