@@ -231,8 +231,8 @@ if __name__ == "__main__":
             Client(cluster) as client:
         dask_dl.sweep(dask_dl.open_dataset({store!r}), {{"lr": CategoricalDistribution([0.05, 0.1, 0.2, 0.15])}},
                       trials=4, sampler="grid", pruner="none", epochs={epochs}, storage={storage!r}, client=client,
-                      model="small_cnn", model_kwargs={{"width": 8}}, batch_size=8, optimizer="sgd", seed=0)
-"""
+                      model="small_cnn", model_kwargs={{"width": 8}}, batch_size=2, optimizer="sgd", seed=0)
+"""  # batches of 2: epochs of 32 steps, so that the watcher below sees a trial between its epochs
 
 
 def _states(storage: Path) -> dict[tuple[int, int], str]:
@@ -272,7 +272,7 @@ def test_resume_after_sigkill_trains_no_complete_trial_again(store, cluster_clie
         while True:  # until one trial is complete and another has a checkpoint
             assert proc.poll() is None, "the sweep ended before it could be killed"
             assert time.monotonic() < deadline, "the sweep made no progress"
-            time.sleep(0.5)
+            time.sleep(0.1)
             states = _states(storage)
             if "COMPLETE" in states.values() and any(s == "RUNNING" and n for (_, n), s in states.items()):
                 break

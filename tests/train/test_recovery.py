@@ -171,6 +171,20 @@ def wait_until(condition, *, within: float = 120.0, what: str = "") -> None:
         time.sleep(0.01)
 
 
+def live_workers(client: Client, n: int) -> None:
+    """Wait until ``n`` workers answer. A killed worker stays on the scheduler's list until the scheduler notices
+    (``client.wait_for_workers`` counts it), and its nanny's new one may not be there yet."""
+
+    def answered() -> bool:
+        pids = client.run(os.getpid, on_error="return")
+        if sum(isinstance(pid, int) for pid in pids.values()) >= n:
+            return True
+        time.sleep(0.2)
+        return False
+
+    wait_until(answered, within=180, what=f"{n} workers that answer")
+
+
 def validation_loss(store, model: torch.nn.Module) -> float:
     """The mean loss of ``model`` over the validation split, in this process."""
     ds = dask_dl.open_dataset(store)
@@ -219,14 +233,14 @@ def test_a_lost_worker_is_noticed_in_seconds_with_many_trainers(store, client, c
         assert_same_weights(run.checkpoint()["model"], fit(store, client, **options).checkpoint()["model"])
     finally:
         cluster.scale(4)
-        client.wait_for_workers(4, timeout=120)
+        live_workers(client, 4)
 
 
 @pytest.mark.slow  # a 4-worker cluster whose workers are killed
 def test_a_hung_trainer_is_left_out_and_the_run_goes_on(store, client, straight, tmp_path):
     """A stopped worker (SIGSTOP) neither hangs the run nor joins the next group: found hung at the collective's
     timeout plus dask-dl.train.hang-grace, left out, restarted by its nanny; one restart, the straight weights."""
-    client.wait_for_workers(4, timeout=120)
+    live_workers(client, 4)
     ck = tmp_path / "ck"
     with dask.config.set({"dask-dl.train.timeout": 5, "dask-dl.train.hang-grace": 2}):
         run = fit(store, client, checkpoint_dir=str(ck), checkpoint_every_steps=3, max_restarts=1, wait=False)
@@ -250,7 +264,7 @@ def test_a_hung_trainer_is_left_out_and_the_run_goes_on(store, client, straight,
     assert list(run.history["event"]) == ["", "", "restarted", ""]
     assert_same_weights(run.checkpoint()["model"], straight)
     wait_until(lambda: victim not in client.scheduler_info()["workers"], what="the nanny's restart of the hung worker")
-    client.wait_for_workers(4, timeout=120)
+    live_workers(client, 4)
 
 
 @pytest.mark.slow  # a 4-worker cluster whose workers are killed
@@ -282,7 +296,7 @@ def test_a_killed_trainer_recovers_with_identical_weights(store, client, straigh
     assert list(run.history["samples"]) == [STEPS * 2] * 4 and not run.history["samples_repeated"].any()
     assert_same_weights(run.checkpoint()["model"], straight)
     assert not list(ck.glob("step-*.pt"))  # the epochs' checkpoints replaced the step checkpoints
-    client.wait_for_workers(4, timeout=120)  # the nanny restarts the killed worker
+    live_workers(client, 4)  # the nanny restarts the killed worker
 
     # `dask-dl train` prints a restart as it sees it, before the epochs it has not shown yet (here: all four)
     printed = CliRunner().invoke(click.command()(lambda: _echo_training(run, (0, 0), False))).output.splitlines()
@@ -301,7 +315,7 @@ def test_a_worker_lost_before_its_trainer_started_is_a_restart(store, client, st
     thread; in the wild while it imported torch), the run waited for it for good."""
     from dask_dl.train.placement import place_trainers
 
-    client.wait_for_workers(4, timeout=120)
+    live_workers(client, 4)
     victim = place_trainers(client, 2)[1]  # the worker rank 1 will be placed on
     busy = client.submit(time.sleep, 600, workers=[victim], allow_other_workers=False, pure=False)
     wait_until(lambda: client.processing([victim])[victim], what="the task that holds the worker's thread")
@@ -327,7 +341,7 @@ def test_a_worker_lost_before_its_trainer_started_is_a_restart(store, client, st
     printed = CliRunner().invoke(click.command()(lambda: _echo_training(run, (0, 4), False))).output
     assert printed.startswith(f"{run.run_id}: lost {victim} before training started (TrainingError: ")
     assert_same_weights(run.checkpoint()["model"], straight)  # it started over, as if nothing had happened
-    client.wait_for_workers(4, timeout=120)
+    live_workers(client, 4)
 
 
 def _actor_waits(dask_scheduler, prefix: str) -> bool:
@@ -353,7 +367,7 @@ def test_resume_from_a_step_checkpoint_is_identical(store, client, straight, tmp
 def test_a_killed_fsdp_trainer_recovers_from_sharded_step_checkpoints(store, client, tmp_path):
     """The same kill in an FSDP run: the restart loads the step checkpoint's shards and the loader's position, and
     the run ends with the weights of an uninterrupted FSDP run, bit for bit."""
-    client.wait_for_workers(4, timeout=120)
+    live_workers(client, 4)
     options = dict(parallel="fsdp", compression="none", epochs=3)
     straight = fit(store, client, **options).checkpoint()["model"]
     ck = tmp_path / "ck"
@@ -366,14 +380,14 @@ def test_a_killed_fsdp_trainer_recovers_from_sharded_step_checkpoints(store, cli
     assert list(run.history["samples"]) == [STEPS * 2] * 3 and not run.history["samples_repeated"].any()
     assert_same_weights(run.checkpoint()["model"], straight)
     assert not list(ck.glob("step-*"))  # the epochs' checkpoints removed the step files and their shards
-    client.wait_for_workers(4, timeout=120)
+    live_workers(client, 4)
 
 
 @pytest.mark.slow  # a 4-worker cluster whose workers are killed
 def test_fsdp_workers_that_change_rank_between_runs_save_and_load_their_own_shards(store, client, tmp_path):
     """A worker that was rank 1 of one FSDP run and is rank 0 of the next (and back): DTensor's caches once handed
     the new run tensors on the old run's mesh, so the worker saved (and loaded) its old rank's shard."""
-    client.wait_for_workers(4, timeout=120)
+    live_workers(client, 4)
     a, b, c = sorted(client.scheduler_info()["workers"])[:3]  # trainers take their ranks in this order
     options = dict(parallel="fsdp", compression="none", batch_size=8)
     whole = fit(store, client, **options, epochs=2, workers=[a, b]).checkpoint()["model"]
@@ -388,7 +402,7 @@ def test_fsdp_workers_that_change_rank_between_runs_save_and_load_their_own_shar
 def test_an_fsdp_run_on_two_trainers_goes_on_with_one(store, client, tmp_path):
     """FSDP at another world size: the killed rank's worker comes back at a new address, outside the run's
     workers, so the restart goes on with the one trainer left, its shards re-sharded from the step checkpoint."""
-    client.wait_for_workers(4, timeout=120)
+    live_workers(client, 4)
     pair = sorted(client.scheduler_info()["workers"])[:2]
     ck = tmp_path / "ck"
     with dask.config.set({"dask-dl.train.restart-wait": 2}):
@@ -415,14 +429,14 @@ def test_an_fsdp_run_on_two_trainers_goes_on_with_one(store, client, tmp_path):
     assert history.loc[1, "samples"] == STEPS * 2 and history.loc[1, "samples_repeated"] == 0
     assert history.loc[2, "samples"] == STEPS * 2 and history.loc[2, "global_batch"] == 1
     assert np.isfinite(history["train_loss"]).all() and np.isfinite(history["val_loss"]).all()
-    client.wait_for_workers(4, timeout=120)
+    live_workers(client, 4)
 
 
 @pytest.mark.slow  # a 4-worker cluster whose workers are killed
 def test_a_pipeline_that_lost_a_replica_goes_on_with_one(store, client, tmp_path):
     """2 replicas of a 2-stage pipeline lose replica 1's last stage: the restart goes on with replica 0's stages
     alone, from the step checkpoint, the epoch's remaining rows re-sharded for one replica."""
-    client.wait_for_workers(4, timeout=120)
+    live_workers(client, 4)
     four = sorted(client.scheduler_info()["workers"])[:4]
     ck = tmp_path / "ck"
     with dask.config.set({"dask-dl.train.restart-wait": 2}):
@@ -457,12 +471,12 @@ def test_a_pipeline_that_lost_a_replica_goes_on_with_one(store, client, tmp_path
     assert np.isfinite(history["train_loss"]).all()
     # the consolidated checkpoint of the replica left scores the validation split as its stages did
     assert validation_loss(store, run.model()) == pytest.approx(history.loc[2, "val_loss"], rel=1e-5)
-    client.wait_for_workers(4, timeout=120)
+    live_workers(client, 4)
 
 
 @pytest.mark.slow  # a 4-worker cluster whose workers are killed
 def test_more_failures_than_max_restarts_is_a_clear_error(store, client):
-    client.wait_for_workers(4, timeout=120)
+    live_workers(client, 4)
     run = fit(store, client, epochs=500, max_restarts=1, wait=False)  # no checkpoint_dir: in-memory checkpoints
     wait_until(lambda: len(run.history) >= 1 or run.done, what="the first epoch")
     first = run.workers[0]  # rank 0: the driver takes the checkpoint from rank 1, which every rank keeps
@@ -474,13 +488,13 @@ def test_more_failures_than_max_restarts_is_a_clear_error(store, client):
     with pytest.raises(TrainingError, match=r"gave up after 1 restart\(s\) \(max_restarts=1\).*trainer 1 on .* lost"):
         run.wait(timeout=120)
     assert run.error.lost_workers == [second]
-    client.wait_for_workers(4, timeout=120)
+    live_workers(client, 4)
 
 
 @pytest.mark.slow  # a 4-worker cluster whose workers are killed
 def test_a_worker_lost_for_good_finishes_on_fewer_trainers(store, client, cluster, tmp_path):
     """Last in this module: the cluster keeps one worker fewer."""
-    client.wait_for_workers(4, timeout=120)
+    live_workers(client, 4)
     ck = tmp_path / "ck"
     # with 4 ranks, a survivor that waits on another survivor (not on the lost rank) sees the failure only at the
     # collective's timeout: a short one keeps this test short
