@@ -525,7 +525,9 @@ def test_a_worker_lost_for_good_finishes_on_fewer_trainers(store, client, cluste
 def test_an_fsdp_run_that_lost_a_worker_for_good_goes_on_with_its_shards_resharded(store, client, cluster, tmp_path):
     """After the test above (last in this module with it): FSDP on every worker left, one of them lost for good;
     the restart on one trainer fewer loads the step checkpoint's shards re-sharded and the epoch's remaining rows."""
-    workers = len(client.scheduler_info()["workers"])
+    # asked of the scheduler itself: client.scheduler_info() returns the client's cache, which its periodic update
+    # (cluster totals, no workers) can overwrite between the fetch and the return
+    workers = len(client.sync(client.scheduler.identity, n_workers=-1)["workers"])
     assert workers >= 2
     ck = tmp_path / "ck"
     with dask.config.set({"dask-dl.train.restart-wait": 2, "dask-dl.train.timeout": 10}):
