@@ -215,10 +215,12 @@ def sweep(root: Path, args) -> dict:
             return [a for r in records if r.state == "running" and r.run is not None for a in r.group]
 
         killer = WorkerKiller(client, among=running, keep=0)
+        while not list((root / "chaos").glob("trial-*/epoch-0000.pt")) and not chaotic.done:
+            time.sleep(0.01)  # the first kill once a trial has a checkpoint to go on from
         while not chaotic.done:
-            time.sleep(args.sweep_every)
-            if len(killer.kills) < args.sweep_kills and not chaotic.done:
+            if len(killer.kills) < args.sweep_kills:
                 killer.kill()
+            time.sleep(args.sweep_every)
         chaotic.wait()
         chaos_s = time.time() - started
         differ = []
@@ -291,7 +293,7 @@ def main() -> None:
     parser.add_argument("--predict-kills", type=int, default=7, help="most kills during predict")
     parser.add_argument("--epochs", type=int, default=4, help="fit epochs, one kill in each")
     parser.add_argument("--fit-images", type=int, default=128, help="training images (steps per epoch: half)")
-    parser.add_argument("--sweep-every", type=float, default=8.0, help="seconds between kills in the sweep stage")
+    parser.add_argument("--sweep-every", type=float, default=3.0, help="seconds between kills in the sweep stage")
     parser.add_argument("--sweep-kills", type=int, default=3, help="most kills during the sweep")
     parser.add_argument("--large", type=int, default=16, help="7000 px images for the memory stage")
     parser.add_argument(
@@ -323,8 +325,8 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
     table = pd.DataFrame(rows).set_index("stage")
     table["lost_s"] = table["chaos_s"] - table["calm_s"]
-    table["pauses"] = table["pauses"].fillna(0).astype(int)
-    table["kills"] = table["kills"].fillna(0).astype(int)
+    for counted in ("pauses", "kills"):  # a stage that has none of them leaves its column out
+        table[counted] = table.get(counted, pd.Series(0, index=table.index)).fillna(0).astype(int)
     columns = ["kills", "pauses", "calm_s", "chaos_s", "lost_s", "matched", "differs"]
     print(
         f"\nchaos: {args.images} images ({args.source_size} px, ingested at {args.size}) on {args.workers} workers, "
