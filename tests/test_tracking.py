@@ -173,7 +173,7 @@ def test_a_nested_run_whose_fit_failed_ends_failed(store, cluster_client, tmp_pa
 
 
 def test_server_down_warns_once_and_training_goes_on(store, cluster_client, caplog):
-    from dask_dl.testing.tracking import free_port
+    from dask_dl.testing.servers import free_port
 
     closed = f"http://127.0.0.1:{free_port()}"
     with caplog.at_level(logging.WARNING, logger="dask_dl.tracking"):

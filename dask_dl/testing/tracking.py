@@ -4,24 +4,15 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["free_port", "mlflow_server"]
+from dask_dl.testing.servers import free_port, stop_server, wait_for_http
 
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on (now)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["mlflow_server"]
 
 
 @contextmanager
@@ -47,32 +38,7 @@ def mlflow_server(root: str | os.PathLike, *, timeout: float = 180) -> Iterator[
         proc = subprocess.Popen(args, cwd=root, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     uri = f"http://127.0.0.1:{port}"
     try:
-        _wait_for_health(uri, proc, timeout=timeout, log=log)
+        wait_for_http(f"{uri}/health", proc, timeout=timeout, log=log)
         yield uri
     finally:
-        _stop(proc)
-
-
-def _wait_for_health(uri: str, proc: subprocess.Popen, *, timeout: float, log: Path) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"mlflow server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(f"{uri}/health", timeout=2):
-                return
-        except OSError:
-            time.sleep(0.3)
-    raise RuntimeError(f"mlflow server at {uri} did not answer within {timeout:g} s:\n{log.read_text()[-3000:]}")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """SIGTERM to the server's process group (uvicorn's worker with it), SIGKILL after 15 s; by the pid we started."""
-    if proc.poll() is not None:
-        return
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(15)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(5)
+        stop_server(proc, group=True)  # uvicorn's worker with it

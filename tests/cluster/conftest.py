@@ -11,50 +11,17 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
-from dask_dl.testing.servers import unavailable
+from dask_dl.testing.servers import free_port, stop_server, unavailable, wait_for_http
 
 REPO = Path(__file__).resolve().parents[2]
 GATEWAY_CONFIG = REPO / "docs" / "gateway" / "dask_gateway_config.py"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for_http(url: str, proc: subprocess.Popen, *, timeout: float, log: Path) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(url, timeout=2):
-                return
-        except OSError:
-            time.sleep(0.2)
-    raise RuntimeError(f"{url} did not answer within {timeout:g} s:\n{log.read_text()[-3000:]}")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    """Stop a server we started, by its pid: SIGTERM, then SIGKILL after 15 s."""
-    if proc.poll() is None:
-        os.kill(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(5)
 
 
 @pytest.fixture(scope="session")
@@ -80,13 +47,13 @@ def gateway_server(tmp_path_factory):
     try:
         wait_for_http(f"http://127.0.0.1:{proxy}/api/health", proc, timeout=60, log=log)
     except RuntimeError as exc:
-        stop(proc)
+        stop_server(proc)
         unavailable(f"dask-gateway-server did not start: {exc}")
     try:
         # users talk to the proxy (HTTP API and scheduler traffic on one port); ``port`` is the private API
         yield {"address": f"http://127.0.0.1:{proxy}", "password": "dask-dl-test", "log": log}
     finally:
-        stop(proc)
+        stop_server(proc)
 
 
 SLURM_SCRIPT = REPO / ".ci" / "slurm"
@@ -158,7 +125,7 @@ def s3_server(tmp_path_factory):
     try:
         wait_for_http(f"http://127.0.0.1:{port}/moto-api/", proc, timeout=60, log=log)
     except RuntimeError as exc:
-        stop(proc)
+        stop_server(proc)
         unavailable(f"the S3 server (moto) did not start: {exc}")
     try:
         yield {
@@ -168,4 +135,4 @@ def s3_server(tmp_path_factory):
             "client_kwargs": {"region_name": "eu-west-1"},  # moto refuses us-east-1 as a bucket location
         }
     finally:
-        stop(proc)
+        stop_server(proc)
