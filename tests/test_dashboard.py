@@ -19,6 +19,7 @@ from distributed.utils_test import gen_cluster
 
 from dask_dl import ConfigurationError, dashboard
 from dask_dl.dashboard.page import RunsPage
+from dask_dl.dashboard.sweep_page import SweepsPage
 from dask_dl.testing.browser import Browser, find_chromium
 from dask_dl.testing.servers import unavailable
 
@@ -60,6 +61,38 @@ MALFORMED = {
     ),
     "status not a string": ({"status": 3, "history": []}, "status is 3 (int), not a string"),
     "bool as a number": ({"status": "running", "trainers": True}, "trainers is True (bool), not a number"),
+}
+
+
+SWEEP = {
+    "status": "running",
+    "metric": "val_auroc_mean",
+    "direction": "maximize",
+    "best_trial": 1,
+    "trials": [
+        {"number": 0, "state": "pruned", "params": {"lr": 1e-05}, "curve": [0.5], "best": 0.5, "epochs": 1},
+        {"number": 1, "state": "complete", "params": {"lr": 0.1}, "curve": [0.8, 0.95], "best": 0.95, "epochs": 2}
+        | {"seconds": 3.25, "run_id": "run-t1"},
+        {"number": 2, "state": "running", "params": {"lr": 0.01}, "curve": [], "epochs": 0},
+        {"number": 3, "state": "failed", "params": {"lr": 0.3}, "curve": [None], "error": "TrainingError: boom"},
+    ],
+}
+MALFORMED_SWEEPS = {
+    "no trials": ({"status": "running", "metric": "val_loss"}, "missing key 'trials'"),
+    "metric not a string": ({"status": "running", "metric": 3, "trials": []}, "metric is 3 (int), not a string"),
+    "trials a dict": ({"status": "running", "metric": "m", "trials": {"0": 1}}, "not a list of trials"),
+    "trial without state": (
+        {"status": "done", "metric": "m", "trials": [{"number": 0}]},
+        "trials[0] misses key 'state'",
+    ),
+    "curve of text": (
+        {"status": "done", "metric": "m", "trials": [{"number": 0, "state": "complete", "curve": [0.5, "x"]}]},
+        "trials[0]['curve'][1] is 'x' (str), not a number",
+    ),
+    "number None": (
+        {"status": "done", "metric": "m", "trials": [{"number": None, "state": "complete"}]},
+        "trials[0]['number'] is None (NoneType), not a number",
+    ),
 }
 
 
@@ -216,6 +249,58 @@ def test_page_without_runs():
     assert not page.comparison.root.visible
 
 
+@pytest.mark.parametrize("case", sorted(MALFORMED_SWEEPS))
+def test_check_sweep_names_each_problem(case):
+    snapshot, problem = MALFORMED_SWEEPS[case]
+    problems = dashboard.check_sweep(snapshot)
+    assert len(problems) == 1 and problem in problems[0], problems
+    with pytest.raises(ConfigurationError, match=re.escape(problem)):
+        dashboard.publish_sweep(None, "sweep-x", snapshot)  # refused before anything is sent
+    assert dashboard.check_sweep(SWEEP) == []
+
+
+def test_sweeps_page_draws_every_trial_pruned_ones_marked_and_bad_sweeps_boxed():
+    events = [(0.0, {"sweep_id": "s1", **SWEEP}), (1.0, {"run_id": "a run", "status": "running"})]  # not a sweep
+    events += [
+        (2.0 + i, {"sweep_id": f"bad-{case}", **snap}) for i, (case, (snap, _)) in enumerate(MALFORMED_SWEEPS.items())
+    ]
+    page = SweepsPage(lambda: (len(events), dashboard.runs_from_events(events, key="sweep_id")))
+    page.update()
+    assert list(page.panels) == ["s1", *(f"bad-{case}" for case in MALFORMED_SWEEPS)]
+    panel = page.panels["s1"]
+    assert not panel.error.visible and panel.figure.visible
+    assert panel.figure.title.text == "val_auroc_mean per trial"
+    curves = panel.curves.data
+    assert curves["trial"] == ["0", "1", "3"]  # the running trial has no epoch yet
+    assert curves["xs"] == [[1], [1, 2], [1]] and curves["ys"][:2] == [[0.5], [0.8, 0.95]]
+    assert math.isnan(curves["ys"][2][0])  # a gap, not an axis to NaN
+    assert curves["dash"] == ["dashed", "solid", "dotted"] and curves["width"] == [1.5, 4.0, 1.5]  # the best thick
+    assert panel.ends.data["marker"] == ["x", "circle", "circle"]  # the pruned trial ends with an x
+    assert panel.ends.data["text"] == ["#0", "#1", "#3"] and panel.ends.data["x"] == [1, 2, 1]
+    for fact in ("val_auroc_mean (maximize)", "1 complete, 1 failed, 1 pruned, 1 running", "#1", "0.95", "lr=0.1"):
+        assert fact in panel.facts.text, fact
+    table = panel.table.text
+    assert table.count("<tr") == 5 and "<tr style='font-weight:bold'><td>#1</td>" in table
+    for cell in ("lr=1e-05", "3.2", "run-t1", "TrainingError: boom", ">pruned<", ">running<"):
+        assert cell in table, cell
+    for case, (_, problem) in MALFORMED_SWEEPS.items():
+        bad = page.panels[f"bad-{case}"]
+        assert bad.error.visible and bad.figure is None and not bad.table.visible, case
+        assert html.escape(problem) in bad.error.text and "The other sweeps are not affected" in bad.error.text
+
+    # the sweep goes on: a trial completes, the page follows
+    done = [dict(t) for t in SWEEP["trials"]]
+    done[2] |= {"state": "complete", "curve": [0.7, 0.9], "best": 0.9, "epochs": 2}
+    events.append((9.0, {"sweep_id": "s1", "status": "done", "trials": done}))
+    page.update()
+    assert panel.curves.data["trial"] == ["0", "1", "2", "3"] and "done" in panel.facts.text
+    assert list(page.grid.children)[0] is page.panels[f"bad-{list(MALFORMED_SWEEPS)[-1]}"].root  # newest first
+
+    empty = SweepsPage(lambda: (0, {}))
+    empty.update()
+    assert empty.empty.visible and "No sweeps yet" in empty.empty.text
+
+
 # ---- the routes on a real scheduler --------------------------------------------------------------------------
 
 
@@ -239,6 +324,8 @@ def test_routes_serve_runs_and_survive_malformed_ones():
             client.log_event(dashboard.TOPIC, {"run_id": f"bad-{case}", **snapshot})
         client.log_event(dashboard.TOPIC, {"run_id": "bad-bytes", "status": "running", "loss": b"\x00"})
         dashboard.publish(client, "run-b", {"status": "running", "history": []})
+        dashboard.publish_sweep(client, "sweep-a", SWEEP)
+        client.log_event(dashboard.SWEEP_TOPIC, {"sweep_id": "bad-sweep", "status": "running", "metric": "m"})
         runs = _wait_for(page + "/runs.json", lambda r: "run-b" in r)  # events travel on a batched stream
         assert list(runs) == ["run-a", *(f"bad-{case}" for case in MALFORMED), "bad-bytes", "run-b"]
         assert runs["run-a"] == {
@@ -259,8 +346,15 @@ def test_routes_serve_runs_and_survive_malformed_ones():
         for case, (_, problem) in MALFORMED.items():
             assert f"bad-{case}" in texts and html.escape(problem) in texts, case
         assert _get(page + "/")[0] == 200  # redirected to /dask-dl
-        # the dashboard's menu lists the page on every page opened after install
-        assert 'href="dask-dl"' in _get(page.replace("/dask-dl", "/status"))[1]
+        # the dashboard's menu lists the pages on every page opened after install
+        menu = _get(page.replace("/dask-dl", "/status"))[1]
+        assert 'href="dask-dl"' in menu and 'href="dask-dl-sweeps"' in menu
+
+        sweeps = _wait_for(page + "/sweeps.json", lambda r: "bad-sweep" in r)
+        assert list(sweeps) == ["sweep-a", "bad-sweep"] and sweeps["sweep-a"] == SWEEP
+        assert sweeps["bad-sweep"]["problems"] == ["missing key 'trials'"]
+        texts = _document_texts(page + "-sweeps")
+        assert "sweep-a" in texts and "run-t1" in texts and "missing key &#x27;trials&#x27;" in texts
 
 
 def test_plugin_keeps_runs_the_event_log_forgot():
@@ -342,6 +436,7 @@ def test_preload_lists_the_page_for_jupyterlab():
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
     found = json.loads(out.stdout.strip().splitlines()[-1])
     assert found["plots"]["Individual Dask Dl"] == "/individual-dask-dl"
+    assert found["plots"]["Individual Dask Dl Sweeps"] == "/individual-dask-dl-sweeps"
     assert found["menu"] == 1 and found["runs"] == {} and found["individual"]
     assert found["bokeh_servers"] == 1  # distributed's own serves the page: the plugin added none
     if found["rendered"] is not None:
@@ -360,10 +455,13 @@ def test_install_lists_the_page_among_jupyterlabs_panels():
         before = json.loads(_get(base + "/individual-plots.json")[1])
         dashboard.install(client)
         after = json.loads(_get(base + "/individual-plots.json")[1])
-        assert after == {**before, "Individual Dask Dl": "/individual-dask-dl"}
+        ours = {"Individual Dask Dl": "/individual-dask-dl", "Individual Dask Dl Sweeps": "/individual-dask-dl-sweeps"}
+        assert after == {**before, **ours}
         assert "Individual Task Stream" in after  # distributed's own panels stay listed
         status, text = _get(base + after["Individual Dask Dl"])
         assert status == 200 and "Dask: dask_dl training runs" in text
+        status, text = _get(base + after["Individual Dask Dl Sweeps"])
+        assert status == 200 and "Dask: dask_dl sweeps" in text
         dashboard.install(client)  # every fit installs: still listed once
         assert json.loads(_get(base + "/individual-plots.json")[1]) == after
 

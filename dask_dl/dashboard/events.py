@@ -21,6 +21,7 @@ from typing import Any
 from dask_dl.errors import ConfigurationError
 
 TOPIC = "dask-dl-runs"
+SWEEP_TOPIC = "dask-dl-sweeps"
 PLUGIN_NAME = "dask-dl-dashboard"
 
 #: keys of a snapshot the page draws as numbers (every one optional)
@@ -54,6 +55,9 @@ ROW_NUMBERS = (
 #: what a run and each of its history rows must hold
 RUN_REQUIRED = ("status",)
 ROW_REQUIRED = ("epoch", "train_loss")
+#: what a sweep and each of its trials must hold
+SWEEP_REQUIRED = ("status", "metric", "trials")
+TRIAL_REQUIRED = ("number", "state")
 _MAX_PROBLEMS = 5  # a run with a thousand bad rows shows the first few and a count
 
 
@@ -77,30 +81,60 @@ def publish(client: Any, run_id: str, snapshot: dict[str, Any]) -> None:
         When ``run_id`` is not a non-empty string or ``snapshot`` is malformed (not a dict, no ``status``, a
         number that is not a number, a history that is not a list of rows); nothing is published then.
     """
-    if not isinstance(run_id, str) or not run_id:
-        raise ConfigurationError(f"run_id must be a non-empty string, got {run_id!r}")
+    example = "{'status': 'running', 'epoch': 0, 'loss': 0.4, 'history': [{'epoch': 0, 'train_loss': 0.5}, ...]}"
+    _send(client, TOPIC, "run", run_id, snapshot, check_run, "TrainingRun.snapshot()", example)
+
+
+def publish_sweep(client: Any, sweep_id: str, snapshot: dict[str, Any]) -> None:
+    """Send the current state of a sweep to the scheduler's event log, where the sweeps page reads it.
+
+    Parameters
+    ----------
+    client
+        A :class:`distributed.Client` connected to the scheduler that serves the page.
+    sweep_id
+        The sweep's name; later snapshots of the same sweep replace the keys they carry.
+    snapshot
+        The sweep's state, shaped like :meth:`dask_dl.sweeps.Sweep.snapshot`: ``status``, ``metric``,
+        ``direction`` and ``trials``, a list of trials (dicts with ``number``, ``state`` and optionally
+        ``params``, ``curve``, the metric per epoch, ``best``, ``epochs``, ``seconds``, ``run_id`` and
+        ``error``); optionally ``best_trial``, the number of the best trial.
+
+    Raises
+    ------
+    ConfigurationError
+        When ``sweep_id`` is not a non-empty string or ``snapshot`` is malformed; nothing is published then.
+    """
+    example = "{'status': 'running', 'metric': 'val_auroc_mean', 'trials': [{'number': 0, 'state': 'running'}]}"
+    _send(client, SWEEP_TOPIC, "sweep", sweep_id, snapshot, check_sweep, "Sweep.snapshot()", example)
+
+
+def _send(client: Any, topic: str, kind: str, name: str, snapshot: Any, check: Any, shape: str, example: str) -> None:
+    if not isinstance(name, str) or not name:
+        raise ConfigurationError(f"{kind}_id must be a non-empty string, got {name!r}")
     if not isinstance(snapshot, dict):
         raise ConfigurationError(
-            f"the snapshot of run {run_id!r} must be a dict like TrainingRun.snapshot(), got {type(snapshot).__name__}"
+            f"the snapshot of {kind} {name!r} must be a dict like {shape}, got {type(snapshot).__name__}"
         )
     message = jsonable(snapshot)
-    problems = check_run(message)
+    problems = check(message)
     if problems:
         raise ConfigurationError(
-            f"the snapshot of run {run_id!r} cannot go to the dashboard: {'; '.join(problems)}. "
-            "Publish dicts shaped like TrainingRun.snapshot(): "
-            "{'status': 'running', 'epoch': 0, 'loss': 0.4, 'history': [{'epoch': 0, 'train_loss': 0.5}, ...]}"
+            f"the snapshot of {kind} {name!r} cannot go to the dashboard: {'; '.join(problems)}. "
+            f"Publish dicts shaped like {shape}: {example}"
         )
-    client.log_event(TOPIC, {**message, "run_id": run_id})
+    client.log_event(topic, {**message, f"{kind}_id": name})
 
 
 class RunStore:
-    """The latest state of each run, folded from run events as they arrive, in start order.
+    """The latest state of each run (or sweep), folded from its events as they arrive, in start order.
 
     Parameters
     ----------
     max_runs
         How many runs to keep; beyond it, the run started first goes. Default ``dask-dl.dashboard.max-runs``.
+    key
+        The message key that names the run: ``"run_id"``, or ``"sweep_id"`` for the sweeps' events.
 
     Raises
     ------
@@ -108,10 +142,11 @@ class RunStore:
         When ``max_runs`` is not a positive integer.
     """
 
-    def __init__(self, max_runs: int | None = None) -> None:
+    def __init__(self, max_runs: int | None = None, *, key: str = "run_id") -> None:
         from dask_dl import config
         from dask_dl.checks import positive_int
 
+        self.key = key
         self.max_runs = positive_int("dask-dl.dashboard.max-runs", config.get("dashboard.max-runs", max_runs))
         self.runs: dict[str, dict[str, Any]] = {}
         self.version = 0  # counts the events folded: the page redraws when it changes
@@ -119,19 +154,19 @@ class RunStore:
     def fold(self, msg: Any) -> None:
         """Merge one event's message into its run's state; messages that are not run updates are skipped.
 
-        A message is a run update when it is a dict with a ``run_id``; a run id that is not a string is used as
-        its ``str``. Later keys replace earlier ones.
+        A message is an update when it is a dict with the store's ``key`` (``run_id``); an id that is not a
+        string is used as its ``str``. Later keys replace earlier ones.
         """
-        if not isinstance(msg, dict) or msg.get("run_id") is None:
+        if not isinstance(msg, dict) or msg.get(self.key) is None:
             return
-        run_id = msg["run_id"] if isinstance(msg["run_id"], str) else str(msg["run_id"])
-        self.runs.setdefault(run_id, {}).update({str(k): v for k, v in msg.items() if k != "run_id"})
+        run_id = msg[self.key] if isinstance(msg[self.key], str) else str(msg[self.key])
+        self.runs.setdefault(run_id, {}).update({str(k): v for k, v in msg.items() if k != self.key})
         while len(self.runs) > self.max_runs:
             del self.runs[next(iter(self.runs))]
         self.version += 1
 
 
-def runs_from_events(events: Any, *, max_runs: int | None = None) -> dict[str, dict[str, Any]]:
+def runs_from_events(events: Any, *, max_runs: int | None = None, key: str = "run_id") -> dict[str, dict[str, Any]]:
     """Fold the scheduler's ``dask-dl-runs`` events into the latest state of each run, in start order.
 
     Parameters
@@ -139,15 +174,15 @@ def runs_from_events(events: Any, *, max_runs: int | None = None) -> dict[str, d
     events
         ``(timestamp, message)`` pairs as ``Scheduler.get_events(TOPIC)`` returns them; see :meth:`RunStore.fold`
         for which messages count.
-    max_runs
-        See :class:`RunStore`.
+    max_runs, key
+        See :class:`RunStore` (``key="sweep_id"`` folds the ``dask-dl-sweeps`` events).
 
     Returns
     -------
     dict
         ``{run_id: state}``, each state the union of the run's messages, later keys winning.
     """
-    store = RunStore(max_runs)
+    store = RunStore(max_runs, key=key)
     for event in events:
         if isinstance(event, tuple | list) and len(event) == 2:
             store.fold(event[1])
@@ -159,11 +194,20 @@ def scheduler_runs(scheduler: Any) -> tuple[Any, dict[str, dict[str, Any]]]:
 
     The version changes whenever a run does, so a page redraws only then.
     """
-    store = getattr(scheduler.plugins.get(PLUGIN_NAME), "store", None)
+    return _scheduler_store(scheduler, "store", TOPIC, "run_id")
+
+
+def scheduler_sweeps(scheduler: Any) -> tuple[Any, dict[str, dict[str, Any]]]:
+    """A version and the sweeps on ``scheduler``, as :func:`scheduler_runs` gives the runs."""
+    return _scheduler_store(scheduler, "sweeps", SWEEP_TOPIC, "sweep_id")
+
+
+def _scheduler_store(scheduler: Any, attribute: str, topic: str, key: str) -> tuple[Any, dict[str, dict[str, Any]]]:
+    store = getattr(scheduler.plugins.get(PLUGIN_NAME), attribute, None)
     if store is not None:
         return ("store", id(store), store.version), store.runs
-    events = scheduler.get_events(TOPIC)  # no plugin (yet): what the event log still holds
-    return ("events", len(events), events[-1][0] if events else None), runs_from_events(events)
+    events = scheduler.get_events(topic)  # no plugin (yet): what the event log still holds
+    return ("events", len(events), events[-1][0] if events else None), runs_from_events(events, key=key)
 
 
 def check_run(run: Any) -> list[str]:
@@ -201,6 +245,58 @@ def check_run(run: Any) -> list[str]:
             _not_a_number(f"history[{i}][{key!r}]", value)
             for key, value in row.items()
             if (key in ROW_NUMBERS or key.startswith("val_auroc_")) and not _is_number(value)
+        ]
+    if len(problems) > _MAX_PROBLEMS:
+        problems = [*problems[:_MAX_PROBLEMS], f"and {len(problems) - _MAX_PROBLEMS} more"]
+    return problems
+
+
+def check_sweep(sweep: Any) -> list[str]:
+    """Return what is wrong with a sweep's state for drawing it (an empty list when nothing is).
+
+    Parameters
+    ----------
+    sweep
+        A sweep's state as the dashboard plugin folds it (see :func:`publish_sweep`).
+
+    Returns
+    -------
+    list of str
+        One line per problem, naming the key and the offending value, e.g.
+        ``"trials[1]['curve'][0] is 'x' (str), not a number"``; at most a few, then a count.
+    """
+    if not isinstance(sweep, dict):
+        return [f"the sweep's state is a {type(sweep).__name__}, not a dict"]
+    problems = [f"missing key {key!r}" for key in SWEEP_REQUIRED if key not in sweep]
+    for key in ("status", "metric", "direction"):
+        if key in sweep and not isinstance(sweep[key], str):
+            problems.append(f"{key} is {_show(sweep[key])}, not a string")
+    if "best_trial" in sweep and not _is_number(sweep["best_trial"]):
+        problems.append(_not_a_number("best_trial", sweep["best_trial"]))
+    trials = sweep.get("trials", [])
+    if not isinstance(trials, list | tuple):
+        problems.append(f"trials is {_show(trials)}, not a list of trials")
+        trials = []
+    for i, trial in enumerate(trials):
+        if not isinstance(trial, dict):
+            problems.append(f"trials[{i}] is {_show(trial)}, not a dict")
+            continue
+        problems += [f"trials[{i}] misses key {key!r}" for key in TRIAL_REQUIRED if key not in trial]
+        if "number" in trial and (trial["number"] is None or not _is_number(trial["number"])):
+            problems.append(_not_a_number(f"trials[{i}]['number']", trial["number"]))
+        if "state" in trial and not isinstance(trial["state"], str):
+            problems.append(f"trials[{i}]['state'] is {_show(trial['state'])}, not a string")
+        problems += [
+            _not_a_number(f"trials[{i}][{key!r}]", trial[key])
+            for key in ("best", "epochs", "seconds")
+            if key in trial and not _is_number(trial[key])
+        ]
+        curve = trial.get("curve", [])
+        if not isinstance(curve, list | tuple):
+            problems.append(f"trials[{i}]['curve'] is {_show(curve)}, not a list of numbers")
+            continue
+        problems += [
+            _not_a_number(f"trials[{i}]['curve'][{j}]", value) for j, value in enumerate(curve) if not _is_number(value)
         ]
     if len(problems) > _MAX_PROBLEMS:
         problems = [*problems[:_MAX_PROBLEMS], f"and {len(problems) - _MAX_PROBLEMS} more"]

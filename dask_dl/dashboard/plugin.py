@@ -9,6 +9,8 @@ scheduler's HTTP server:
   :mod:`dask_dl.dashboard.preload`, distributed's own Bokeh server serves it);
 - ``/dask-dl/runs.json``: every run's latest state as JSON, ``{run_id: {"status", "history", ..., "problems"}}``
   (``problems`` only for a malformed run);
+- ``/dask-dl-sweeps``: the sweeps page (every sweep's trials, their states and curves), in the same menu, and
+  ``/dask-dl/sweeps.json``, every sweep's latest state as JSON;
 - ``/dask-dl/`` redirects to ``/dask-dl``, so the page's relative links to the dashboard work;
 - ``/individual-dask-dl``, the page alone, and ``/individual-plots.json`` listing it beside distributed's own
   pages: that list is where JupyterLab's Dask panel (dask-labextension) finds the panels it offers, and
@@ -23,13 +25,39 @@ from typing import Any
 
 from distributed.diagnostics.plugin import SchedulerPlugin
 
-from dask_dl.dashboard.events import PLUGIN_NAME, TOPIC, RunStore, check_run, jsonable, scheduler_runs
+from dask_dl.dashboard.events import (
+    PLUGIN_NAME,
+    SWEEP_TOPIC,
+    TOPIC,
+    RunStore,
+    check_run,
+    check_sweep,
+    jsonable,
+    scheduler_runs,
+    scheduler_sweeps,
+)
 
 logger = logging.getLogger("dask_dl.dashboard")
 
 PAGE = "dask-dl"
 INDIVIDUAL_PAGE = "individual-dask-dl"
 MENU_NAME = "dask_dl Training Runs"
+SWEEPS_PAGE = "dask-dl-sweeps"
+INDIVIDUAL_SWEEPS_PAGE = "individual-dask-dl-sweeps"
+SWEEPS_MENU_NAME = "dask_dl Sweeps"
+
+
+def applications() -> dict[str, Any]:
+    """The Bokeh documents of the dask_dl pages, by path: the runs and the sweeps, each full and alone."""
+    from dask_dl.dashboard.page import dashboard_doc, individual_doc
+    from dask_dl.dashboard.sweep_page import individual_sweeps_doc, sweeps_doc
+
+    return {
+        f"/{PAGE}": dashboard_doc,
+        f"/{INDIVIDUAL_PAGE}": individual_doc,
+        f"/{SWEEPS_PAGE}": sweeps_doc,
+        f"/{INDIVIDUAL_SWEEPS_PAGE}": individual_sweeps_doc,
+    }
 
 
 class DashboardPlugin(SchedulerPlugin):
@@ -40,19 +68,23 @@ class DashboardPlugin(SchedulerPlugin):
 
     def __init__(self) -> None:
         self.store: RunStore | None = None
+        self.sweeps: RunStore | None = None
 
     async def start(self, scheduler: Any) -> None:
-        """Fold the run events logged so far, and add the page's routes to ``scheduler``'s HTTP server."""
+        """Fold the run and sweep events logged so far, and add the pages' routes to ``scheduler``'s HTTP server."""
         self.store = RunStore()
-        for _, msg in scheduler.get_events(TOPIC):
-            self.store.fold(msg)
+        self.sweeps = RunStore(key="sweep_id")
+        for topic, store in ((TOPIC, self.store), (SWEEP_TOPIC, self.sweeps)):
+            for _, msg in scheduler.get_events(topic):
+                store.fold(msg)
         if getattr(scheduler, "http_application", None) is not None:
             serve(scheduler)
 
     def log_event(self, topic: str, msg: Any) -> None:
-        """Fold each run event as it arrives (the event log forgets old ones; the store keeps every run)."""
-        if topic == TOPIC and self.store is not None:
-            self.store.fold(msg)
+        """Fold each run or sweep event as it arrives (the event log forgets old ones; the stores keep them)."""
+        store = {TOPIC: self.store, SWEEP_TOPIC: self.sweeps}.get(topic)
+        if store is not None:
+            store.fold(msg)
 
 
 def install(client: Any) -> str | None:
@@ -99,6 +131,11 @@ def serve(scheduler: Any) -> None:
             self.set_header("Content-Type", "application/json")
             self.write(json.dumps(runs_json(scheduler_runs(scheduler)[1])))
 
+    class Sweeps(RequestHandler):
+        def get(self) -> None:
+            self.set_header("Content-Type", "application/json")
+            self.write(json.dumps(runs_json(scheduler_sweeps(scheduler)[1], check=check_sweep)))
+
     class ToPage(web.RequestHandler):
         def get(self) -> None:
             self.redirect(f"../{PAGE}")  # relative: right behind any proxy that moves the dashboard
@@ -107,6 +144,7 @@ def serve(scheduler: Any) -> None:
         ".*$",
         [
             (rf"{prefix}{PAGE}/runs\.json", Runs, {"dask_server": scheduler}),
+            (rf"{prefix}{PAGE}/sweeps\.json", Sweeps, {"dask_server": scheduler}),
             (rf"{prefix}{PAGE}/", ToPage),
         ],
     )
@@ -119,10 +157,8 @@ def serve(scheduler: Any) -> None:
         from distributed.dashboard.scheduler import template_variables
         from tornado.ioloop import IOLoop
 
-        from dask_dl.dashboard.page import dashboard_doc, individual_doc
-
-        pages = {f"/{PAGE}": dashboard_doc, f"/{INDIVIDUAL_PAGE}": individual_doc}
-        ours = BokehApplication(pages, scheduler, prefix=prefix, template_variables=template_variables(scheduler))
+        variables = template_variables(scheduler)
+        ours = BokehApplication(applications(), scheduler, prefix=prefix, template_variables=variables)
         http.add_application(ours)
         ours.initialize(IOLoop.current())
         ours.start()
@@ -131,7 +167,7 @@ def serve(scheduler: Any) -> None:
 
 
 def _add_to_panels(scheduler: Any, prefix: str) -> None:
-    """List ``/individual-dask-dl`` in ``/individual-plots.json``, the panels JupyterLab's Dask extension offers.
+    """List the pages alone in ``/individual-plots.json``, the panels JupyterLab's Dask extension offers.
 
     Routes added to the scheduler's HTTP server come before distributed's own, so this answer replaces
     distributed's: its list (its own Bokeh server's pages and static plots) with ours added, named as it names
@@ -142,20 +178,23 @@ def _add_to_panels(scheduler: Any, prefix: str) -> None:
     class Panels(IndividualPlots):
         def write(self, chunk: Any) -> None:
             if isinstance(chunk, dict):
-                chunk = {**chunk, INDIVIDUAL_PAGE.replace("-", " ").title(): f"/{INDIVIDUAL_PAGE}"}
+                ours = (INDIVIDUAL_PAGE, INDIVIDUAL_SWEEPS_PAGE)
+                chunk = {**chunk, **{page.replace("-", " ").title(): f"/{page}" for page in ours}}
             super().write(chunk)
 
     route = (rf"{prefix}individual-plots\.json", Panels, {"dask_server": scheduler})
     scheduler.http_application.add_handlers(".*$", [route])
 
 
-def runs_json(runs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Return the runs' states as ``/dask-dl/runs.json`` serves them.
+def runs_json(runs: dict[str, dict[str, Any]], *, check: Any = check_run) -> dict[str, dict[str, Any]]:
+    """Return the runs' states as ``/dask-dl/runs.json`` serves them (the sweeps' as ``/dask-dl/sweeps.json``).
 
     Parameters
     ----------
     runs
         ``{run_id: state}`` as :class:`~dask_dl.dashboard.events.RunStore` keeps them.
+    check
+        What finds a state's problems: :func:`~dask_dl.dashboard.events.check_run`, or ``check_sweep`` for sweeps.
 
     Returns
     -------
@@ -166,7 +205,7 @@ def runs_json(runs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     out = {}
     for run_id, run in runs.items():
         out[run_id] = jsonable(run)
-        problems = check_run(run)
+        problems = check(run)
         if problems:
             out[run_id]["problems"] = problems
     return out
@@ -187,7 +226,7 @@ def _bokeh_server(http: Any) -> Any:
 
 
 def _add_to_menu(scheduler: Any) -> None:
-    """Add the page to the dashboard's "More..." menu.
+    """Add the pages to the dashboard's "More..." menu.
 
     Every dashboard page renders its menu from the list ``template_variables(scheduler)["plots"]``, one list per
     scheduler that distributed builds once; pages opened after this call show the entry.
@@ -195,6 +234,7 @@ def _add_to_menu(scheduler: Any) -> None:
     from distributed.dashboard.scheduler import template_variables
 
     plots = template_variables(scheduler)["plots"]
-    if not any(plot.get("url") == PAGE for plot in plots):
-        plots.append({"url": PAGE, "name": MENU_NAME})
-        plots.sort(key=lambda plot: plot["name"])
+    for url, name in ((PAGE, MENU_NAME), (SWEEPS_PAGE, SWEEPS_MENU_NAME)):
+        if not any(plot.get("url") == url for plot in plots):
+            plots.append({"url": url, "name": name})
+    plots.sort(key=lambda plot: plot["name"])

@@ -4,8 +4,8 @@ Start a long-lived scheduler with it::
 
     dask scheduler --preload dask_dl.dashboard.preload
 
-(or list it under ``distributed.scheduler.preload`` in dask.config). Importing this module adds ``/dask-dl``
-and ``/individual-dask-dl`` to distributed's table of dashboard applications
+(or list it under ``distributed.scheduler.preload`` in dask.config). Importing this module adds ``/dask-dl``,
+``/dask-dl-sweeps`` and their ``/individual-...`` forms to distributed's table of dashboard applications
 (``distributed.dashboard.scheduler.applications``) before the scheduler builds its dashboard, so distributed's
 own Bokeh server serves both, the dashboard's "More..." menu lists the page, and ``/individual-plots.json``
 lists ``individual-dask-dl``, which is where JupyterLab's Dask panel finds pages. :func:`dask_setup` then adds
@@ -20,7 +20,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from dask_dl.dashboard.plugin import INDIVIDUAL_PAGE, PAGE, DashboardPlugin
+from dask_dl.dashboard.plugin import DashboardPlugin
+from dask_dl.dashboard.plugin import applications as dask_dl_applications
 
 logger = logging.getLogger("dask_dl.dashboard")
 
@@ -33,10 +34,8 @@ def register_applications() -> None:
         logger.info("dask_dl dashboard page not added: the Dask dashboard is unavailable (%s)", exc)
         return
 
-    from dask_dl.dashboard.page import dashboard_doc, individual_doc
-
-    applications.setdefault(f"/{PAGE}", dashboard_doc)
-    applications.setdefault(f"/{INDIVIDUAL_PAGE}", individual_doc)
+    for path, doc in dask_dl_applications().items():
+        applications.setdefault(path, doc)
 
 
 def dask_setup(scheduler: Any) -> None:

@@ -180,6 +180,7 @@ def sweep(
         new_trials=new_trials, continued=continued, metric=metric, groups=groups, root=str(root), tracking=tracker,
     )  # fmt: skip
     result = Sweep(study, scheduler, metric=metric, storage=storage, root=str(root))
+    result._publish()  # the sweeps page lists it before its first trial reports
     logger.info("sweep of %d trials (%d to start, %d to continue) on %d groups of %d workers", trials, new_trials,
                 len(continued), len(groups), trainers_per_trial)  # fmt: skip
     scheduler.start()
@@ -233,7 +234,10 @@ class Sweep:
     Attributes
     ----------
     sweep_id : str
-        Name of the sweep in logs.
+        Name of the sweep in logs and on the dashboard's sweeps page.
+    dashboard_link : str or None
+        The sweeps page on the Dask dashboard (``/dask-dl-sweeps``), live while the sweep runs; None when the
+        scheduler serves no dashboard.
     study : optuna.Study
         Its study (read it as any Optuna study; only the sweep writes it).
     metric : str
@@ -246,7 +250,8 @@ class Sweep:
         self._scheduler = scheduler
         self._handle: Any = None
         self._drawn = 0.0
-        scheduler.on_change = self._update_view
+        self.dashboard_link = _install_dashboard(scheduler.client)
+        scheduler.on_change = self._changed
 
     # ---- state ------------------------------------------------------------------------------------------
 
@@ -388,6 +393,55 @@ class Sweep:
         self._handle = display(HTML(self._repr_html_()), display_id=True)
         return self
 
+    @property
+    def status(self) -> str:
+        """``running``, ``done`` (every trial ended), ``stopped`` (by :meth:`stop`) or ``failed`` (see ``error``)."""
+        if not self.done:
+            return "running"
+        if self.error is not None:
+            return "failed"
+        return "stopped" if self._scheduler.halted else "done"
+
+    def snapshot(self) -> dict[str, Any]:
+        """The sweep's state as the dashboard's sweeps page draws it (see :func:`dask_dl.dashboard.publish_sweep`):
+        ``status``, ``metric``, ``direction``, ``best_trial`` and one dict per trial (``number``, ``state``,
+        ``params``, ``curve``, ``best``, ``epochs``, ``seconds``, ``run_id``, ``error``)."""
+        with self._scheduler.lock:
+            runs = {n: r.run.run_id for n, r in self._scheduler.records.items() if r.run is not None}
+        trials = [
+            {
+                "number": int(row["number"]),
+                "state": row["state"],
+                "params": dict(row["params"]),
+                "curve": list(row[self.metric]),
+                "best": row["best"],
+                "epochs": int(row["epochs"]),
+                "seconds": row["seconds"],
+                "run_id": runs.get(int(row["number"])),
+                "error": row["error"],
+            }
+            for row in self.results.to_dict("records")
+        ]
+        return {
+            "status": self.status,
+            "metric": self.metric,
+            "direction": self.study.direction.name.lower(),
+            "best_trial": self._best_number(),
+            "trials": trials,
+        }
+
+    def _changed(self) -> None:
+        self._publish()
+        self._update_view()
+
+    def _publish(self) -> None:
+        from dask_dl.dashboard.events import publish_sweep
+
+        try:
+            publish_sweep(self._scheduler.client, self.sweep_id, self.snapshot())
+        except Exception as exc:  # the dashboard page is a view; the sweep goes on without it
+            logger.warning("%s: dashboard page not updated: %s: %s", self.sweep_id, type(exc).__name__, exc)
+
     def _update_view(self) -> None:
         if self._handle is None or (time.monotonic() - self._drawn < 2.0 and not self.done):
             return
@@ -415,3 +469,16 @@ class Sweep:
         from dask_dl.sweeps.view import results_html
 
         return results_html(self.results, metric=self.metric, title=self._title(), best=self._best_number())
+
+
+def _install_dashboard(client: Any) -> str | None:
+    """Serve the dask_dl pages on ``client``'s scheduler and return the sweeps page's address (None without one)."""
+    from dask_dl.dashboard import install
+    from dask_dl.dashboard.plugin import PAGE, SWEEPS_PAGE
+
+    try:
+        link = install(client)
+    except Exception as exc:  # the page is a view; the sweep runs without it
+        logger.warning("dask_dl dashboard page not installed on the scheduler: %s", exc)
+        return None
+    return None if link is None else link[: -len(PAGE)] + SWEEPS_PAGE

@@ -130,6 +130,11 @@ class Scheduler(threading.Thread):
         """Stop every running trial (left RUNNING in the study, for ``resume=True``) and start no other."""
         self._halt.set()
 
+    @property
+    def halted(self) -> bool:
+        """Whether :meth:`halt` was called."""
+        return self._halt.is_set()
+
     def run(self) -> None:
         try:
             self._loop()

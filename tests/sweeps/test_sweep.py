@@ -7,6 +7,7 @@ validation AUROC near 1 within an epoch, a tiny one stays where it started, so a
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import signal
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import urllib.request
 from pathlib import Path
 
 import optuna
@@ -70,6 +72,37 @@ def test_asha_prunes_losers_keeps_every_trial_and_the_best_exports(store, cluste
     assert dask_dl.read_model_info(onnx_path).labels == ("a", "b")
     assert "<img" in result._repr_html_() and "pruned" in result._repr_html_()
     assert len(result.plot().axes[0].lines) >= len(LRS)
+    _check_sweeps_page(result, results)
+
+
+def _check_sweeps_page(result, results) -> None:
+    """The dashboard's sweeps page holds the sweep as ``results`` does, and a browser draws it."""
+    from urllib.parse import urlparse
+
+    from dask_dl.testing.browser import Browser, find_chromium
+
+    page = result.dashboard_link.replace(urlparse(result.dashboard_link).hostname, "127.0.0.1", 1)
+    assert page.endswith("/dask-dl-sweeps")
+    deadline = time.monotonic() + 30
+    while True:  # the last event travels on a batched stream
+        with urllib.request.urlopen(page.replace("-sweeps", "/sweeps.json"), timeout=30) as response:
+            shown = json.loads(response.read()).get(result.sweep_id)
+        if (shown and shown["status"] == "done") or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert shown["status"] == "done" and shown["best_trial"] == result.best.number
+    assert shown["metric"] == "val_auroc_mean" and shown["direction"] == "maximize"
+    trials = {t["number"]: t for t in shown["trials"]}
+    for row in results.to_dict("records"):
+        trial = trials[row["number"]]
+        assert (trial["state"], trial["params"], trial["epochs"]) == (row["state"], row["params"], row["epochs"])
+        assert trial["curve"] == row["val_auroc_mean"] and trial["run_id"].startswith("fit-")
+    chromium = find_chromium()
+    if chromium is not None:
+        with Browser() as browser:
+            text = browser.open(page).wait_for(f"text.includes('{result.sweep_id}\\ndone')")
+        lines = set(text.splitlines())
+        assert {"val_auroc_mean per trial", "epochs trained", *(f"#{n}" for n in trials)} <= lines
 
 
 def test_a_trial_whose_fit_fails_is_recorded_failed_and_the_others_complete(store, cluster_client):
