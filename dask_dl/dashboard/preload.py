@@ -7,9 +7,10 @@ Start a long-lived scheduler with it::
 (or list it under ``distributed.scheduler.preload`` in dask.config). Importing this module adds ``/dask-dl``,
 ``/dask-dl-sweeps`` and their ``/individual-...`` forms to distributed's table of dashboard applications
 (``distributed.dashboard.scheduler.applications``) before the scheduler builds its dashboard, so distributed's
-own Bokeh server serves both, the dashboard's "More..." menu lists the page, and ``/individual-plots.json``
-lists ``individual-dask-dl``, which is where JupyterLab's Dask panel finds pages. :func:`dask_setup` then adds
-the :class:`~dask_dl.dashboard.plugin.DashboardPlugin`, which keeps the runs and serves ``/dask-dl/runs.json``.
+own Bokeh server serves them, the dashboard's "More..." menu lists the pages, and ``/individual-plots.json``
+lists ``individual-dask-dl`` and ``individual-dask-dl-sweeps``, which is where JupyterLab's Dask panel finds
+pages. :func:`dask_setup` then adds the :class:`~dask_dl.dashboard.plugin.DashboardPlugin`, which keeps the runs
+and sweeps and serves ``/dask-dl/runs.json`` and ``/dask-dl/sweeps.json``.
 
 Without the preload, :func:`dask_dl.fit` still adds the page to a running scheduler, but JupyterLab's panel
 does not list it: distributed builds that list from its own Bokeh server only.
