@@ -22,6 +22,7 @@ import zarr
 from distributed import Client, LocalCluster
 
 import dask_dl
+from dask_dl.cluster.workers import scheduler_workers
 from dask_dl.data.ingest import read_rejects
 from dask_dl.data.store import StoreFiles, StoreLayout
 from dask_dl.testing.chaos import (
@@ -261,7 +262,7 @@ def test_an_ingest_that_pauses_its_workers_for_memory_slows_down_and_loses_nothi
         seconds = time.time() - started
         paused = paused_workers(tight)
         print(f"ingest with paused workers: {sum(paused.values())} pauses in {seconds:.1f} s")
-        assert set(paused) == set(tight.scheduler_info()["workers"])  # each worker paused, and resumed (at its
+        assert set(paused) == set(scheduler_workers(tight))  # each worker paused, and resumed (at its
         # memory monitor's next look, every 100 ms)
         running = lambda: all(status == "running" for status, _ in worker_states(tight).values())  # noqa: E731
         wait_until(running, within=10, what=f"the workers to resume: {worker_states(tight)}")

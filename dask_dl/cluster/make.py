@@ -12,6 +12,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from dask_dl import config
+from dask_dl.cluster.workers import scheduler_workers
 from dask_dl.errors import ClusterError
 from dask_dl.registry import Registry
 
@@ -93,7 +94,7 @@ def wait_for_workers(client: Client, cluster: Any, *, timeout: float | None = No
     try:
         client.wait_for_workers(n, timeout=timeout)
     except TimeoutError:
-        have = len(client.scheduler_info(n_workers=-1)["workers"])
+        have = len(scheduler_workers(client))
         raise ClusterError(
             f"only {have} of the {n} workers of the {type(cluster).__name__} joined within {timeout:g} s; check "
             f"the queue (squeue, or the gateway's and the cluster's logs: cluster.get_logs()), or wait longer with "

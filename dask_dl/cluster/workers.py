@@ -19,12 +19,29 @@ from dask_dl.errors import ClusterError
 if TYPE_CHECKING:  # pragma: no cover
     from distributed import Client
 
-__all__ = ["GPU_RESOURCE", "WORKER_KINDS", "add_cpu_workers", "cpu_workers", "gpu_workers", "workers_for"]
+__all__ = [
+    "GPU_RESOURCE",
+    "WORKER_KINDS",
+    "add_cpu_workers",
+    "cpu_workers",
+    "gpu_workers",
+    "scheduler_workers",
+    "workers_for",
+]
 
 #: the worker resource that marks trainer (accelerator) workers; ``dask_dl.train.placement`` uses the same name
 GPU_RESOURCE = "GPU"
 #: the choices of :func:`workers_for`'s ``on``
 WORKER_KINDS = ("cpu", "gpu", "any")
+
+
+def scheduler_workers(client: Client) -> dict[str, dict[str, Any]]:
+    """The scheduler's workers now, ``{address: info}``, asked of the scheduler itself.
+
+    Not ``client.scheduler_info()["workers"]``: that returns the client's cached copy after refreshing it, and the
+    client's periodic refresh (which asks for no workers) can land in between, leaving an empty dict.
+    """
+    return dict(client.sync(client.scheduler.identity, n_workers=-1)["workers"])
 
 
 def gpu_workers(client: Client, *, resource: str = GPU_RESOURCE) -> list[str]:
@@ -35,7 +52,7 @@ def gpu_workers(client: Client, *, resource: str = GPU_RESOURCE) -> list[str]:
     >>> gpu_workers(client)  # doctest: +SKIP
     ['tcp://127.0.0.1:40123']
     """
-    workers = client.scheduler_info(n_workers=-1)["workers"]
+    workers = scheduler_workers(client)
     return sorted(a for a, w in workers.items() if w.get("resources", {}).get(resource, 0) > 0)
 
 
@@ -61,7 +78,7 @@ def cpu_workers(client: Client | None, *, resource: str = GPU_RESOURCE) -> list[
     """
     if client is None:
         return None
-    workers = client.scheduler_info(n_workers=-1)["workers"]
+    workers = scheduler_workers(client)
     plain = sorted(a for a, w in workers.items() if not w.get("resources", {}).get(resource, 0) > 0)
     if not plain or len(plain) == len(workers):
         return None
@@ -108,7 +125,7 @@ def workers_for(
         return cpu_workers(client, resource=resource)
     tagged = gpu_workers(client, resource=resource)
     if not tagged:
-        n = len(client.scheduler_info(n_workers=-1)["workers"])
+        n = len(scheduler_workers(client))
         raise ClusterError(
             f"{purpose} was asked to run on the GPU workers (on='gpu'), and none of the cluster's {n} workers "
             f"advertises a {resource!r} resource; pass on='cpu', or start GPU workers: "

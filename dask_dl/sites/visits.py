@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from dask_dl.cluster.workers import scheduler_workers
 from dask_dl.errors import ConfigurationError, DatasetError
 from dask_dl.sites.score import ModelSpec, score
 from dask_dl.sites.site import Connected
@@ -207,7 +208,7 @@ class Coordinator:
         for group in by_client.values():
             if len(group) < 2:
                 continue
-            workers = sorted(group[0].client.scheduler_info(n_workers=-1)["workers"])
+            workers = sorted(scheduler_workers(group[0].client))
             slots = max(len(workers) // self.trainers, 1)
             for i, site in enumerate(group):
                 slot = i % slots

@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from dask_dl.cluster.workers import scheduler_workers
 from dask_dl.errors import ClusterError
 from dask_dl.train.placement import GPU_RESOURCE, busy_workers
 
@@ -42,7 +43,7 @@ def worker_groups(client: Client, size: int, *, most: int | None = None) -> list
     ClusterError
         When the cluster has fewer free workers than ``size``.
     """
-    workers = client.scheduler_info(n_workers=-1)["workers"]
+    workers = scheduler_workers(client)
     busy = busy_workers(client)
     free = {a: w for a, w in workers.items() if a not in busy}
     accelerated = sorted(a for a, w in free.items() if w.get("resources", {}).get(GPU_RESOURCE, 0) > 0)
@@ -274,7 +275,7 @@ class Scheduler(threading.Thread):
         if run.status == "stopped" and not record.pruning:  # the sweep was stopped: resume=True continues it
             record.state = "stopped"
         elif run.status == "failed":
-            live = self.client.scheduler_info(n_workers=-1)["workers"]
+            live = scheduler_workers(self.client)
             lost = [a for a in record.group if a not in live or a in (getattr(run.error, "lost_workers", None) or ())]
             if lost and record.moves < MOVES:
                 self._move(record, lost)
@@ -325,7 +326,7 @@ class Scheduler(threading.Thread):
     def _regroup(self) -> None:
         """Make groups of the spare workers and of workers new to the cluster (a nanny's restarted worker), up to
         the sweep's number of groups."""
-        live = set(self.client.scheduler_info(n_workers=-1)["workers"])
+        live = set(scheduler_workers(self.client))
         running = [r for r in self._records() if r.state == "running" and r.run is not None and not r.run.done]
         used = {a for r in running for a in r.group} | {a for g in self.free for a in g}
         self.spare = [a for a in self.spare if a in live and a not in used]

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from dask_dl.checks import positive_int
+from dask_dl.cluster.workers import scheduler_workers
 from dask_dl.errors import ClusterError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -76,7 +77,7 @@ def place_trainers(
     2
     """
     trainers = positive_int("trainers", trainers, example=2)
-    workers = client.scheduler_info(n_workers=-1)["workers"]
+    workers = scheduler_workers(client)
     if among is not None:
         missing = sorted(set(among) - set(workers))
         if missing:

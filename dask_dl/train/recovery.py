@@ -78,12 +78,13 @@ def wait_for_trainers(
     TrainingError
         When fewer than ``min_trainers`` workers are free after ``wait_s`` seconds.
     """
+    from dask_dl.cluster.workers import scheduler_workers
     from dask_dl.train.placement import GPU_RESOURCE, busy_workers
 
     deadline = time.monotonic() + policy.wait_s
     gone = set(lost or ())
     while True:
-        workers = client.scheduler_info(n_workers=-1)["workers"]
+        workers = scheduler_workers(client)
         busy = busy_workers(client, run_id=run_id)
         allowed = set(workers) if policy.among is None else set(policy.among)
         free = sorted(a for a in workers if a in allowed and a not in busy and a not in gone)

@@ -12,6 +12,7 @@ import pytest
 
 import dask_dl
 from dask_dl.cluster import connect, gpu_workers, make
+from dask_dl.cluster.workers import scheduler_workers
 from dask_dl.errors import ClusterError, ConfigurationError
 from dask_dl.testing.cluster import small_story
 
@@ -30,7 +31,7 @@ def test_make_gateway_trains_end_to_end_with_gpu_tagged_workers(gateway_server, 
     ):
         cluster = client.cluster
         assert type(cluster).__name__ == "GatewayCluster"
-        workers = client.scheduler_info(n_workers=-1)["workers"]
+        workers = scheduler_workers(client)
         assert len(workers) == 2 and all(a.startswith("tls://") for a in workers)  # gateway clusters are TLS
         assert gpu_workers(client) == sorted(workers)  # gpus=1 became the workers' GPU resource
         assert set(client.run(lambda: __import__("os").environ["DASK_DL_SITE"]).values()) == {"gw"}
@@ -82,7 +83,7 @@ def test_a_plain_gateway_cluster_works_through_the_default_client(gateway_server
                 trainers=2,
                 checkpoint_dir="ckpt",
             )
-            assert sorted(run.workers) == sorted(client.scheduler_info(n_workers=-1)["workers"])
+            assert sorted(run.workers) == sorted(scheduler_workers(client))
             assert len(run.history) == 1
             assert sorted(p.name for p in (tmp_path / "ckpt").glob("epoch-*.pt")) == ["epoch-0000.pt"]
     del cluster, client, run  # the run holds the client, which holds the cluster and its Gateway

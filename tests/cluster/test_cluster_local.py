@@ -25,6 +25,7 @@ from distributed.security import Security
 
 import dask_dl
 from dask_dl.cluster import connect, cpu_workers, get_client, gpu_workers, workers_for
+from dask_dl.cluster.workers import scheduler_workers
 from dask_dl.errors import ClusterError
 from dask_dl.testing.cluster import small_story, worker_of_tasks, write_tls_files
 
@@ -46,7 +47,7 @@ def story(tls_client, tmp_path_factory):
 def test_story_over_tls_puts_trainers_on_tagged_workers_and_data_work_on_the_cpu_worker(tls_client, story):
     client = tls_client
     assert client.scheduler.address.startswith("tls://127.0.0.1:")
-    assert all(a.startswith("tls://") for a in client.scheduler_info(n_workers=-1)["workers"])
+    assert all(a.startswith("tls://") for a in scheduler_workers(client))
     tagged, plain = gpu_workers(client), cpu_workers(client)
     assert len(tagged) == 2 and len(plain) == 1
 

@@ -20,6 +20,7 @@ from dask_dl.cluster import (
     workers_for,
 )
 from dask_dl.cluster.cuda import gpu_count
+from dask_dl.cluster.workers import scheduler_workers
 
 
 def test_kinds_are_listed_in_the_error_for_an_unknown_kind():
@@ -35,7 +36,7 @@ def test_local_settings_come_from_arguments_then_config_and_unknown_kwargs_pass_
         Client(cluster) as client,
     ):
         assert cluster.name == "dask-dl-made"  # LocalCluster's own keyword, passed through
-        workers = client.scheduler_info(n_workers=-1)["workers"].values()
+        workers = scheduler_workers(client).values()
         assert [w["nthreads"] for w in workers] == [2]  # argument
         # safe defaults: the scheduler and the dashboard listen on 127.0.0.1 only
         assert cluster.scheduler_address.startswith("tcp://127.0.0.1:")
@@ -77,7 +78,7 @@ def test_bad_arguments_are_configuration_errors():
 def test_tagged_stand_in_workers_and_check_visible(tmp_path):
     """A stand-in for a GPU box: CPU workers advertising a GPU resource next to plain CPU workers."""
     with connect(kind="local", n_workers=1, tagged_workers=1) as client:
-        workers = client.scheduler_info(n_workers=-1)["workers"]
+        workers = scheduler_workers(client)
         tagged = [a for a, w in workers.items() if w["resources"] == {"GPU": 1}]
         plain = [a for a, w in workers.items() if w["resources"] == {}]
         assert gpu_workers(client) == tagged and len(tagged) == 1

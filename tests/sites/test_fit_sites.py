@@ -16,6 +16,7 @@ import torch
 
 import dask_dl
 from dask_dl import ConfigurationError, DatasetError
+from dask_dl.cluster.workers import scheduler_workers
 from dask_dl.export import read_model_info
 from dask_dl.models import build_model
 from dask_dl.normalize import DEFAULT_NORMALIZATION
@@ -91,7 +92,7 @@ def test_fit_starts_from_start_state_and_pulls_towards_it(squares, cluster3):
 
 
 def test_fit_trains_only_on_the_workers_given(squares, cluster3):
-    workers = sorted(cluster3.scheduler_info()["workers"])
+    workers = sorted(scheduler_workers(cluster3))
     run = fit_visit(dask_dl.open_dataset(squares["A"]), epochs=1, trainers=1, client=cluster3,
                     workers=workers[2:], weights_only=True, **OPTIONS)  # fmt: skip
     assert run.workers == workers[2:]

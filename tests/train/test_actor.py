@@ -12,6 +12,7 @@ from distributed import Client, LocalCluster, Scheduler, SpecCluster, Worker
 
 import dask_dl
 from dask_dl import ClusterError, ConfigurationError
+from dask_dl.cluster.workers import scheduler_workers
 from dask_dl.testing.train import one_rank_group, squares_collection
 from dask_dl.train.actor import TrainerSpec, TrainingActor
 from dask_dl.train.placement import place_trainers
@@ -27,7 +28,7 @@ def _spec_cluster(resources: list[dict]) -> SpecCluster:
 
 def test_placement_prefers_gpu_workers():
     with _spec_cluster([{}, {"GPU": 1}, {}, {"GPU": 1}]) as cluster, Client(cluster) as client:
-        info = client.scheduler_info()["workers"]
+        info = scheduler_workers(client)
         gpu = sorted(a for a, w in info.items() if w["resources"].get("GPU"))
         assert place_trainers(client, 2) == gpu
         assert place_trainers(client, 1) == gpu[:1]
@@ -38,7 +39,7 @@ def test_placement_prefers_gpu_workers():
 def test_placement_on_cpu_workers():
     with _spec_cluster([{}, {}]) as cluster, Client(cluster) as client:
         chosen = place_trainers(client, 2)
-        assert len(set(chosen)) == 2 and set(chosen) == set(client.scheduler_info()["workers"])
+        assert len(set(chosen)) == 2 and set(chosen) == set(scheduler_workers(client))
         with pytest.raises(ClusterError, match=r"only 2 workers .*pass trainers=2.*scale\(5\)"):
             place_trainers(client, 5)
         with pytest.raises(ConfigurationError, match="trainers must be a positive integer, got 0"):

@@ -20,6 +20,7 @@ from distributed import Client
 import dask_dl
 from dask_dl import ClusterError, ConfigurationError, DatasetError, TrainingError
 from dask_dl.checkpoint import latest_checkpoint, load_checkpoint
+from dask_dl.cluster.workers import scheduler_workers
 from dask_dl.data.loader import ChunkLoader
 from dask_dl.data.schema import make_catalog
 from dask_dl.models import build_model
@@ -413,7 +414,7 @@ def test_a_failed_rendezvous_does_not_poison_its_worker(store, cluster_client):
 
     # torch names each new group after a per-process counter that a failed rendezvous advances: without a reset
     # this worker's next group would be "1" while its peer's is "0", and their keys would never meet
-    victim = sorted(cluster_client.scheduler_info()["workers"])[1]
+    victim = sorted(scheduler_workers(cluster_client))[1]
     assert cluster_client.run(_failed_rendezvous, workers=[victim])[victim] != "joined"
     with dask.config.set({"dask-dl.train.timeout": 10}):
         assert fit_squares(store, cluster_client, epochs=1).status == "finished"

@@ -26,6 +26,7 @@ from distributed.core import Status
 import dask_dl
 from dask_dl import ConfigurationError, TrainingError
 from dask_dl.cli.train import _echo_training
+from dask_dl.cluster.workers import scheduler_workers
 from dask_dl.data.loader import ChunkLoader
 from dask_dl.data.position import EpochPosition
 from dask_dl.errors import CheckpointError
@@ -263,7 +264,7 @@ def test_a_hung_trainer_is_left_out_and_the_run_goes_on(store, client, straight,
     assert restarts.loc[0, "at"] - stopped < 5 + 2 + 40
     assert list(run.history["event"]) == ["", "", "restarted", ""]
     assert_same_weights(run.checkpoint()["model"], straight)
-    wait_until(lambda: victim not in client.scheduler_info()["workers"], what="the nanny's restart of the hung worker")
+    wait_until(lambda: victim not in scheduler_workers(client), what="the nanny's restart of the hung worker")
     live_workers(client, 4)
 
 
@@ -388,7 +389,7 @@ def test_fsdp_workers_that_change_rank_between_runs_save_and_load_their_own_shar
     """A worker that was rank 1 of one FSDP run and is rank 0 of the next (and back): DTensor's caches once handed
     the new run tensors on the old run's mesh, so the worker saved (and loaded) its old rank's shard."""
     live_workers(client, 4)
-    a, b, c = sorted(client.scheduler_info()["workers"])[:3]  # trainers take their ranks in this order
+    a, b, c = sorted(scheduler_workers(client))[:3]  # trainers take their ranks in this order
     options = dict(parallel="fsdp", compression="none", batch_size=8)
     whole = fit(store, client, **options, epochs=2, workers=[a, b]).checkpoint()["model"]
     first = fit(store, client, **options, epochs=1, workers=[b, c], checkpoint_dir=str(tmp_path / "ck"))
@@ -403,7 +404,7 @@ def test_an_fsdp_run_on_two_trainers_goes_on_with_one(store, client, tmp_path):
     """FSDP at another world size: the killed rank's worker comes back at a new address, outside the run's
     workers, so the restart goes on with the one trainer left, its shards re-sharded from the step checkpoint."""
     live_workers(client, 4)
-    pair = sorted(client.scheduler_info()["workers"])[:2]
+    pair = sorted(scheduler_workers(client))[:2]
     ck = tmp_path / "ck"
     with dask.config.set({"dask-dl.train.restart-wait": 2}):
         run = fit(
@@ -437,7 +438,7 @@ def test_a_pipeline_that_lost_a_replica_goes_on_with_one(store, client, tmp_path
     """2 replicas of a 2-stage pipeline lose replica 1's last stage: the restart goes on with replica 0's stages
     alone, from the step checkpoint, the epoch's remaining rows re-sharded for one replica."""
     live_workers(client, 4)
-    four = sorted(client.scheduler_info()["workers"])[:4]
+    four = sorted(scheduler_workers(client))[:4]
     ck = tmp_path / "ck"
     with dask.config.set({"dask-dl.train.restart-wait": 2}):
         run = fit(
@@ -525,9 +526,7 @@ def test_a_worker_lost_for_good_finishes_on_fewer_trainers(store, client, cluste
 def test_an_fsdp_run_that_lost_a_worker_for_good_goes_on_with_its_shards_resharded(store, client, cluster, tmp_path):
     """After the test above (last in this module with it): FSDP on every worker left, one of them lost for good;
     the restart on one trainer fewer loads the step checkpoint's shards re-sharded and the epoch's remaining rows."""
-    # asked of the scheduler itself: client.scheduler_info() returns the client's cache, which its periodic update
-    # (cluster totals, no workers) can overwrite between the fetch and the return
-    workers = len(client.sync(client.scheduler.identity, n_workers=-1)["workers"])
+    workers = len(scheduler_workers(client))
     assert workers >= 2
     ck = tmp_path / "ck"
     with dask.config.set({"dask-dl.train.restart-wait": 2, "dask-dl.train.timeout": 10}):
