@@ -144,7 +144,7 @@ def test_device_path_augments_each_image_as_the_cpu_path_does(store):
         torch.testing.assert_close(y, y_cpu, rtol=0, atol=0)
         x = finish_batch(pixels, drawn, normalization=cpu.normalization)
         torch.testing.assert_close(x, x_cpu, rtol=0, atol=HALF_GREY + 1e-5)
-        assert float((x - x_cpu).abs().mean()) < HALF_GREY / 2
+        assert float((x - x_cpu).abs().mean()) < 0.6 * HALF_GREY  # rounding: a quarter grey level on average
 
 
 def image_statistics(batches) -> tuple[np.ndarray, np.ndarray]:
