@@ -433,7 +433,8 @@ class TrainingRun:
         self._finished = threading.Event()
         self._lock = threading.Lock()
         self._view = RunView(options.view)
-        #: what the trainers reported when they started: ``weights``, the start weights' report (fit's weights=)
+        #: what the trainers reported when they started: ``weights``, the start weights' report (fit's weights=);
+        #: ``augment_on``, where rank 0 augments and normalizes its batches (``cpu`` or ``device``)
         self.info: dict[str, Any] = {}
         #: the run's MLflow run (:class:`dask_dl.tracking.Tracker`), None when it is not tracked
         self.tracker: Any = None
@@ -611,6 +612,7 @@ class TrainingRun:
 
             self.info["weights"] = weights
             logger.info("%s: %s", self.run_id, describe(weights, str(self.options.weights)))
+        self.info["augment_on"] = infos[0].get("augment_on")
         self.steps_per_epoch = infos[0]["steps_per_epoch"]
         self._epoch = infos[0]["start_epoch"]
         self.status = "running"

@@ -81,6 +81,7 @@ def reference_weights(store, *, augment_on: str | None) -> dict[str, torch.Tenso
 
 def test_a_fit_with_device_augmentation_forced_on_cpu_trainers_trains_on_the_finished_batches(store, cluster_client):
     run = fit_squares(store, cluster_client, trainers=1, batch_size=16, seed=3, augment=True, augment_on="device")
+    assert run.info["augment_on"] == "device"
     got = run.checkpoint()["model"]
     expected = reference_weights(store, augment_on="device")
     for name, value in expected.items():
