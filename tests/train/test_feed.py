@@ -139,9 +139,10 @@ def test_a_cuda_feed_copies_pinned_batches_ahead_and_finishes_them_on_the_gpu(st
         torch.testing.assert_close(x.cpu(), expected, rtol=0, atol=1e-4)
         assert torch.equal(y.cpu(), y0)
     # the CPU path pinned too (a GPU trainer told augment_on="cpu"): normalized floats, copied ahead alike
-    cpu_path = loader(store, pin_memory=True, augment=Augmentation())
+    cpu_path = loader(store, pin_memory=True, augment=Augmentation()).epoch(0, with_samples=True)
+    expected = [x0 for x0, _ in loader(store, augment=Augmentation()).epoch(0)]
     feed = DeviceFeed(device, normalization=DEFAULT_NORMALIZATION, deferred=False)
-    for (x, _, _), (x0, _) in zip(feed(cpu_path.epoch(0, with_samples=True)), cpu_path.epoch(0), strict=True):
+    for (x, _, _), x0 in zip(feed(cpu_path), expected, strict=True):
         assert x.device == device and torch.equal(x.cpu(), x0)
 
 
