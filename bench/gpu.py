@@ -7,7 +7,9 @@ run without a GPU). Three figures per model, all images/s over the same uint8 im
 - a plain PyTorch loop on the same worker in float32 (like for like: the ratio dask_dl / plain is the overhead),
 - the plain loop with bf16 autocast and channels_last (what the GPU gives a tuned script: the headroom),
 
-and the GPU-vs-CPU speedup of the plain float32 loop (a few steps on the CPU workers' cores).
+and the GPU-vs-CPU speedup of the plain float32 loop (a few steps on the CPU workers' cores). For the models in
+``--augment-models``, also ``fit(augment=True)`` with the augmentation on the trainer's CPU cores and on the GPU
+(``augment_on="cpu"`` / ``"device"``, :mod:`dask_dl.train.feed`).
 
     python bench/gpu.py                                         # resnet18 and alexnet, 224 px, batch 256, CUDA
     python bench/gpu.py --device cpu --size 64 --batch-size 8 --images 160 --steps 2   # smoke run, no GPU
@@ -73,6 +75,7 @@ def main() -> None:
     parser.add_argument("--cpu-steps", type=int, default=2, help="steps of the plain loop on the CPU")
     parser.add_argument("--epochs", type=int, default=2, help="dask_dl epochs (the first warms up)")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--augment-models", default="", help="models also fit with augmentation, on CPU and GPU")
     parser.add_argument("--cpu-workers", type=int, default=4)
     parser.add_argument("--root", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "dask-dl-bench"))
     args = parser.parse_args()
@@ -93,7 +96,8 @@ def main() -> None:
             lambda: torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", workers=trainer
         )[trainer[0]]
         print(f"{args.size} px, batch {args.batch_size}, device {gpu_name}, torch {torch.__version__}")
-        for model in args.models.split(","):
+
+        def fit_rate(model: str, **options) -> float:
             run = dask_dl.fit(
                 dask_dl.open_dataset(store),
                 model=model,
@@ -102,9 +106,13 @@ def main() -> None:
                 trainers=1,
                 lr=0.01,
                 client=client,
+                **options,
             )
             h = run.history.iloc[1:] if len(run.history) > 1 else run.history
-            ours = float(h["images_per_s"].max())
+            return float(h["images_per_s"].max())
+
+        for model in args.models.split(","):
+            ours = fit_rate(model)
             common = dict(model=model, batch_size=args.batch_size, device=args.device, pure=False, workers=trainer)
             plain = client.submit(plain_images_per_s, store, steps=args.steps, fast=False, **common).result()
             fast = client.submit(plain_images_per_s, store, steps=args.steps, fast=True, **common).result()
@@ -127,6 +135,14 @@ def main() -> None:
                 f"{model:10s} dask_dl / plain fp32 {ours / plain:6.3f}   dask_dl / plain bf16 {ours / fast:6.3f}   "
                 f"GPU / CPU (plain fp32) {plain / cpu:8.1f}x"
             )
+            if model in args.augment_models.split(","):
+                on_cpu = fit_rate(model, augment=True, augment_on="cpu")
+                on_gpu = fit_rate(model, augment=True, augment_on="device")
+                print(
+                    f"{model:10s} dask_dl augmented on the trainer's CPU {on_cpu:9.1f} img/s | on its device "
+                    f"{on_gpu:9.1f} | device / CPU augmentation {on_gpu / on_cpu:6.2f}   "
+                    f"unaugmented / device-augmented {ours / on_gpu:6.3f}"
+                )
 
 
 if __name__ == "__main__":

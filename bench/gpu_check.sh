@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
-# The GPU check (issue 9), one prepared script for a machine with NVIDIA GPUs, under 8 minutes:
+# The GPU check (issues 9 and 29), one prepared script for a machine with NVIDIA GPUs, about 9 minutes:
 #   1. an environment with a CUDA build of torch, dask-cuda, cudf/dask-cudf and onnxruntime-gpu (installs them
 #      into a fresh venv when an index is reachable),
 #   2. the gpu-marked tests (make("cuda"), NCCL training, scoring on the GPU workers with onnxruntime's CUDA
-#      provider, catalogs and score tables as cudf-backed Dask DataFrames),
+#      provider, catalogs and score tables as cudf-backed Dask DataFrames, pinned batches fed ahead and augmented
+#      on the GPU),
+#   2b. bench/loader.py --device cuda: images/s per core of decode, CPU and device augmentation, the cores one GPU
+#      needs, and the GPU's side: device augmentation's images/s, pinned vs pageable copies, an epoch fed pinned
+#      and ahead against pageable copies of CPU-augmented batches,
 #   3. bench/gpu.py: images/s of dask_dl training (ResNet-18, AlexNet; 224 px, batch 256) against a plain
-#      PyTorch loop on the same GPU and images (float32, and bf16 autocast + channels_last), and GPU vs CPU.
+#      PyTorch loop on the same GPU and images (float32, and bf16 autocast + channels_last), and GPU vs CPU;
+#      ResNet-18 also fit with augmentation on the trainer's CPU and on the GPU.
 # Results go to stdout and to $OUT/gpu_check.txt when OUT is set.
 #   bash bench/gpu_check.sh            # PYTHON=/path/to/python to use an environment that has it all already
 set -uo pipefail
@@ -45,7 +50,11 @@ step "gpu tests"
 timeout 180 "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu tests \
     -o addopts="--strict-markers -ra" || echo "gpu tests failed (exit $?)"
 
+step "loader: device augmentation and pinned prefetch"
+timeout 120 "$PYTHON" bench/loader.py --device cuda --n 2048 --batch-size 256 --naive-limit 256 \
+    || echo "loader benchmark failed or ran out of time (exit $?)"
+
 step "benchmark"
 timeout 330 "$PYTHON" bench/gpu.py --models resnet18,alexnet --size 224 --batch-size 256 --images 3200 \
-    --steps 8 --cpu-steps 2 --epochs 2 || echo "benchmark failed or ran out of time (exit $?)"
+    --steps 8 --cpu-steps 2 --epochs 2 --augment-models resnet18 || echo "benchmark failed or ran out of time (exit $?)"
 step "done"

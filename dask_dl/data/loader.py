@@ -36,11 +36,11 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from dask_dl import config
-from dask_dl.checks import byte_count, positive_int
+from dask_dl.checks import byte_count, one_of, positive_int
 from dask_dl.data import store as contract
+from dask_dl.data.device_augment import augment_batch, draw_parameters
 from dask_dl.data.position import EpochPosition
 from dask_dl.data.shards import ShardReader
 from dask_dl.data.store import open_store
@@ -98,35 +98,22 @@ class Augmentation:
         if self.hflip:
             rng.random(n)
 
+    def draw(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        """The parameters of ``n`` images, one row each (:func:`dask_dl.data.device_augment.draw_parameters`)."""
+        return draw_parameters(self, n, rng)
+
     def apply(self, images: np.ndarray, rng: np.random.Generator) -> np.ndarray:
         """Return augmented copies of the uint8 ``images`` ``(B, S, S)`` or ``(B, S, S, C)``, drawing from ``rng``.
 
         Every channel of an image moves with the same transform and jitter (colours are not shifted apart).
         """
-        b, colour = len(images), images.ndim == 4
+        colour = images.ndim == 4
         # Augment in 0..1 so that grid_sample's zero padding is black, then back to uint8: the model sees the same
         # pixel grid and the same normalize() as at inference time.
         x = torch.from_numpy(images)
         x = (x.permute(0, 3, 1, 2) if colour else x.unsqueeze(1)).to(torch.float32).div_(255.0)
-        u = rng.uniform(-1.0, 1.0, size=(6, b))
-        angle = np.deg2rad(self.rotation * u[0])
-        zoom = 1.0 + self.scale * u[1]
-        flip = np.where(rng.random(b) < 0.5, -1.0, 1.0) if self.hflip else np.ones(b)
-        # theta maps output to input coordinates (-1..1), so dividing by zoom enlarges the picture.
-        theta = np.empty((b, 2, 3))
-        theta[:, 0, 0] = flip * np.cos(angle) / zoom
-        theta[:, 0, 1] = -np.sin(angle) / zoom
-        theta[:, 1, 0] = flip * np.sin(angle) / zoom
-        theta[:, 1, 1] = np.cos(angle) / zoom
-        theta[:, 0, 2] = 2.0 * self.shift * u[2]
-        theta[:, 1, 2] = 2.0 * self.shift * u[3]
-        grid = F.affine_grid(torch.from_numpy(theta).to(torch.float32), list(x.shape), align_corners=False)
-        x = F.grid_sample(x, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
-        mean = x.mean(dim=(1, 2, 3), keepdim=True)
-        contrast = torch.from_numpy(1.0 + self.contrast * u[4]).to(torch.float32).view(b, 1, 1, 1)
-        brightness = torch.from_numpy(self.brightness * u[5]).to(torch.float32).view(b, 1, 1, 1)
-        x = (x - mean) * contrast + mean + brightness
-        x = x.clamp_(0.0, 1.0).mul_(255.0).round_().to(torch.uint8)
+        x = augment_batch(x, self.draw(len(images), rng))
+        x = x.mul_(255.0).round_().to(torch.uint8)
         return np.ascontiguousarray(x.permute(0, 2, 3, 1).numpy()) if colour else x.squeeze(1).numpy()
 
 
@@ -157,6 +144,14 @@ class ChunkLoader:
     augment : bool or Augmentation
         Random affine and brightness/contrast jitter, seeded by (seed, epoch, rank); True uses
         :class:`Augmentation` defaults.
+    augment_on : {"cpu", "device"}
+        Where the pixel work after decoding happens. ``"cpu"``: here, batches come augmented and normalized.
+        ``"device"``: batches come as uint8 pixels with each image's augmentation parameters (drawn here, from the
+        same stream as ``"cpu"``'s), for :func:`dask_dl.data.device_augment.finish_batch` to augment and normalize
+        on the trainer's device (a GPU trainer's cores then only decode, and a quarter of the bytes cross to it).
+    pin_memory : bool
+        Put batches in page-locked memory (on the background thread), so that copies to a GPU can be
+        asynchronous. Needs CUDA.
     drop_last : bool
         Drop the samples that do not fill a batch on every rank, so all ranks take ``steps_per_epoch`` full
         batches. False serves every sample exactly once across ranks (the last batch of a rank may be short and
@@ -175,7 +170,7 @@ class ChunkLoader:
     ConfigurationError
         ``batch_size``, ``world_size``, ``window`` or ``prefetch`` is not a count, ``rank`` or ``seed`` out of range,
         ``cache`` is not a number of bytes, ``normalization`` is not one (or has another number of channels than
-        the store).
+        the store), ``augment_on`` is neither ``"cpu"`` nor ``"device"``, ``pin_memory`` without CUDA.
     StoreNotFoundError
         Nothing at ``store``.
     StoreError
@@ -203,6 +198,8 @@ class ChunkLoader:
         window: int | None = None,
         prefetch: int | None = None,
         augment: bool | Augmentation = False,
+        augment_on: str = "cpu",
+        pin_memory: bool = False,
         drop_last: bool = True,
         normalization: dict[str, Any] | None = None,
         cache: int | str | None = None,
@@ -223,6 +220,13 @@ class ChunkLoader:
         self.augmentation = Augmentation() if augment is True else (augment or None)
         if self.augmentation is not None and not isinstance(self.augmentation, Augmentation):
             raise ConfigurationError(f"augment must be True, False or an Augmentation(...), got {augment!r}")
+        self.augment_on = one_of("augment_on", augment_on, ("cpu", "device"))
+        if pin_memory and not torch.cuda.is_available():
+            raise ConfigurationError(
+                "pin_memory=True needs CUDA (page-locked memory is for copies to a GPU), and torch sees none here; "
+                "pass pin_memory=False"
+            )
+        self.pin_memory = bool(pin_memory)
 
         self.source, group, layout = open_store(store)
         self._image = group[contract.IMAGE]
@@ -378,11 +382,15 @@ class ChunkLoader:
         ------
         x : torch.Tensor
             float32 ``(B, C, S, S)`` (``C`` the store's channels: 1 grey, 3 RGB, channels first), normalized per
-            channel by :func:`dask_dl.normalize.normalize`.
+            channel by :func:`dask_dl.normalize.normalize`; with ``augment_on="device"``, the uint8 pixels
+            ``(B, C, S, S)``, neither augmented nor normalized.
         y : torch.Tensor
             float32 ``(B, n_labels)``, 0 or 1.
         samples : numpy.ndarray
             Only with ``with_samples=True``.
+        parameters : torch.Tensor or None
+            Only with ``augment_on="device"``: float64 ``(B, 7)``, each image's augmentation
+            (:data:`dask_dl.data.device_augment.COLUMNS`); None without augmentation.
 
         Raises
         ------
@@ -410,7 +418,7 @@ class ChunkLoader:
                 self.wait_s += time.perf_counter() - t0
                 if item is None:
                     return
-                yield item if with_samples else item[:2]
+                yield item if with_samples else (*item[:2], *item[3:])
         finally:
             if producer is not None:
                 producer.stop()
@@ -497,7 +505,7 @@ class ChunkLoader:
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
 
-    def _batches(self, epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, np.ndarray]]:
+    def _batches(self, epoch: int) -> Iterator[tuple]:
         mix = np.random.default_rng([self.seed, epoch, _MIX, self.rank])
         augment_rng = np.random.default_rng([self.seed, epoch, _AUGMENT, self.rank])
         carry_x, carry_s = np.empty((0, *self.image_shape), np.uint8), np.empty(0, np.int64)
@@ -523,7 +531,7 @@ class ChunkLoader:
         if len(carry_s):  # only with drop_last=False: with drop_last the plan holds whole batches
             yield self._finish(carry_x, carry_s, augment_rng)
 
-    def _resumed_batches(self, position: EpochPosition) -> Iterator[tuple[torch.Tensor, torch.Tensor, np.ndarray]]:
+    def _resumed_batches(self, position: EpochPosition) -> Iterator[tuple]:
         """The batches of ``position``'s segment from its step on; each chunk read once, kept until its last use."""
         skip, segment = position.step, len(position.segments) - 1
         batches = self._position_batches(position)[skip:]
@@ -547,7 +555,7 @@ class ChunkLoader:
 
     def _cached_batches(
         self, batches: list[np.ndarray], reads: Iterator, last_use: dict[int, int], augment_rng: np.random.Generator
-    ) -> Iterator[tuple[torch.Tensor, torch.Tensor, np.ndarray]]:
+    ) -> Iterator[tuple]:
         cache: dict[int, np.ndarray] = {}
         for i, rows in enumerate(batches):
             chunks = rows // self.chunk
@@ -561,16 +569,26 @@ class ChunkLoader:
                     del cache[chunk]
             yield self._finish(images, rows, augment_rng)
 
-    def _finish(
-        self, images: np.ndarray, rows: np.ndarray, rng: np.random.Generator
-    ) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+    def _finish(self, images: np.ndarray, rows: np.ndarray, rng: np.random.Generator) -> tuple:
+        y = torch.from_numpy(self._label[rows])
+        if self.augment_on == "device":  # the trainer's device augments and normalizes: hand over pixels and draws
+            drawn = self.augmentation.draw(len(rows), rng) if self.augmentation is not None else None
+            parameters = None if drawn is None else torch.from_numpy(drawn)
+            x = torch.from_numpy(images)
+            x = (x.permute(0, 3, 1, 2) if x.ndim == 4 else x.unsqueeze(1)).contiguous()
+            if self.pin_memory:
+                x, y = x.pin_memory(), y.pin_memory()
+                parameters = None if parameters is None else parameters.pin_memory()
+            return x, y, rows, parameters
         if self.augmentation is not None:
             images = self.augmentation.apply(images, rng)
         x = torch.from_numpy(images)
         if x.ndim == 4:  # the store is channel-last like an image file; the models take channels first
             x = x.permute(0, 3, 1, 2)
-        x = normalize(x, mean=self.normalization["mean"], std=self.normalization["std"])
-        return x.contiguous(), torch.from_numpy(self._label[rows]), rows
+        x = normalize(x, mean=self.normalization["mean"], std=self.normalization["std"]).contiguous()
+        if self.pin_memory:
+            x, y = x.pin_memory(), y.pin_memory()
+        return x, y, rows
 
 
 class _Producer:

@@ -153,6 +153,7 @@ class TrainingActor:
         from dask_dl.models.source import head_name
         from dask_dl.train.building import build_trainer_model, make_optimizer
         from dask_dl.train.compression import make_compressor
+        from dask_dl.train.feed import DeviceFeed, where_to_augment
         from dask_dl.train.losses import loss_function
         from dask_dl.train.precision import Precision
         from dask_dl.train.tuning import Tuner
@@ -220,9 +221,13 @@ class TrainingActor:
         data_rank, data_world = data_shard(spec.parallel, spec.stages, rank, world_size)  # a pipeline's stages share
         common = dict(rank=data_rank, world_size=data_world, seed=spec.seed, window=spec.window,
                       prefetch=spec.prefetch, cache=spec.cache, normalization=spec.normalization)  # fmt: skip
+        augment_on = where_to_augment(spec.augment_on, cuda=cuda)
         self.train_loader = ChunkLoader(
-            spec.store, spec.train_samples, batch_size=spec.batch_size, shuffle=True, augment=spec.augment, **common
-        )
+            spec.store, spec.train_samples, batch_size=spec.batch_size, shuffle=True, augment=spec.augment,
+            augment_on=augment_on, pin_memory=cuda, **common,
+        )  # fmt: skip
+        self.feed = DeviceFeed(self.device, normalization=self.train_loader.normalization,
+                               deferred=augment_on == "device")  # fmt: skip
         self.val_loader = ChunkLoader(
             spec.store, spec.val_samples, batch_size=spec.batch_size, shuffle=False, drop_last=False, **common
         )
@@ -235,6 +240,7 @@ class TrainingActor:
             "address": worker.address,
             "device": str(self.device),
             "gpu": cuda,
+            "augment_on": augment_on,
             "threads": torch.get_num_threads(),
             "steps_per_epoch": int(self.train_loader.steps_per_epoch),
             "start_epoch": self.start_epoch,
@@ -310,7 +316,7 @@ class TrainingActor:
         data_world = getattr(self.parallel, "data_world", self.world_size)
         last_checkpoint = time.monotonic()
         clock = StepClock(self.timer)
-        batches = loader.epoch(epoch, with_samples=True, position=position)
+        batches = self.feed(loader.epoch(epoch, with_samples=True, position=position))
         for step, (x, y, rows) in enumerate(itertools.islice(batches, steps)):
             served.append(rows)
             clock.begin()
@@ -656,8 +662,8 @@ class TrainingActor:
             close = getattr(getattr(self, name, None), "close", None)
             if close is not None:
                 close()
-        for name in ("ddp", "parallel", "optimizer", "compressor", "train_loader", "val_loader", "timer", "tuner",
-                     "precision", "loss_fn", "_anchor", "_group_sockets"):  # fmt: skip
+        for name in ("ddp", "parallel", "optimizer", "compressor", "train_loader", "val_loader", "feed", "timer",
+                     "tuner", "precision", "loss_fn", "_anchor", "_group_sockets"):  # fmt: skip
             self.__dict__.pop(name, None)
         if not keep_latest:
             self._latest = self._latest_step = None

@@ -31,6 +31,7 @@ from dask_dl.checks import byte_count, one_of, positive_int
 from dask_dl.errors import ConfigurationError
 
 __all__ = [
+    "AUGMENT_ON",
     "GROUPS",
     "OPTIMIZERS",
     "OPTIONS",
@@ -54,6 +55,8 @@ __all__ = [
 OPTIMIZERS: tuple[str, ...] = ("sgd", "adamw")
 VIEWS: tuple[str, ...] = ("none", "auto", "notebook", "terminal", "log")
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
+#: where a trainer augments and normalizes its batches (:func:`dask_dl.train.feed.where_to_augment`)
+AUGMENT_ON: tuple[str, ...] = ("auto", "cpu", "device")
 
 
 @dataclass(frozen=True)
@@ -236,6 +239,13 @@ class Training:
         check=_switch,
         flags=("--augment",),
         cli="flag",
+    )
+    augment_on: str = option(
+        "auto",
+        help="Where batches are augmented and normalized: auto (device on a GPU trainer, else cpu), cpu, device.",
+        check=_choice(lambda: AUGMENT_ON),
+        flags=("--augment-on",),
+        cli=lambda: AUGMENT_ON,
     )
     normalization: dict[str, Any] | None = option(
         help="Pixels as (x / 255 - MEAN) / STD: numbers, or one per channel separated by commas "

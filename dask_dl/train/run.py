@@ -64,6 +64,7 @@ def fit(
     resume: bool = False,
     seed: int | None = None,
     augment: bool = False,
+    augment_on: str = "auto",
     model_kwargs: dict[str, Any] | None = None,
     compression_options: dict[str, Any] | None = None,
     view: str = "none",
@@ -135,6 +136,12 @@ def fit(
         Seeds initial weights, data order and augmentation; equal seeds give equal runs.
     augment : bool
         Random affine and brightness/contrast augmentation of training images.
+    augment_on : {"auto", "cpu", "device"}
+        Where training batches are augmented and normalized. ``cpu``: by the loader, on the trainer's CPU cores;
+        ``device``: on the trainer's device, as batched tensor ops with each image's own parameters
+        (:mod:`dask_dl.data.device_augment`), the cores only decoding; the parameters come from the same seeded
+        stream either way. ``auto``: ``device`` on a GPU trainer (whose batches are also pinned and copied ahead
+        on a stream of their own, :mod:`dask_dl.train.feed`), ``cpu`` elsewhere.
     model_kwargs, compression_options : dict, optional
         Passed to :func:`dask_dl.build_model` and to the compressor.
     view : {"none", "auto", "notebook", "terminal", "log"}
@@ -426,7 +433,8 @@ class TrainingRun:
         self._finished = threading.Event()
         self._lock = threading.Lock()
         self._view = RunView(options.view)
-        #: what the trainers reported when they started: ``weights``, the start weights' report (fit's weights=)
+        #: what the trainers reported when they started: ``weights``, the start weights' report (fit's weights=);
+        #: ``augment_on``, where rank 0 augments and normalizes its batches (``cpu`` or ``device``)
         self.info: dict[str, Any] = {}
         #: the run's MLflow run (:class:`dask_dl.tracking.Tracker`), None when it is not tracked
         self.tracker: Any = None
@@ -604,6 +612,7 @@ class TrainingRun:
 
             self.info["weights"] = weights
             logger.info("%s: %s", self.run_id, describe(weights, str(self.options.weights)))
+        self.info["augment_on"] = infos[0].get("augment_on")
         self.steps_per_epoch = infos[0]["steps_per_epoch"]
         self._epoch = infos[0]["start_epoch"]
         self.status = "running"
