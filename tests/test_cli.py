@@ -40,6 +40,7 @@ def _one_line_error(result, *fragments: str) -> str:
     return lines[0]
 
 
+@pytest.mark.slow
 def test_train_resume_from_damaged_or_hostile_checkpoint(store, cluster_client, tmp_path):
     runner = CliRunner()
     ck = tmp_path / "ck"
@@ -57,6 +58,7 @@ def test_train_resume_from_damaged_or_hostile_checkpoint(store, cluster_client, 
     assert result.exit_code == 1 and isinstance(result.exception, CheckpointError)
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_training_and_exits_130_even_when_pressed_in_a_finalizer(store, cluster_client):
     # the follow loop allocates as it prints; Python's own handler would raise the press into a finalizer there,
     # which loses it, and the 500 epochs would go on (dask_dl.interrupt)
@@ -215,6 +217,7 @@ def test_a_normalization_that_does_not_fit_the_store_is_refused_before_any_clust
     assert said in " ".join(result.output.split())
 
 
+@pytest.mark.slow
 def test_train_with_the_normalization_given_or_measured(store, cluster_client, tmp_path):
     import dask_dl
 
@@ -260,6 +263,7 @@ def test_info_lists_every_extra_of_the_package():
     assert listed["explain"].split()[2:] == (["installed", "(captum)"] if captum else ["not", "installed", "(captum)"])
 
 
+@pytest.mark.slow
 def test_upload_sends_your_model_to_workers_that_cannot_import_it(store, cluster_client, tmp_path, monkeypatch):
     name = f"netmod_{os.getpid()}_{tmp_path.name.replace('-', '_')}"
     source = tmp_path / f"{name}.py"

@@ -304,6 +304,7 @@ def test_sweeps_page_draws_every_trial_pruned_ones_marked_and_bad_sweeps_boxed()
 # ---- the routes on a real scheduler --------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_routes_serve_runs_and_survive_malformed_ones():
     with (
         LocalCluster(n_workers=1, processes=False, dashboard_address="127.0.0.1:0") as cluster,
@@ -390,6 +391,7 @@ def test_scheduler_without_bokeh_dashboard_serves_the_json_only():
         assert runs == {"run-a": {"status": "running"}}
 
 
+@pytest.mark.slow
 def test_preload_lists_the_page_for_jupyterlab():
     """A scheduler started with the preload serves the page from distributed's own Bokeh server, so its
     /individual-plots.json (what JupyterLab's Dask panel reads) lists it. In a fresh process: the preload

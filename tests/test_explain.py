@@ -157,6 +157,7 @@ def test_maps_are_lazy_chunk_aligned_and_built_once_per_worker(collection, clust
     assert set(np.unique(peaks)) <= {0, 255} and (peaks == 255).mean() > 0.5  # each map scaled by its own maximum
 
 
+@pytest.mark.slow
 def test_occlusion_on_onnx_equals_occlusion_on_torch(collection, tmp_path):
     test = collection["test"].isel(sample=slice(0, 12))
     onnx = dask_dl.export_onnx(collection["checkpoint"], tmp_path / "boxed.onnx")
@@ -254,6 +255,7 @@ def test_gpu_maps_equal_cpu_maps(collection):
     np.testing.assert_allclose(on_gpu.values.astype(float), on_cpu.values.astype(float), atol=1e-2)
 
 
+@pytest.mark.slow
 def test_maps_written_to_a_relative_path_land_in_the_clients_folder(cluster_client, tmp_path, monkeypatch):
     """The workers write the maps' chunks. Run from another folder (a gateway's, a batch job's), a relative path
     names another place there: write_maps makes it absolute from the client's folder first."""

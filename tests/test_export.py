@@ -117,6 +117,7 @@ def test_metadata(exported):
     assert info.labels == tuple(LABELS) and info.image_shape == (1, SIZE, SIZE)
 
 
+@pytest.mark.slow
 def test_sources_file_directory_run_and_multiclass(tmp_path):
     old, new = _trained_like("small_cnn", seed=1), _trained_like("small_cnn", seed=2)
     ckdir = tmp_path / "checkpoints"
@@ -148,6 +149,7 @@ def test_sources_file_directory_run_and_multiclass(tmp_path):
     assert read_model_info(path).activation == "softmax"
 
 
+@pytest.mark.slow
 def test_module_source_needs_labels_and_size(tmp_path):
     model = _trained_like("small_cnn", seed=4)
     with pytest.raises(ExportError, match="needs labels= and input_size="):
@@ -167,6 +169,7 @@ def test_module_source_needs_labels_and_size(tmp_path):
     np.testing.assert_allclose(_ort_probs(path, images), want, rtol=0, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_existing_path_refused_unless_overwrite(tmp_path):
     target = tmp_path / "m.onnx"
     target.write_bytes(b"keep me")
@@ -178,6 +181,7 @@ def test_existing_path_refused_unless_overwrite(tmp_path):
     assert read_model_info(target).labels == tuple(LABELS)
 
 
+@pytest.mark.slow
 def test_parity_failure_reports_largest_difference(tmp_path, monkeypatch):
     import dask_dl.export as export
 

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import dask_dl
 
 HEAVY = ("torch", "onnx", "onnxruntime", "cupy", "torchvision", "skimage", "zarr", "xarray")
@@ -55,6 +57,7 @@ def test_api_page_and_exports_agree():
             assert getattr(importlib.import_module(module), name) is getattr(dask_dl, name), f"{module}.{name}"
 
 
+@pytest.mark.slow
 def test_scoring_does_not_import_torch():
     """predict and read_model_info need onnxruntime only: every scoring process (dask-dl predict, its workers)
     would otherwise pay torch's import (1.5 s here) for nothing."""

@@ -90,6 +90,7 @@ def legend(ax) -> list[str]:
 # ---- show_batch ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_show_batch_draws_the_images_that_match_with_their_labels(collection):
     ds, catalog = collection["ds"], collection["catalog"]
     fig = dask_dl.show_batch(ds, 6, where="Effusion == 1 and age > 60", catalog=catalog, seed=1)
@@ -132,6 +133,7 @@ def test_show_batch_says_what_is_wrong(collection):
 # ---- interpret: top losses -----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_top_losses_are_the_brute_force_top_k(scored):
     interp, losses = scored
     assert len(interp.losses.chunks[0]) > 1  # the reduction runs over several chunks
@@ -150,6 +152,7 @@ def test_top_losses_are_the_brute_force_top_k(scored):
     assert len(interp.top_losses(10_000)) == interp.ds.sizes["sample"]  # k larger than the split: all of it
 
 
+@pytest.mark.slow
 def test_plot_top_losses_draws_the_worst_image_first_with_its_map(collection, scored, cluster_client):
     _, losses = scored
     interp = dask_dl.interpret(collection["ds"], collection["checkpoint"], split="test", client=cluster_client)
@@ -170,6 +173,7 @@ def test_plot_top_losses_draws_the_worst_image_first_with_its_map(collection, sc
     drawn(plain)
 
 
+@pytest.mark.slow
 def test_an_onnx_model_is_explained_by_occlusion(scored):
     fig = scored[0].plot_top_losses(2)
     assert "occlusion" in fig.texts[0].get_text() and all(len(ax.images) == 2 for ax in fig.axes if ax.images)
@@ -249,6 +253,7 @@ def test_interpret_says_what_is_wrong(collection):
 # ---- runs ----------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_run_plot_draws_its_history_and_marks_restarts(run):
     history = run.history
     fig = run.plot()
@@ -309,6 +314,7 @@ def page(collection, run, cluster_client):
     return out
 
 
+@pytest.mark.slow
 def test_report_is_one_page_with_its_images_inlined(page):
     text = page.read_text()
     assert text.count("<img ") == 4 and text.count("src='data:image/png;base64,") == 4

@@ -28,6 +28,7 @@ def wait(seconds: float, interrupt=None) -> float:
     return time.monotonic() - start
 
 
+@pytest.mark.slow
 def test_pythons_own_handler_loses_a_ctrl_c_pressed_in_a_finalizer(monkeypatch):
     # the reference: what made a run go on after Ctrl-C, now and then, in a long test session
     lost = []

@@ -80,6 +80,7 @@ def _sessions(cluster_client) -> dict[str, int]:
     return cluster_client.run(count)
 
 
+@pytest.mark.slow
 def test_predict_on_cluster_equals_single_process_and_torch(cluster_client, store, model):
     net, path = model
     ds = dask_dl.open_dataset(store)
@@ -218,6 +219,7 @@ def test_scores_table_round_trips_through_parquet(tmp_path, store, model):
         evaluate(partial.drop(columns=labels[:3]))
 
 
+@pytest.mark.slow
 def test_cli_export_and_predict(tmp_path, cluster_client, store, model):
     net, _ = model
     ds = dask_dl.open_dataset(store)

@@ -49,6 +49,7 @@ def test_local_workers_get_the_pinned_environment_when_deterministic(monkeypatch
     assert seen == {**pinned, "DASK_DL_OWN": "1"}  # beside the env= the caller gave
 
 
+@pytest.mark.slow
 def test_a_deterministic_run_repeats_itself_bit_for_bit(tmp_path, cluster_client):
     """Two runs of one seed on two trainers: equal weights to the last bit, with torch's deterministic algorithms
     on in the trainers (the test run sets ``dask-dl.train.deterministic``); off again when a run says so."""

@@ -69,6 +69,7 @@ def artifacts(client, run_id: str, path: str | None = None) -> list[str]:
 # ---- a fit on a tracking server, its export and its registration ---------------------------------------------
 
 
+@pytest.mark.slow
 def test_fit_on_server_logs_params_epochs_history_and_registers_onnx(mlflow_server, store, cluster_client, tmp_path):
     run = dask_dl.fit(dask_dl.open_dataset(store), epochs=2, client=cluster_client, tracking=mlflow_server, **OPTIONS)
     client = client_for(mlflow_server)
@@ -114,6 +115,7 @@ def test_fit_on_server_logs_params_epochs_history_and_registers_onnx(mlflow_serv
 # ---- nesting: two fits under one parent, at the same time, in a plain SQLite file ----------------------------
 
 
+@pytest.mark.slow
 def test_two_fits_nested_under_one_parent_in_sqlite(store, cluster_client, tmp_path):
     uri = f"sqlite:///{tmp_path / 'runs.db'}"
     parent = open_tracker(uri, run_name="lr trials", experiment="nesting")
@@ -158,6 +160,7 @@ def test_two_fits_nested_under_one_parent_in_sqlite(store, cluster_client, tmp_p
     assert "mlflow.parentRunId" not in client.get_run(parent.run_id).data.tags
 
 
+@pytest.mark.slow
 def test_a_nested_run_whose_fit_failed_ends_failed(store, cluster_client, tmp_path):
     uri = f"sqlite:///{tmp_path / 'runs.db'}"
     parent = open_tracker(uri, run_name="sweep")
@@ -191,6 +194,7 @@ def test_server_down_warns_once_and_training_goes_on(store, cluster_client, capl
 # ---- fit_sites: a parent run, one nested run per site and round ----------------------------------------------
 
 
+@pytest.mark.slow
 def test_fit_sites_parent_run_with_a_run_per_site_and_round(store, cluster_client, tmp_path):
     root = tmp_path / "B"
     other = str(root / "b.zarr")
@@ -269,6 +273,7 @@ def test_params_flatten_option_groups_generically():
     }  # fmt: skip
 
 
+@pytest.mark.slow
 def test_cli_train_tracking(store, cluster_client, tmp_path):
     from click.testing import CliRunner
 
@@ -286,6 +291,7 @@ def test_cli_train_tracking(store, cluster_client, tmp_path):
     assert len(client.get_metric_history(logged.info.run_id, "val_auroc_mean")) == 1
 
 
+@pytest.mark.slow
 def test_a_relative_sqlite_database_keeps_its_artifacts_beside_it(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     tracker = open_tracker("sqlite:///runs.db", run_name="here")

@@ -116,6 +116,7 @@ def test_boxes_of_smaller_images_are_not_scaled_as_nih_pixels_without_a_word(tmp
         assert len(read_boxes(nih, size=64)) == 984
 
 
+@pytest.mark.slow
 def test_boxes_attach_to_a_dataset_by_image_id(tmp_path, cluster_client):
     dask_dl.synthesize(tmp_path / "raw", n_images=40, size=64, seed=3)
     catalog = dask_dl.read_catalog(tmp_path / "raw")

@@ -44,6 +44,7 @@ def test_a_corrupt_chunk_is_named_with_its_samples(store):
     assert found[0][2].startswith("chunk 4 cannot be decoded")
 
 
+@pytest.mark.slow
 def test_missing_shard_and_status_files(store):
     (store / "image" / "c" / "3" / "0" / "0").unlink()  # reads as zeros: the check must not trust that
     (store / "_dask_dl" / "status" / "shard-000001.json").unlink()

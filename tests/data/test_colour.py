@@ -168,6 +168,7 @@ def stores(collection, cluster_client):
     return root / "colour.zarr", root / "grey.zarr"
 
 
+@pytest.mark.slow
 def test_colour_store_layout_and_round_trip(collection, stores):
     _, catalog = collection
     colour, grey = stores
@@ -197,6 +198,7 @@ def test_ingest_refuses_a_channel_change_and_bad_channels(collection, stores, cl
         dask_dl.ingest(catalog, grey, size=SIZE, chunk=CHUNK, shard=2, channels=4, client=cluster_client)
 
 
+@pytest.mark.slow
 def test_cli_ingest_channels(cluster_client, tmp_path):
     from click.testing import CliRunner
 
@@ -264,6 +266,7 @@ def test_fit_learns_colour_on_two_trainers(run):
     assert run.model().features[0].in_channels == 3
 
 
+@pytest.mark.slow
 def test_export_and_predict_colour(run, stores, cluster_client, tmp_path):
     colour, grey = stores
     path = dask_dl.export_onnx(run, tmp_path / "discs.onnx")
@@ -301,6 +304,7 @@ def test_grey_model_refuses_colour_data(stores):
     assert ok.shape[1:] == (3, SIZE, SIZE) and ok.chunks[1:] == ((3,), (SIZE,), (SIZE,))
 
 
+@pytest.mark.slow
 def test_explain_colour(run, stores):
     pytest.importorskip("captum")
     colour, _ = stores

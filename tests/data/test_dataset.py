@@ -65,6 +65,7 @@ def ingested(cluster_client, tmp_path_factory):
     return catalog, store
 
 
+@pytest.mark.slow
 def test_open_dataset_contract(ingested):
     catalog, store = ingested
     ds = open_dataset(store)
@@ -175,6 +176,7 @@ def test_summary_counts(ingested):
     assert list(only_val.index) == ["val", "total"] and only_val.loc["val", "images"] == expected.loc["val", "images"]
 
 
+@pytest.mark.slow
 def test_cli_ingest_and_summary(cluster_client, tmp_path):
     catalog = make_catalog_on_disk(tmp_path / "images")
     write_catalog(catalog, tmp_path / "catalog.parquet")

@@ -375,6 +375,7 @@ def write_deflated_bomb(path: Path, *, rows: int, columns: int) -> None:
         f.write(deflate.flush())
 
 
+@pytest.mark.slow
 def test_a_deflated_bomb_is_too_large_before_it_is_inflated(tmp_path, cluster_client):
     # issue 28: pydicom inflates a deflated dataset whole before reading its header, so the worker that rejected
     # this 0.8 MB file as too_large first held its 800 MB of pixels (1.66 GB at its peak)
@@ -499,6 +500,7 @@ def test_each_transfer_syntax_reads_as_pydicom_decodes_it(syntax):
         np.testing.assert_array_equal(image, read_pixels(bundled("MR_small.dcm")))
 
 
+@pytest.mark.slow
 def test_every_transfer_syntax_is_ingested_without_a_warning(tmp_path, cluster_client):
     import json
     import shutil
@@ -595,6 +597,7 @@ def test_12_bit_jpeg_is_decoded_by_gdcm_without_noise(capfd, caplog):
     np.testing.assert_array_equal(lossy, load_image(path, size=64, min_size=1))
 
 
+@pytest.mark.slow
 def test_a_missing_decoder_is_named_with_the_extra_that_brings_it(tmp_path):
     # a worker without the dicom extra's decoders: they are hidden from a fresh process
     hidden = tmp_path / "hidden"

@@ -162,6 +162,7 @@ def test_parquet_reader_refuses_garbage(data):
 @pytest.mark.timeout(120)
 @QUICK
 @given(st.lists(st.text(max_size=30), min_size=1, max_size=6))
+@pytest.mark.slow
 def test_findings_parser_survives_any_text(values):
     check_findings(values)
 

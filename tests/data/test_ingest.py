@@ -62,6 +62,7 @@ def run_ingest(catalog, store, cluster_client, **kwargs) -> IngestResult:
     return dask_dl.ingest(catalog, store, **{**options, **kwargs})
 
 
+@pytest.mark.slow
 def test_round_trip(cluster_client, tmp_path):
     catalog = make_collection(tmp_path / "images", bad=BAD)
     store = tmp_path / "cxr.zarr"
@@ -328,6 +329,7 @@ def test_bad_reject_share_is_a_configuration_error(tmp_path, value):
     assert not (tmp_path / "s.zarr").exists()
 
 
+@pytest.mark.slow
 def test_cli_ingest_small_images_and_the_reject_error(cluster_client, tmp_path):
     root = class_folders(tmp_path / "digits", classes=("x", "y"), per_class=4, size=32)
     address = ["--scheduler", cluster_client.scheduler.address, "--quiet"]
@@ -426,6 +428,7 @@ def shards_done(status: Path) -> set[int]:
     return {int(p.stem.split("-")[1]) for p in status.glob("*.json")}
 
 
+@pytest.mark.slow
 def test_resume_after_kill_writes_only_missing_shards(cluster_client, tmp_path, request):
     catalog = make_collection(tmp_path / "images", n=48, bad={13: "garbage"})  # 12 shards of 4 images
     # Rows 9 and 21 (shards 2 and 5) are URLs of a server that accepts connections and never answers, like a hung
@@ -525,6 +528,7 @@ class _GatedHandler(http.server.BaseHTTPRequestHandler):
         pass
 
 
+@pytest.mark.slow
 def test_ctrl_c_in_the_terminal_stops_ingest_after_the_shards_being_written(cluster_client, tmp_path, request):
     """Ctrl-C as a terminal sends it (to the command and its local cluster's workers): the shards not started are
     cancelled, the ones being written finish (a second Ctrl-C leaves them), the command says what it kept and exits
@@ -604,6 +608,7 @@ RACING_RUN = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_two_ingests_into_one_store_never_both_write(cluster_client, tmp_path):
     catalog = make_collection(tmp_path / "images", n=40)
     write_catalog(catalog, tmp_path / "catalog.parquet")
@@ -806,6 +811,7 @@ def tiny_disk(tmp_path):
     subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
+@pytest.mark.slow
 def test_disk_full_is_a_clear_error_and_resume_is_identical(cluster_client, tmp_path, tiny_disk):
     catalog = make_collection(tmp_path / "images", n=64)  # noise images: shards hardly compress
     store = tiny_disk / "s.zarr"
@@ -831,6 +837,7 @@ def _page_faults() -> int:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator settings are Linux-only")
+@pytest.mark.slow
 def test_ingest_tasks_reuse_freed_memory_under_the_nannys_trim_threshold(cluster_client, tmp_path):
     # the nanny starts workers with MALLOC_TRIM_THRESHOLD_, under which every allocation over 128 KiB is a fresh
     # mapping: each 1 MB file's bytes alone would fault in its 257 pages again for every image
@@ -853,6 +860,7 @@ def test_ingest_tasks_reuse_freed_memory_under_the_nannys_trim_threshold(cluster
     assert min(per_image) < file_pages / 4, (per_image, file_pages)  # about 280 without the allocator settings
 
 
+@pytest.mark.slow
 def test_relative_image_paths_are_read_from_the_clients_folder(cluster_client, tmp_path, monkeypatch):
     """A catalog of one's own may name images relative to where one works; the workers may run elsewhere."""
     here, elsewhere = tmp_path / "client", tmp_path / "workers"

@@ -31,6 +31,7 @@ def ingest(catalog, store, client, *, order: str = "shuffled", **options):
         return dask_dl.ingest(catalog, store, client=client, **{**OPTIONS, **options})
 
 
+@pytest.mark.slow
 def test_ingest_stores_a_seeded_permutation_and_records_it(folders, cluster_client, tmp_path):
     result = ingest(folders, tmp_path / "a.zarr", cluster_client)
     rows = catalog_rows(tmp_path / "a.zarr")
@@ -74,6 +75,7 @@ def test_a_store_of_another_order_is_refused_and_bad_settings_are_named(folders,
         ingest(folders, tmp_path / "t.zarr", cluster_client)
 
 
+@pytest.mark.slow
 def test_a_class_sorted_store_warns_in_check_and_fit(cluster_client, tmp_path):
     """Ten classes of 16 in class folders, chunks of 8: in catalog order a window of 4 chunks holds 4 classes at
     most, where a full shuffle's 32 samples hold most of the ten."""

@@ -74,6 +74,7 @@ def test_same_seed_writes_identical_bytes(tmp_path):
     assert sum(a[k] != c[k] for k in common) > 0.9 * len(common)
 
 
+@pytest.mark.slow
 def test_parallel_on_a_cluster_equals_serial(client, tmp_path):
     options = dict(n_images=150, size=64, seed=5, sites=2, rgba_fraction=0.05, corrupt_fraction=0.05)
     serial = synthesize(tmp_path / "serial", **options)
@@ -87,6 +88,7 @@ def test_parallel_on_a_cluster_equals_serial(client, tmp_path):
 TABLES = ["BBox_List_2017.csv", "Data_Entry_2017.csv", "test_list.txt", "train_val_list.txt"]
 
 
+@pytest.mark.slow
 def test_a_stopped_synthesis_leaves_no_table_and_running_it_again_writes_it_whole(tmp_path, monkeypatch):
     """The tables are written last: a root with a table is complete, also over an earlier synthesis."""
     import dask_dl
@@ -170,6 +172,7 @@ def test_table_is_the_2017_nih_form(tmp_path):
     assert list(frame.columns[:7]) == NIH_HEADER.split(",")[:7] and len(frame) == 120
 
 
+@pytest.mark.slow
 def test_patients_follow_ups_and_split_lists(tmp_path):
     table = synthesize(tmp_path, n_images=400, size=64, seed=2)
     per_patient = table.groupby("patient_id")["follow_up"].agg(list)
@@ -231,6 +234,7 @@ def test_label_marginals_close_to_nih():
     assert abs((labels.sum(axis=1) == 0).mean() - 60361 / 112120) < 0.02  # No Finding
 
 
+@pytest.mark.slow
 def test_embedded_statistics_are_the_real_ones(real_table, real_labels):
     real = real_labels
     np.testing.assert_allclose(np.array(_NIH_FREQUENCIES), real.mean(axis=0), atol=1e-5)
@@ -255,6 +259,7 @@ def test_co_occurrence_is_kept(real_labels, given, then):
     assert abs(real - independent) > 0.05
 
 
+@pytest.mark.slow
 def test_label_source_takes_real_patients(shared_data, real_table, tmp_path):
     source = shared_data / "nih" / "Data_Entry_2017_v2020.csv.gz"
     table = synthesize(tmp_path, n_images=150, size=64, seed=3, label_source=source)

@@ -75,6 +75,7 @@ def _expected(n: int) -> np.ndarray:
     return np.stack([row_pattern(i, SIZE) for i in range(n)])
 
 
+@pytest.mark.slow
 def test_site_local_computation_stays_on_site(site_client, stores):
     a_workers, b_workers = site_workers(site_client, "site-A"), site_workers(site_client, "site-B")
     with guard_sites(site_client, SITES) as guard:
@@ -177,6 +178,7 @@ def test_mixing_sites_is_refused_but_weights_cross(site_client):
     assert {r.keys[0] for r in audit.refusals if r.what == "task"} >= {"mix-ab"}
 
 
+@pytest.mark.slow
 def test_p2p_is_task_based_or_refused_and_close_restores(site_client):
     from distributed.active_memory_manager import ActiveMemoryManagerExtension
 
@@ -219,6 +221,7 @@ def test_p2p_is_task_based_or_refused_and_close_restores(site_client):
     assert _holders(site_client, [data]) == set(a_workers) | set(b_workers)
 
 
+@pytest.mark.slow
 def test_retiring_a_site_worker():
     with _site_cluster(a0="site-A", a1="site-A", b0="site-B") as cluster, Client(cluster) as client:
         client.wait_for_workers(3)
@@ -263,6 +266,7 @@ def test_arguments_and_cluster_are_checked(site_client):
         guard_sites(site_client, SITES)
 
 
+@pytest.mark.slow
 def test_audit_counts_crossings_not_weights_or_keys_of_no_site():
     records = (
         Arrival("x", "w-b", "B", "A", "fetch"),

@@ -33,6 +33,7 @@ def site_cluster(tmp_path_factory):
         yield client, stores
 
 
+@pytest.mark.slow
 def test_cyclic_on_site_workers_is_audited_clean(site_cluster):
     client, stores = site_cluster
     sites = {n: {"dataset": dask_dl.open_dataset(s), "resource": f"site-{n}"} for n, s in stores.items()}

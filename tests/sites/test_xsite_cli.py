@@ -36,6 +36,7 @@ def two_sites(tmp_path_factory):
     return folder
 
 
+@pytest.mark.slow
 def test_xsite_runs_a_plan(two_sites, tmp_path):
     plan = two_sites / "plan.yaml"
     out = tmp_path / "model.onnx"
@@ -63,6 +64,7 @@ def test_xsite_runs_a_plan(two_sites, tmp_path):
     assert (tmp_path / "h.csv").read_text().count("\n") == 5  # header and 2 rounds x 2 sites
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_the_sites_prints_the_rounds_done_and_exits_130(two_sites, tmp_path):
     # pressed inside a finalizer of the follow loop, where Python's own handler would lose it (dask_dl.interrupt)
     out = tmp_path / "model.onnx"
@@ -80,6 +82,7 @@ def test_ctrl_c_stops_the_sites_prints_the_rounds_done_and_exits_130(two_sites, 
     assert onnx.load(out).graph.input
 
 
+@pytest.mark.slow
 def test_ctrl_c_before_a_round_finished_exports_nothing_and_says_so(two_sites, tmp_path):
     plan = two_sites / "plan.yaml"
     slow = tmp_path / "slow.yaml"  # rounds of 200 epochs per visit: the first print comes long before one ends

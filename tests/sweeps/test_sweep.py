@@ -41,6 +41,7 @@ def store(tmp_path_factory, cluster_client) -> str:
     return path
 
 
+@pytest.mark.slow
 def test_asha_prunes_losers_keeps_every_trial_and_the_best_exports(store, cluster_client, tmp_path):
     # batches of 2: epochs of 32 steps, long enough for the pruner's verdict (a poll and a trial's start away) to
     # reach a trial before its last epoch ends
@@ -134,6 +135,7 @@ def test_define_by_run_space(store, cluster_client):
         assert params["lr"] <= (0.3 if params["optimizer"] == "sgd" else 0.01)
 
 
+@pytest.mark.slow
 def test_a_tracked_sweep_is_a_parent_run_with_a_nested_run_per_trial(store, cluster_client, tmp_path):
     from mlflow import MlflowClient
 
@@ -160,6 +162,7 @@ def test_a_tracked_sweep_is_a_parent_run_with_a_nested_run_per_trial(store, clus
     assert sorted(pd.read_csv(table)["number"]) == [0, 1]
 
 
+@pytest.mark.slow
 def test_a_trial_whose_worker_is_killed_goes_on_from_its_checkpoint(store, tmp_path):
     """The trial's run is pinned to its worker, which its nanny restarts at a new address: the sweep moves the trial
     to a group with the new worker (or the other trial's, once free), from its newest epoch checkpoint."""
@@ -239,6 +242,7 @@ def test_bad_input_is_one_error_before_any_trial(store, cluster_client, tmp_path
     assert trainer_keys(cluster_client) <= before  # and no trainer started
 
 
+@pytest.mark.slow
 def test_a_storage_that_holds_this_sweep_needs_resume(store, cluster_client, tmp_path):
     storage = tmp_path / "sweep.db"
     space = {"lr": CategoricalDistribution([0.1])}
@@ -293,6 +297,7 @@ def _epoch_files(folder: Path) -> dict[str, int]:
     return {p.name: p.stat().st_mtime_ns for p in sorted(folder.glob("epoch-*.pt"))}
 
 
+@pytest.mark.slow
 def test_resume_after_sigkill_trains_no_complete_trial_again(store, cluster_client, tmp_path):
     epochs, storage = 3, tmp_path / "sweep.db"
     script = tmp_path / "run_sweep.py"
@@ -359,6 +364,7 @@ def test_space_from_yaml_maps_onto_optuna_distributions():
     assert space_from_yaml({"model_kwargs": {"width": 8}}) == ({}, {"model_kwargs": {"width": 8}})
 
 
+@pytest.mark.slow
 def test_sweep_command_end_to_end_and_resumed(store, cluster_client, tmp_path):
     from click.testing import CliRunner
 
@@ -384,6 +390,7 @@ def test_sweep_command_end_to_end_and_resumed(store, cluster_client, tmp_path):
     assert refused.exit_code == 1 and "pass resume=True to continue it" in refused.output
 
 
+@pytest.mark.slow
 def test_stop_leaves_running_trials_for_resume(store, cluster_client, tmp_path):
     storage = tmp_path / "sweep.db"
     space = {"lr": CategoricalDistribution([0.1, 0.2])}

@@ -92,6 +92,7 @@ def allocator_holders() -> int:
     return allocator._holders
 
 
+@pytest.mark.slow
 def test_actor_protocol(setup_client):
     client, store = setup_client
     workers = place_trainers(client, 2)

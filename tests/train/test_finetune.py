@@ -158,6 +158,7 @@ def test_plateau_lowers_the_rate_after_patience_epochs():
 # ---- fine-tuning runs --------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_frozen_backbone_stays_as_loaded_under_onebit(store, cluster_client, pretrained):
     path, state = pretrained
     run = fit_squares(
@@ -177,6 +178,7 @@ def test_frozen_backbone_stays_as_loaded_under_onebit(store, cluster_client, pre
     assert not torch.equal(trained["fc.weight"], build_model("small_cnn", num_outputs=2, **SMALL).fc.weight)
 
 
+@pytest.mark.slow
 def test_thawed_backbone_trains_and_weights_that_do_not_fit_fail_first(store, cluster_client, pretrained, tmp_path):
     path, state = pretrained
     run = fit_squares(store, cluster_client, weights=path, freeze_epochs=1, epochs=2)
@@ -206,6 +208,7 @@ def test_schedule_survives_resume(store, cluster_client, tmp_path):
     np.testing.assert_allclose(resumed.history["train_loss"], whole.history["train_loss"], rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_cli_fine_tunes_from_a_weights_file(store, cluster_client, pretrained, tmp_path):
     from click.testing import CliRunner
 

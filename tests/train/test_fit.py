@@ -89,6 +89,7 @@ def reference_weights(store, *, steps_seed: int, b: int, lr: float, trainers: in
 
 
 @pytest.mark.parametrize("trainers", [2, 1])
+@pytest.mark.slow
 def test_trainers_match_one_process(store, cluster_client, trainers):
     b = 16 // trainers  # the same 16 images per step either way
     run = fit_squares(store, cluster_client, trainers=trainers, batch_size=b, seed=3, compression="none")
@@ -198,6 +199,7 @@ def test_a_model_registered_here_trains_on_the_workers(store, cluster_client):
 # ---- 6. resume, stop, back to back, faults, bad input --------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_resume_equals_uninterrupted(store, cluster_client, tmp_path):
     # onebit with a short warm-up: the error-feedback residuals (different on each rank) must survive the resume
     common = dict(compression="onebit", warmup_steps=2, seed=5)
@@ -313,6 +315,7 @@ def test_multiclass_uses_cross_entropy_and_reports_accuracy(tmp_path, cluster_cl
     assert run.checkpoint()["task"] == "multiclass"
 
 
+@pytest.mark.slow
 def test_nonfinite_loss_keeps_last_good_checkpoint(store, cluster_client, tmp_path):
     ck = str(tmp_path / "ck")
     fit_squares(store, cluster_client, epochs=1, checkpoint_dir=ck)
@@ -326,6 +329,7 @@ def test_nonfinite_loss_keeps_last_good_checkpoint(store, cluster_client, tmp_pa
     assert trainer_keys(cluster_client) == []
 
 
+@pytest.mark.slow
 def test_dead_trainer_fails_fast_and_cluster_recovers(store, cluster_client):
     import os
     import signal
@@ -348,6 +352,7 @@ def test_dead_trainer_fails_fast_and_cluster_recovers(store, cluster_client):
     assert fit_squares(store, cluster_client, epochs=1).status == "finished"
 
 
+@pytest.mark.slow
 def test_a_hung_trainer_does_not_poison_its_workers(store, cluster_client):
     import os
     import signal
@@ -409,6 +414,7 @@ def _failed_rendezvous() -> str:
     return "joined"
 
 
+@pytest.mark.slow
 def test_a_failed_rendezvous_does_not_poison_its_worker(store, cluster_client):
     import dask
 
@@ -436,6 +442,7 @@ time.sleep(600)
 """
 
 
+@pytest.mark.slow
 def test_a_killed_client_does_not_leave_trainers_running(store, cluster_client, tmp_path):
     import subprocess
     import sys
@@ -464,6 +471,7 @@ def test_a_killed_client_does_not_leave_trainers_running(store, cluster_client, 
     assert fit_squares(store, cluster_client, epochs=1, checkpoint_dir=str(ck)).status == "finished"
 
 
+@pytest.mark.slow
 def test_one_live_run_per_checkpoint_dir(store, cluster_client, tmp_path):
     ck = tmp_path / "ck"
     run = fit_squares(store, cluster_client, epochs=500, batch_size=1, checkpoint_dir=str(ck), wait=False)
@@ -614,6 +622,7 @@ def test_every_compressor_learns(synthetic_store, cluster_client, learning_seed)
 # ---- clusters opened are clusters closed, quickly and quietly ------------------------------------------------
 
 
+@pytest.mark.slow
 def test_closing_a_cluster_after_fit_is_quick_and_quiet(store):
     import logging
 

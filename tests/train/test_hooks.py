@@ -307,6 +307,7 @@ def three_ranks(tmp_path_factory):
 
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("name", ["onebit", "onebit2"])
+@pytest.mark.slow
 def test_distributed_equals_simulation(world, name, request):
     results = request.getfixturevalue("two_ranks" if world == 2 else "three_ranks")
     results = [r["check_simulation"] for r in results]
@@ -393,6 +394,7 @@ def test_onebit_sends_under_a_25th_of_fp32_for_small_cnn(two_ranks):
             assert step["bytes"] < fp32 / 25, step["bytes"] / fp32
 
 
+@pytest.mark.slow
 def test_error_feedback_converges_and_without_it_stalls(two_ranks_training):
     for rank in range(2):
         distance = two_ranks_training[rank]["check_convergence"]

@@ -160,6 +160,7 @@ def test_results_do_not_depend_on_the_number_of_threads():
     assert torch.equal(outputs[0][0], outputs[1][0]) and torch.equal(outputs[0][1], outputs[1][1])
 
 
+@pytest.mark.slow
 def test_the_kernels_leave_torch_threads_alone():
     """numba's OpenMP layer shares torch's OpenMP runtime: starting its threads must not change torch's thread
     count (it did: a trainer on 1 thread went on on 2, and runs stopped repeating themselves bit for bit)."""

@@ -30,6 +30,7 @@ def finder(store, cluster_client) -> LRFinder:
     return dask_dl.find_lr(ds, start_lr=1e-4, end_lr=100.0, steps=60, client=cluster_client, **OPTIONS)
 
 
+@pytest.mark.slow
 def test_the_suggestion_lies_where_the_loss_falls(finder):
     results = finder.results
     assert list(results.columns) == ["lr", "loss", "smoothed_loss"]
@@ -91,6 +92,7 @@ def test_a_batch_larger_than_the_data_is_a_dataset_error(store):
         dask_dl.find_lr(dask_dl.open_dataset(store), batch_size=1000, client="never used")
 
 
+@pytest.mark.slow
 def test_cli_lr_find_trains_with_the_suggestion(store, cluster_client):
     args = ["train", store, "--lr", "find", "-m", "small_cnn", "-e", "1", "-b", "16", "-t", "1", "-q",
             "--scheduler", cluster_client.scheduler.address]  # fmt: skip

@@ -144,6 +144,7 @@ def test_check_fits_names_both_shapes():
 # ---- training a user's model -------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_module_by_value_trains_exports_and_needs_its_code_to_rebuild(store, cluster_client, tmp_path):
     mine = NotebookNet()
     before = {k: v.clone() for k, v in mine.state_dict().items()}
@@ -162,6 +163,7 @@ def test_module_by_value_trains_exports_and_needs_its_code_to_rebuild(store, clu
     assert dask_dl.read_model_info(tmp_path / "c.onnx").labels == ("a", "b")
 
 
+@pytest.mark.slow
 def test_factory_with_import_path_is_rebuilt_and_resumed(store, cluster_client, tmp_path):
     directory = str(tmp_path / "ck")
     first = fit(store, cluster_client, model=tiny_net, model_kwargs={"width": 2}, checkpoint_dir=directory)
@@ -288,6 +290,7 @@ def test_a_module_whose_import_fails_only_on_the_workers_is_an_error_of_the_run(
 # ---- losses ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_base_exception_on_a_trainer_reaches_the_driver_with_its_cause(store, cluster_client):
     """torch.distributed.checkpoint raises CheckpointException, a BaseException; Dask's actor calls pass on
     Exceptions only: without care the driver reports "Unable to contact Actor's worker" instead of the cause."""
@@ -298,6 +301,7 @@ def test_a_base_exception_on_a_trainer_reaches_the_driver_with_its_cause(store, 
     assert fit(store, cluster_client, model=tiny_net).status == "finished"  # the workers are as good as new
 
 
+@pytest.mark.slow
 def test_loss_names_and_callables(store, cluster_client):
     base = dict(model=tiny_net, seed=3)
     default = fit(store, cluster_client, **base)
@@ -329,6 +333,7 @@ def test_accumulate_equals_the_larger_batch(store, cluster_client):
 
 
 @pytest.mark.parametrize("compression", ["onebit", "powersgd"])
+@pytest.mark.slow
 def test_accumulate_with_compression_exchanges_once_per_step(store, cluster_client, compression):
     common = dict(model=tiny_net, compression=compression, warmup_steps=2, seed=4)
     big = fit(store, cluster_client, batch_size=8, **common)

@@ -137,6 +137,7 @@ def assert_weights(got: dict, expected: dict) -> None:
 # ---- 1. FSDP ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_fsdp_matches_one_process_and_resumes_from_its_shards(store, cluster_client, tmp_path):
     directory = tmp_path / "ck"
     # a budget between FSDP's and DDP's need: DDP refuses it before any actor (below), FSDP trains under it
@@ -190,6 +191,7 @@ def wait_until(condition, *, within: float = 120.0, what: str = "") -> None:
 
 
 @pytest.mark.parametrize("parallel", ["fsdp", "pipeline"])
+@pytest.mark.slow
 def test_step_checkpoints_resume_inside_an_epoch_bit_for_bit(store, cluster_client, tmp_path, parallel):
     """32 steps per epoch (batch 1 per FSDP trainer; batch 2 per pipeline of 2 stages), a step checkpoint every 5
     steps, stopped at a step the test does not choose; resumed from it, the run ends with the weights of an
@@ -231,6 +233,7 @@ def test_step_checkpoints_resume_inside_an_epoch_bit_for_bit(store, cluster_clie
     assert not list(ck.glob("step-*"))  # the epochs' checkpoints removed the step files (and shards)
 
 
+@pytest.mark.slow
 def test_a_damaged_shard_file_fails_the_resume_with_its_cause(store, cluster_client, tmp_path):
     """torch.distributed.checkpoint's errors are BaseExceptions, which Dask's actor calls do not pass on: the
     driver must report what went wrong, not "Unable to contact Actor's worker"."""
@@ -275,6 +278,7 @@ def _load_shards_on_one_trainer(rank: int, path: str, port: int, out: str) -> No
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_fsdp_shards_of_two_trainers_load_on_one(store, cluster_client, tmp_path):
     """What a restart on fewer trainers does with a sharded checkpoint: the shards written by 2 ranks, loaded by a
     world of 1, give back the whole model and the optimizer state that the 2 ranks consolidate, exactly."""
@@ -300,6 +304,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_fsdp_validation_with_more_batches_on_one_rank(tmp_path_factory, cluster_client):
     """33 validation images: rank 0 scores 17 (3 batches), rank 1 16 (2 batches, then one empty forward)."""
     root = tmp_path_factory.mktemp("odd")
@@ -333,6 +338,7 @@ def test_fsdp_validation_with_more_batches_on_one_rank(tmp_path_factory, cluster
 
 
 @pytest.mark.parametrize("parallel", ["fsdp", "pipeline"])
+@pytest.mark.slow
 def test_colour_collections_train_sharded_and_in_stages(tmp_path_factory, cluster_client, parallel):
     """channels=3: the first stage, FSDP's empty validation batches and the checks take three channels."""
     from dask_dl.data.synthetic import make_collection
@@ -384,6 +390,7 @@ def test_memory_estimates():
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.slow
 def test_pipeline_matches_one_process_accumulating_microbatches(store, cluster_client, tmp_path, schedule):
     import dask
 
@@ -604,6 +611,7 @@ def replicated_pipeline_reference(store, *, b: int, microbatches: int, replicas:
     return model.state_dict()
 
 
+@pytest.mark.slow
 def test_two_replicas_of_a_two_stage_pipeline(store, cluster_client):
     cluster = cluster_client.cluster
     cluster.scale(4)

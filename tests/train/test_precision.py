@@ -86,6 +86,7 @@ def test_fp16_scaler_and_channels_last_on_gpu():
 # ---- in fits, with compression -----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_bf16_with_onebit(store, cluster_client):
     common = dict(model=tiny_net, compression="onebit", warmup_steps=0, seed=1)  # bf16 convolutions are slow on CPUs
     full = fit_squares(store, cluster_client, **common)
