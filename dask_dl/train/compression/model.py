@@ -75,6 +75,11 @@ class Link:
     def to_dict(self) -> dict[str, float]:
         return {"alpha_s": self.alpha, "bandwidth_bytes_per_s": self.bandwidth}
 
+    @classmethod
+    def from_dict(cls, figures: Mapping[str, float]) -> Link:
+        """The link of :meth:`to_dict`'s figures (extra keys ignored)."""
+        return cls(alpha=float(figures["alpha_s"]), bandwidth=float(figures["bandwidth_bytes_per_s"]))
+
 
 @dataclass(frozen=True)
 class Kernels:
