@@ -27,7 +27,7 @@ from dask_dl.train.compression.model import (
     step_time,
 )
 
-FREE = Kernels(add=0, add16=0, div=0, cast=0, quantize=0, decode=0, matmul=0)  # the network alone
+FREE = Kernels(add=0, add16=0, div=0, cast=0, quantize=0, decode=0, lowrank=0)  # the network alone
 LINK = Link(alpha=1e-4, bandwidth=1e8)  # 100 us a message, 100 MB/s
 
 
@@ -45,7 +45,7 @@ def test_exchange_times_are_the_collectives_cost_formulas():
     two_stage = 3 * 1e-4 + 0.75 * 4 * 33250 / 1e8 + 3 * (1e-4 + 33250 / 1e8)
     assert exchange_time("onebit2", fc, world=4, link=LINK, kernels=FREE) == pytest.approx(two_stage)
     # the kernels: onebit quantizes every value once and decodes N messages of every value
-    work = Kernels(add=0, add16=0, div=0, cast=0, quantize=2e-9, decode=1e-9, matmul=0)
+    work = Kernels(add=0, add16=0, div=0, cast=0, quantize=2e-9, decode=1e-9, lowrank=0)
     assert exchange_time("onebit", fc, world=4, link=LINK, kernels=work) == pytest.approx(
         3 * (1e-4 + 1.33e-3) + 1e6 * (2e-9 + 4 * 1e-9)
     )
@@ -81,7 +81,7 @@ def test_choose_for_given_figures():
     assert choose(ALEXNET, world=1, link=None, **kw).name == "none"
     # a candidate earlier in the preference wins when within the margin of the fastest, and says so
     fc = [(1000, 1000)]
-    slow = Kernels(add=0, add16=0, div=0, cast=0, quantize=0, decode=0, matmul=0)
+    slow = Kernels(add=0, add16=0, div=0, cast=0, quantize=0, decode=0, lowrank=0)
     made = choose(fc, world=4, link=LINK, compute_s=0.0, kernels=slow, candidates=("bf16", "onebit"), margin=10.0)
     assert made.name == "bf16"
     assert made.reason.startswith("bf16 is predicted within 1000% of the fastest, onebit")

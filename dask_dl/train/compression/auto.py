@@ -1,12 +1,13 @@
 """``compression="auto"``: the compressor the scale-out model predicts fastest, from figures measured at run start.
 
-Every rank measures the group's link with a short all-reduce probe (:func:`probe_link`: a one-value all-reduce
-for the latency, an 8 MB one for the bandwidth) and the compute time of its model on a batch of the run's shape
-(:func:`probe_compute`: forward and backward, no exchange). Rank 0 takes the slowest rank's figures (a step waits
-for it), lets :func:`dask_dl.train.compression.model.choose` decide, and broadcasts the choice, so that every rank
-registers the same hook. DDP takes one comm hook, before its first step: the compute time is measured on
-batches of the run's shape before training rather than on its first steps, and the model's buffers, gradients
-and random generators are left as they were, so that the run trains as it would with the chosen compressor.
+Every rank measures the group's link with a short all-reduce probe (:func:`probe_link`: a one-value all-reduce for
+the latency, an 8 MB one for the bandwidth, a bfloat16 one for gloo's 16-bit sums) and the compute time of its
+model on a batch of the run's shape (:func:`probe_compute`: forward and backward, no exchange). Rank 0 takes the
+slowest rank's figures (a step waits for it), lets :func:`dask_dl.train.compression.model.choose` decide, and
+broadcasts the choice, so that every rank registers the same hook. DDP takes one comm hook, before its first step:
+the compute time is measured on batches of the run's shape before training rather than on its first steps, and the
+model's buffers, gradients and random generators are left as they were, so that the run trains as it would with the
+chosen compressor.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dask_dl.train.compression.model import CPU_KERNELS, H200_KERNELS, Choice, Link, choose
+from dask_dl.train.compression.model import CPU_KERNELS, H200_KERNELS, Choice, Kernels, Link, choose
 
 __all__ = ["decide", "probe_compute", "probe_link"]
 
@@ -25,6 +26,7 @@ PROBE_BYTES = 8 * 2**20
 
 
 def _timed_allreduce(tensor: torch.Tensor, repeats: int) -> float:
+    """The shortest of ``repeats`` all-reduces of ``tensor``: the link's capability, not a pause of the machine."""
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -32,28 +34,37 @@ def _timed_allreduce(tensor: torch.Tensor, repeats: int) -> float:
         if tensor.is_cuda:
             torch.cuda.synchronize(tensor.device)
         times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+    return min(times)
 
 
-def probe_link(*, device: torch.device | None = None, nbytes: int = PROBE_BYTES, repeats: int = 3) -> Link:
-    """The default group's latency and bandwidth per rank, from all-reduces of one value and of ``nbytes``.
+def probe_link(
+    *, device: torch.device | None = None, nbytes: int = PROBE_BYTES, repeats: int = 3, kernels: Kernels | None = None
+) -> Link:
+    """The default group's latency and bandwidth per rank, from all-reduces of one value and of ``nbytes``, and
+    the time per value of a bfloat16 all-reduce's sums.
 
-    A ring all-reduce of ``b`` bytes on ``N`` ranks takes ``2 (N-1) alpha + 2 (N-1)/N b / B``; the one-value
-    all-reduce gives ``alpha``, the large one ``B``. Every rank returns the slowest rank's figures.
+    A ring all-reduce of ``b`` bytes (``v`` values) on ``N`` ranks takes ``2 (N-1) alpha + 2 (N-1)/N b / B`` plus
+    ``(N-1)/N v`` sums: the one-value all-reduce gives ``alpha``, the float32 one ``B`` (its sums, at the kernels'
+    ``add`` per value, taken out), the bfloat16 one of as many values the 16-bit sums' time. Every rank returns the
+    slowest rank's figures.
     """
     device = device or torch.device("cpu")
-    n = dist.get_world_size()
+    kernels = kernels or (H200_KERNELS if device.type == "cuda" else CPU_KERNELS)
+    n, values = dist.get_world_size(), nbytes // 4
     small = torch.zeros(1, device=device)
-    big = torch.zeros(nbytes // 4, device=device)
+    big = torch.zeros(values, device=device)
+    half = torch.zeros(values, dtype=torch.bfloat16, device=device)
     _timed_allreduce(big, 1)  # connections and first touch
-    t_small = _timed_allreduce(small, 2 * repeats)
-    t_big = _timed_allreduce(big, repeats)
-    both = torch.tensor([t_small, t_big], dtype=torch.float64, device=device)
+    _timed_allreduce(half, 1)
+    times = [_timed_allreduce(small, 2 * repeats), _timed_allreduce(big, repeats), _timed_allreduce(half, repeats)]
+    both = torch.tensor(times, dtype=torch.float64, device=device)
     dist.all_reduce(both, op=dist.ReduceOp.MAX)
-    t_small, t_big = (float(v) for v in both.cpu())
-    alpha = t_small / (2 * (n - 1))
-    transfer = max(t_big - t_small, 1e-9)
-    return Link(alpha=alpha, bandwidth=2 * (n - 1) / n * nbytes / transfer)
+    t_small, t_big, t_half = (float(v) for v in both.cpu())
+    share = (n - 1) / n
+    transfer = max(t_big - t_small - share * values * kernels.add, 1e-9)
+    bandwidth = 2 * share * nbytes / transfer
+    add16 = max(t_half - t_small - share * nbytes / bandwidth, 0.0) / (share * values)
+    return Link(alpha=t_small / (2 * (n - 1)), bandwidth=bandwidth, add16=add16)
 
 
 def probe_compute(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Any, *, repeats: int = 2) -> float:

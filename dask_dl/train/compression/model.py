@@ -14,19 +14,19 @@ bandwidth ``B`` per rank and direction: ring all-reduce ``2 (N-1) alpha + 2 (N-1
 ``2 log2(N) (alpha + bytes / B)`` when shorter), all-gather ``(N-1) (alpha + input / B)``, all-to-all
 ``(N-1) alpha + (N-1)/N input / B``. The compressors' own work is a time per value of each kernel
 (:class:`Kernels`): the 1-bit quantize sweep, the decode of one message, the casts, the sums inside an
-all-reduce, PowerSGD's products. What each compressor sends and does:
+all-reduce, PowerSGD's work. What each compressor sends and does:
 
-========== ================================== ============================================ =========================
-name       synchronous (trainer's thread)      asynchronous (communication stream)           bytes per rank
-========== ================================== ============================================ =========================
-none       divide by N                        ring all-reduce, summing (N-1)/N of the values  ``4 n``
-bf16/fp16  divide, cast to 16 bits            all-reduce in 16 bits, cast back              ``2 n``
-powersgd   P = M Q                            all-reduce of the rest, P, Q; orthogonalize,  ``4 (r (rows + cols))``
-                                              Q = M^T P, M = P Q^T
-onebit     quantize                           all-gather, decode N messages                 ``n/8 + 8 columns``
-onebit2    quantize, all-to-all, decode N     all-gather of the stripes, decode             ``n/8 + 8 columns``
+========== ================================== ================================================ ======================
+name       synchronous (trainer's thread)     asynchronous (communication stream)              bytes per rank
+========== ================================== ================================================ ======================
+none       divide by N                        ring all-reduce, summing (N-1)/N of the values   ``4 n``
+bf16/fp16  cast to 16 bits, divide by N       all-reduce in 16 bits, cast back                 ``2 n``
+powersgd   wait for the bucket before, P = MQ all-reduce of the rest, P, Q; orthogonalize,     ``4 r (rows + cols)``
+                                              Q = M^T P, M = P Q^T                             and the rest
+onebit     quantize                           all-gather, decode N messages                    ``n/8 + 8 columns``
+onebit2    quantize, all-to-all, decode N     all-gather of the stripes, decode                ``n/8 + 8 columns``
            stripe messages, re-quantize
-========== ================================== ============================================ =========================
+========== ================================== ================================================ ======================
 
 Nothing here imports torch: ``bench/projection.py`` projects with it and ``compression="auto"``
 (:mod:`dask_dl.train.compression.auto`) decides with it.
@@ -62,32 +62,40 @@ BACKWARD_SHARE = 2 / 3  # of a step's compute: the backward pass costs about twi
 
 @dataclass(frozen=True)
 class Link:
-    """The network between the trainers: ``alpha`` seconds per message, ``bandwidth`` bytes/s per rank and way."""
+    """The network between the trainers: ``alpha`` seconds per message, ``bandwidth`` bytes/s per rank and way.
+
+    ``add16``: seconds per value summed in a 16-bit all-reduce, when the probe measured it (gloo sums bfloat16 one
+    value at a time on CPU, an order of magnitude slower than float32); None: the kernels' figure.
+    """
 
     alpha: float
     bandwidth: float
+    add16: float | None = None
 
     @classmethod
     def gbit(cls, gbit_per_s: float, *, alpha: float = 20e-6) -> Link:
         """A link of ``gbit_per_s`` Gbit/s (e.g. ``Link.gbit(10)``), ``alpha`` seconds per message."""
         return cls(alpha=alpha, bandwidth=gbit_per_s * 1e9 / 8)
 
-    def to_dict(self) -> dict[str, float]:
-        return {"alpha_s": self.alpha, "bandwidth_bytes_per_s": self.bandwidth}
+    def to_dict(self) -> dict[str, float | None]:
+        return {"alpha_s": self.alpha, "bandwidth_bytes_per_s": self.bandwidth, "add16_s": self.add16}
 
     @classmethod
     def from_dict(cls, figures: Mapping[str, float]) -> Link:
         """The link of :meth:`to_dict`'s figures (extra keys ignored)."""
-        return cls(alpha=float(figures["alpha_s"]), bandwidth=float(figures["bandwidth_bytes_per_s"]))
+        add16 = figures.get("add16_s")
+        return cls(alpha=float(figures["alpha_s"]), bandwidth=float(figures["bandwidth_bytes_per_s"]),
+                   add16=None if add16 is None else float(add16))  # fmt: skip
 
 
 @dataclass(frozen=True)
 class Kernels:
     """Seconds per value of the work a compressor does besides sending (one rank, one core).
 
-    ``add``/``add16``: one float32/16-bit sum inside an all-reduce; ``div``: the division by N; ``cast``: one
-    value to 16 bits and back; ``quantize``: the 1-bit sweep over gradient and residual; ``decode``: one value of
-    one received 1-bit message added up; ``matmul``: one value of a matrix times one rank-1 column (PowerSGD).
+    ``add``/``add16``: one float32/16-bit sum inside an all-reduce; ``div``: the division by N; ``cast``: one value
+    to a new 16-bit tensor, divided there, and back (torch's fp16/bf16 hooks); ``quantize``: the 1-bit sweep over
+    gradient and residual; ``decode``: one value of one received 1-bit message added up; ``lowrank``: PowerSGD's
+    work per value of a bucket on one rank (error feedback, P and Q, orthogonalization, decompression).
     ``share``: the share of a core each rank gets (a machine with fewer cores than ranks slows every kernel).
     """
 
@@ -97,24 +105,25 @@ class Kernels:
     cast: float
     quantize: float
     decode: float
-    matmul: float
+    lowrank: float
     share: float = 1.0
 
     def per_value(self, name: str) -> float:
         return getattr(self, name) / self.share
 
     def to_dict(self) -> dict[str, float]:
-        return {k: getattr(self, k) for k in ("add", "add16", "div", "cast", "quantize", "decode", "matmul", "share")}
+        return {k: getattr(self, k) for k in ("add", "add16", "div", "cast", "quantize", "decode", "lowrank", "share")}
 
 
 #: this project's 2-core CPU machine, one thread per rank (``python bench/projection.py --check`` measures them)
-CPU_KERNELS = Kernels(add=0.45e-9, add16=2.4e-9, div=0.35e-9, cast=1.3e-9, quantize=1.6e-9, decode=0.8e-9,
-                      matmul=0.9e-9)  # fmt: skip
+CPU_KERNELS = Kernels(add=0.68e-9, add16=20e-9, div=0.51e-9, cast=3.4e-9, quantize=4.05e-9, decode=0.53e-9,
+                      lowrank=40e-9)  # fmt: skip
 
-#: an H200 (4.8 TB/s of HBM3e): each kernel as the bytes it moves at half that bandwidth (they are memory bound)
+#: an H200 (4.8 TB/s of HBM3e): each kernel as the bytes it moves at half that bandwidth (they are memory bound;
+#: PowerSGD's work as ten such sweeps)
 H200_KERNELS = Kernels(
     add=12 / 2.4e12, add16=6 / 2.4e12, div=8 / 2.4e12, cast=12 / 2.4e12, quantize=16.25 / 2.4e12,
-    decode=4.25 / 2.4e12, matmul=8 / 2.4e12,
+    decode=4.25 / 2.4e12, lowrank=80 / 2.4e12,
 )  # fmt: skip
 
 
@@ -177,18 +186,18 @@ def bucket_times(
     n = sum(math.prod(s) for s in bucket)
     k = kernels.per_value
     if world == 1:  # no collectives: the hooks do what the algorithm defines for one rank
-        alone = {"none": 0.0, "fp16": k("cast"), "bf16": k("cast"), "powersgd": 0.0,
+        alone = {"none": 0.0, "fp16": k("cast"), "bf16": k("cast"), "powersgd": k("lowrank"),
                  "onebit": k("quantize") + k("decode"), "onebit2": 2 * k("quantize") + 2 * k("decode")}  # fmt: skip
         return alone[name] * n, 0.0, 0
     if name == "none":
         return n * k("div"), _allreduce(4 * n, n, world, link, k("add")), 4 * n
-    if name in ("fp16", "bf16"):
-        sync = n * (k("div") + k("cast") / 2)
-        return sync, _allreduce(2 * n, n, world, link, k("add16")) + n * k("cast") / 2, 2 * n
+    if name in ("fp16", "bf16"):  # torch's hook: a new 16-bit copy divided by N (3/4 of it), copied back after
+        add16 = k("add16") if link.add16 is None else link.add16 / kernels.share
+        return 0.75 * n * k("cast"), _allreduce(2 * n, n, world, link, add16) + 0.25 * n * k("cast"), 2 * n
     if name == "powersgd":
-        rest, low, big = _powersgd(bucket)
+        rest, low, _ = _powersgd(bucket)
         exchange = sum(_allreduce(4 * v, v, world, link, k("add")) for v in (rest, low // 2 or 1, low // 2 or 1))
-        return big * k("matmul"), exchange + 2 * big * k("matmul") + low * k("div"), 4 * (rest + low)
+        return n * k("lowrank") / 3, exchange + 2 * n * k("lowrank") / 3, 4 * (rest + low)
     message = sum((math.prod(s) + 7) // 8 + 8 * _columns(s) for s in bucket)
     if name == "onebit":
         return n * k("quantize"), _all_gather(message, world, link) + world * n * k("decode"), message
@@ -240,6 +249,8 @@ def step_time(
     t, free = compute_s - backward, 0.0
     for bucket in groups:
         sync, exchange, _ = bucket_times(name, bucket, world=world, link=link, kernels=kernels)
+        if name == "powersgd":  # its hook waits for the bucket before (dask_dl.train.compression.powersgd)
+            t = max(t, free)
         t += backward * sum(math.prod(s) for s in bucket) / total + sync
         free = max(t, free) + exchange
     return max(t, free)
