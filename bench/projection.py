@@ -5,9 +5,10 @@ then every compressor's exchange of an AlexNet-shaped gradient (45.5M values in 
 back to back as in ``bench/compression.py``) timed on 2, 3 and 4 gloo ranks over veth links rate-limited with
 ``tc`` (bench/compression.py's namespaces), beside the model's prediction from the link that ``auto``'s all-reduce
 probe measures in the same group. It prints the model's error at each point and, last, ``max error X%`` over them.
-The ranks share this machine's cores: the model is given each rank's share of a core (cores / ranks, at most 1).
+The ranks share this machine's cores: every rank measures the kernels again, all at once, before the exchanges,
+and the model is given the slowest rank's figures (its time per value under that world's contention).
 
-``--auto`` answers the default question: real DDP training steps of dask_dl's alexnet (64 px, 8 images a rank)
+``--auto`` answers the default question: real DDP training steps of dask_dl's alexnet (64 px, 4 images a rank)
 on 2 ranks, with each fixed compressor and with ``auto`` (which measures and chooses as ``fit`` does), on loopback
 and the veth links; it prints each choice's step time, auto's loss against the best fixed choice, and, last,
 ``worst auto loss X%``.
@@ -27,6 +28,7 @@ import argparse
 import json
 import math
 import os
+import subprocess
 import sys
 import time
 
@@ -42,7 +44,6 @@ from dask_dl.train.compression.model import (  # noqa: E402
     Link,
     exchange_time,
     step_time,
-    with_share,
 )
 
 CHECKED = ("none", "bf16", "powersgd", "onebit", "onebit2")
@@ -75,8 +76,9 @@ def _best(f, repeats: int = 3) -> float:
     return min(times)
 
 
-def measure_kernels(n: int = 2**23) -> Kernels:
-    """Seconds per value of each kernel the model uses, one thread, on ``n`` values (fc7's 4096 x 2048)."""
+def measure_kernels(n: int = 2**23, *, lowrank: float | None = None) -> Kernels:
+    """Seconds per value of each kernel the model uses, one thread: the sums, division and cast on ``n`` values,
+    the 1-bit kernels and PowerSGD on the AlexNet-shaped buckets (their per-value cost depends on the shapes)."""
     import torch
 
     from dask_dl.train.compression import kernels
@@ -87,20 +89,32 @@ def measure_kernels(n: int = 2**23) -> Kernels:
     warm_up()
     a, b = torch.randn(n), torch.randn(n)
     a16, b16 = a.to(torch.bfloat16), b.to(torch.bfloat16)
-    shape = (4096, n // 4096)
-    plan = plan_stripes([shape], ["w"], 1)
-    grad, residual = a.numpy().copy(), np.zeros(n, np.float32)
-    message = np.zeros((1, plan.size), np.uint8)
-    kernels.quantize(plan.tasks, message, plan.columns, grad=grad, vals=residual)
-    four = np.repeat(message, 4, axis=0)
+    work = []
+    for i, shapes in enumerate(ddp_buckets(ALEXNET)):
+        plan = plan_stripes(shapes, [f"p{i}.{j}" for j in range(len(shapes))], 1)
+        size = sum(math.prod(s) for s in shapes)
+        grad, residual = np.random.default_rng(i).standard_normal(size, np.float32), np.zeros(size, np.float32)
+        message = np.zeros((1, plan.size), np.uint8)
+        kernels.quantize(plan.tasks, message, plan.columns, grad=grad, vals=residual)
+        work.append((plan, grad, residual, message, np.repeat(message, 4, axis=0)))
+    values = sum(w[1].size for w in work)
+
+    def quantize():
+        for plan, grad, residual, message, _ in work:
+            kernels.quantize(plan.tasks, message, plan.columns, grad=grad, vals=residual)
+
+    def decode():
+        for plan, grad, _, _, four in work:
+            kernels.decode(plan.tasks, four, plan.columns.repeat(4), grad, average=True)
+
     return Kernels(
         add=_best(lambda: a.add_(b)) / n,
         add16=_best(lambda: a16.add_(b16)) / n,
         div=_best(lambda: a.div_(1.0)) / n,
         cast=_best(lambda: a.copy_(a.to(torch.bfloat16).div_(2.0))) / n,  # as torch's bf16 hook: a new tensor
-        quantize=_best(lambda: kernels.quantize(plan.tasks, message, plan.columns, grad=grad, vals=residual)) / n,
-        decode=_best(lambda: kernels.decode(plan.tasks, four, plan.columns.repeat(4), grad, average=True)) / (4 * n),
-        lowrank=_lowrank(),
+        quantize=_best(quantize) / values,
+        decode=_best(decode) / (4 * values),
+        lowrank=_lowrank() if lowrank is None else lowrank,
     )
 
 
@@ -152,6 +166,14 @@ def exchange_worker(args) -> dict:
     from dask_dl.train.compression.auto import probe_link
 
     link = probe_link()
+    # the kernels on every rank at once: their time per value under this world's own contention for the cores
+    # (PowerSGD's, which needs a group of its own, scaled from the one-rank figure as the quantize sweep is)
+    alone = Kernels(**args.kernels)
+    here = measure_kernels(lowrank=alone.lowrank)
+    slowest = torch.tensor(list(here.to_dict().values()), dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    here = Kernels(**dict(zip(here.to_dict(), slowest.tolist(), strict=True)))
+    here = Kernels(**{**here.to_dict(), "lowrank": alone.lowrank * here.quantize / alone.quantize})
     buckets = ddp_buckets(ALEXNET)
     gen = torch.Generator().manual_seed(args.rank)
     grads = [torch.randn(sum(math.prod(s) for s in b), generator=gen) * 1e-3 for b in buckets]
@@ -163,11 +185,12 @@ def exchange_worker(args) -> dict:
         times = torch.tensor([s[0] for s in run_steps(compressor, buckets, grads, args.steps, dist.barrier)])
         dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a step lasts until the slowest rank is done
         results[name] = float(times.min())  # the step least disturbed by the machine's other work
-    return {"link": link.to_dict(), "seconds": results}
+    return {"link": link.to_dict(), "kernels": here.to_dict(), "seconds": results}
 
 
 def training_worker(args) -> dict:
-    """Real DDP steps of alexnet with each fixed compressor and with auto: the slowest rank's, best of the steps."""
+    """Real DDP steps of alexnet with each fixed compressor and with auto, all models built first and stepped in
+    turns (the machine's load drifts alike for all): the slowest rank's time of each, best of the steps."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -178,12 +201,12 @@ def training_worker(args) -> dict:
     from dask_dl.train.step import make_ddp
 
     gen = torch.Generator().manual_seed(args.rank)
-    x, y = torch.randn(8, 1, 64, 64, generator=gen), torch.rand(8, 14, generator=gen).round()
+    x, y = torch.randn(4, 1, 64, 64, generator=gen), torch.rand(4, 14, generator=gen).round()
 
     def loss_fn(logits, targets):
         return F.binary_cross_entropy_with_logits(logits, targets)
 
-    results, auto = {}, None
+    trainers, auto = {}, None
     for name in args.compressors.split(","):
         torch.manual_seed(0)
         model = build_model("alexnet", num_outputs=14, in_channels=1)
@@ -195,19 +218,21 @@ def training_worker(args) -> dict:
             auto = {"name": choice.name, "reason": choice.reason, "probe_s": time.perf_counter() - start}
             chosen = choice.name
         make_compressor(chosen).register(ddp)
-        optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-3)
-        times = []
-        for _ in range(args.steps + 1):  # the first step allocates
+        trainers[name] = (ddp, torch.optim.SGD(ddp.parameters(), lr=1e-3), [])
+    for _ in range(args.steps + 1):  # the first step allocates
+        for ddp, optimizer, times in trainers.values():
             dist.barrier()
             start = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
             loss_fn(ddp(x), y).backward()
             optimizer.step()
             times.append(time.perf_counter() - start)
+    results = {}
+    for name, (_, _, times) in trainers.items():
         seconds = torch.tensor(times[1:])
         dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
         results[name] = float(seconds.min())
-        del ddp, optimizer
+    trainers.clear()
     return {"seconds": results, "auto": auto}
 
 
@@ -215,6 +240,7 @@ def worker(args) -> None:
     import torch.distributed as dist
 
     _join(args)
+    args.kernels = json.loads(os.environ.get("DDL_PROJECTION_KERNELS", "{}")) or None
     out = training_worker(args) if "auto" in args.compressors.split(",") else exchange_worker(args)
     if args.rank == 0:
         with open(args.out, "w") as f:
@@ -229,23 +255,24 @@ def check(args) -> None:
     kernels = measure_kernels()
     figures = ", ".join(f"{k} {v * 1e9:.2f} ns" for k, v in kernels.to_dict().items() if k != "share")
     print(f"kernels, seconds per value (one thread): {figures}")
-    cores = os.cpu_count() or 1
     print(f"{'network':8} {'N':>2} {'probe Gbit/s':>12} {'alpha us':>8} {'compressor':10} {'measured s':>10} "
           f"{'model s':>8} {'error':>7}")  # fmt: skip
     errors: list[tuple[int, float]] = []
+    os.environ["DDL_PROJECTION_KERNELS"] = json.dumps(kernels.to_dict())  # the ranks' one-rank PowerSGD figure
     try:
         for network in args.networks.split(","):
             for world in (int(w) for w in args.worlds.split(",")):
                 args.compressors = ",".join(CHECKED)
                 try:
                     out = run_world(world, network, args, script=__file__)
-                except (RuntimeError, OSError) as exc:
+                except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
                     print(f"{network:8} {world:>2} failed: {exc}", flush=True)
                     continue
-                link = Link.from_dict(out["link"])
-                shared = with_share(kernels, min(1.0, cores / world))
+                link, here = Link.from_dict(out["link"]), Kernels(**out["kernels"])
+                print(f"{network:8} {world:>2} kernels on the ranks: quantize {here.quantize * 1e9:.2f} ns, decode "
+                      f"{here.decode * 1e9:.2f} ns ({here.quantize / kernels.quantize:.2f}x alone)")  # fmt: skip
                 for name, measured in out["seconds"].items():
-                    model = exchange_time(name, ALEXNET, world=world, link=link, kernels=shared)
+                    model = exchange_time(name, ALEXNET, world=world, link=link, kernels=here)
                     error = model / measured - 1
                     errors.append((world, error))
                     print(f"{network:8} {world:>2} {link.bandwidth * 8 / 1e9:12.3f} {link.alpha * 1e6:8.0f} "
@@ -259,28 +286,36 @@ def check(args) -> None:
 
 
 def auto(args) -> None:
-    worst = None
-    print(f"{'network':8} {'N':>2} " + " ".join(f"{n:>8}" for n in (*FIXED, "auto")) + "  auto chose  loss")
+    """auto's step against the best fixed compressor's (measured), and its choice's (the decision alone: auto
+    runs the chosen hook, so the two differ by the machine's noise between identical steps)."""
+    worst, worst_choice = None, None
+    names = (*FIXED, "auto")
+    print(f"{'network':8} {'N':>2} " + " ".join(f"{n:>8}" for n in names) + "  auto chose  loss  choice loss")
     try:
         for network in args.networks.split(","):
             for world in (int(w) for w in args.worlds.split(",")):
-                args.compressors = ",".join((*FIXED, "auto"))
+                args.compressors = ",".join(names)
                 try:
                     out = run_world(world, network, args, script=__file__)
-                except (RuntimeError, OSError) as exc:
+                except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
                     print(f"{network:8} {world:>2} failed: {exc}", flush=True)
                     continue
-                s = out["seconds"]
+                s, chosen = out["seconds"], out["auto"]["name"]
                 best = min(s[n] for n in FIXED)
-                loss = s["auto"] / best - 1
+                loss, choice = s["auto"] / best - 1, s[chosen] / best - 1
                 worst = loss if worst is None else max(worst, loss)
-                print(f"{network:8} {world:>2} " + " ".join(f"{s[n]:8.3f}" for n in (*FIXED, "auto"))
-                      + f"  {out['auto']['name']:10} {loss:+6.1%}   (probe {out['auto']['probe_s']:.1f} s)",
+                worst_choice = choice if worst_choice is None else max(worst_choice, choice)
+                print(f"{network:8} {world:>2} " + " ".join(f"{s[n]:8.3f}" for n in names)
+                      + f"  {chosen:10} {loss:+6.1%} {choice:+6.1%}   (probe {out['auto']['probe_s']:.1f} s)",
                       flush=True)  # fmt: skip
                 print(f"    {out['auto']['reason']}")
     finally:
         teardown()
-    print(f"worst auto loss {worst:.1%}" if worst is not None else "worst auto loss nan% (no point measured)")
+    if worst is None:
+        print("worst auto loss nan% (no point measured)")
+        return
+    print(f"worst choice loss {worst_choice:.1%}")
+    print(f"worst auto loss {worst:.1%}")
 
 
 def model_shapes(name: str) -> list[tuple[int, ...]]:
@@ -342,8 +377,8 @@ def main() -> None:
     parser.add_argument("--auto", action="store_true", help="auto against each fixed compressor on real steps")
     parser.add_argument("--networks", default=None, help="default: 10gbit,1gbit (--check), +loopback (--auto)")
     parser.add_argument("--worlds", default=None, help="default: 2,3,4 (--check), 2 (--auto)")
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per compressor")
-    parser.add_argument("--timeout", type=float, default=300, help="seconds allowed for one network and world")
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per compressor")
+    parser.add_argument("--timeout", type=float, default=420, help="seconds allowed for one network and world")
     parser.add_argument("--plot", default=os.path.join(os.path.dirname(__file__), "..", "docs", "img",
                                                        "projection.png"))  # fmt: skip
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

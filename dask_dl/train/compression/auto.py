@@ -1,7 +1,7 @@
 """``compression="auto"``: the compressor the scale-out model predicts fastest, from figures measured at run start.
 
 Every rank measures the group's link with a short all-reduce probe (:func:`probe_link`: a one-value all-reduce for
-the latency, an 8 MB one for the bandwidth, a bfloat16 one for gloo's 16-bit sums) and the compute time of its
+the latency, a 32 MB one for the bandwidth, a bfloat16 one for gloo's 16-bit sums) and the compute time of its
 model on a batch of the run's shape (:func:`probe_compute`: forward and backward, no exchange). Rank 0 takes the
 slowest rank's figures (a step waits for it), lets :func:`dask_dl.train.compression.model.choose` decide, and
 broadcasts the choice, so that every rank registers the same hook. DDP takes one comm hook, before its first step:
@@ -22,7 +22,7 @@ from dask_dl.train.compression.model import CPU_KERNELS, H200_KERNELS, Choice, K
 
 __all__ = ["decide", "probe_compute", "probe_link"]
 
-PROBE_BYTES = 8 * 2**20
+PROBE_BYTES = 32 * 2**20  # past a switch's (and tc's) burst allowance: the rate, not the buffer
 
 
 def _timed_allreduce(tensor: torch.Tensor, repeats: int) -> float:
