@@ -18,7 +18,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dask_dl.train.compression.model import CPU_KERNELS, H200_KERNELS, Choice, Kernels, Link, choose
+from dask_dl.train.compression.model import (
+    AUTO_CANDIDATES,
+    CPU_CANDIDATES,
+    CPU_KERNELS,
+    H200_KERNELS,
+    Choice,
+    Kernels,
+    Link,
+    choose,
+)
 
 __all__ = ["decide", "probe_compute", "probe_link"]
 
@@ -112,7 +121,9 @@ def decide(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: An
     kernels = H200_KERNELS if x.is_cuda else CPU_KERNELS
     box: list[Any] = [None]
     if dist.get_rank() == 0:
-        choice = choose(shapes, world=world, link=link, compute_s=float(compute), kernels=kernels)
+        candidates = AUTO_CANDIDATES if x.is_cuda else CPU_CANDIDATES
+        choice = choose(shapes, world=world, link=link, compute_s=float(compute), kernels=kernels,
+                        candidates=candidates)  # fmt: skip
         figures = {"world_size": world, **link.to_dict(), "compute_s": float(compute), "kernels": kernels.to_dict()}
         box[0] = (choice.to_dict(), figures)
     dist.broadcast_object_list(box, src=0)

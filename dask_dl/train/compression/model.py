@@ -40,6 +40,7 @@ from dataclasses import dataclass, field, replace
 
 __all__ = [
     "AUTO_CANDIDATES",
+    "CPU_CANDIDATES",
     "CPU_KERNELS",
     "H200_KERNELS",
     "Choice",
@@ -55,6 +56,9 @@ __all__ = [
 #: the fewer values a compressor changes, the earlier (powersgd and fp16 are left to an explicit choice: the
 #: first needs a rank and warm-up steps that change what is learned, the second is bf16 with less range)
 AUTO_CANDIDATES = ("none", "bf16", "onebit2", "onebit")
+#: on CPU trainers bf16 is left out: gloo's 16-bit path costs twice what its kernels measured alone say (the
+#: calibration's bf16 errors, docs/scale-out.md), and it lost to none or to onebit on every link measured here
+CPU_CANDIDATES = ("none", "onebit2", "onebit")
 
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb
 BACKWARD_SHARE = 2 / 3  # of a step's compute: the backward pass costs about twice the forward
