@@ -17,8 +17,8 @@ Without either, it projects N = 8 to 256 trainers on 10, 25 and 100 Gbit/s links
 resnet50 and alexnet with an H200's step time (published figures, see ``H200_IMAGES_PER_S``), prints the table
 and draws docs/img/projection.png.
 
-    python bench/projection.py --check        # root for the namespaces; ~6 min on a loaded 2-core machine
-    python bench/projection.py --auto         # ~4 min
+    python bench/projection.py --check        # root for the namespaces; 10-15 min on a loaded 2-core machine
+    python bench/projection.py --auto         # root; ~6 min
     python bench/projection.py                # the projection table and plot (seconds)
 """
 
