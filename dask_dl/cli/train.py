@@ -14,7 +14,7 @@ from dask_dl.cli.options import model_option, quiet_option, registry_option, sch
 from dask_dl.cli.session import connect, follow
 from dask_dl.interrupt import Interrupted
 from dask_dl.models import MODELS
-from dask_dl.train.compressors import COMPRESSORS
+from dask_dl.train.compressors import AUTO_HELP, COMPRESSORS
 from dask_dl.train.option_groups import DEFAULTS
 
 
@@ -28,7 +28,8 @@ def train_options(f):
         if opt.name == "model":
             decorate = model_option(*opt.flags, opt.name)
         elif opt.name == "compression":
-            decorate = registry_option(*opt.flags, opt.name, registry=COMPRESSORS, what="Gradient compressor")
+            decorate = registry_option(*opt.flags, opt.name, registry=COMPRESSORS, what="Gradient compressor",
+                                       type=click.Choice(list(opt.cli())), more=f" auto: {AUTO_HELP}.")  # fmt: skip
         elif opt.name == "lr":
             decorate = click.option(
                 *opt.flags, opt.name, default=DEFAULTS[opt.name], metavar="LR|find",

@@ -69,6 +69,7 @@ class TrainingActor:
         self._resume: Any = None  # an EpochResume for the first epoch of run_epochs (a step checkpoint's)
         self._context: dict[str, Any] | None = None  # run_epochs' directory and history, for step checkpoints
         self.global_step = 0  # optimizer steps of the run so far (also those of the runs it resumed)
+        self.auto: dict[str, Any] | None = None  # compression="auto": the choice, its reason and figures
 
     # ---- answered on the event loop, also while an epoch runs ----------------------------------------------
 
@@ -169,7 +170,7 @@ class TrainingActor:
             self._holds_allocator = True
         self._worker = worker
         profiler.pause(worker)  # its samples of this thread are racy on CPython 3.11 and say nothing of use
-        self.spec, self.rank, self.world_size = spec, rank, world_size
+        self.spec, self.rank, self.world_size, self.auto = spec, rank, world_size, None
         cuda = torch.cuda.is_available()
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         own_group(self)
@@ -194,15 +195,19 @@ class TrainingActor:
             self.ddp = self.parallel = wrap_model(spec, model, device=self.device, rank=rank, world_size=world_size)
             model = self.parallel.module  # what this rank trains: the sharded model or its pipeline stage
             self.timer, self.compressor = CommTimer(), make_compressor("none")
-        elif world_size == 1 and spec.compression == "none":
+        elif world_size == 1 and spec.compression in ("none", "auto"):
             self.ddp, self.timer, self.compressor = Alone(model), CommTimer(), make_compressor("none")
+            if spec.compression == "auto":
+                self.auto = {"name": "none", "reason": "one trainer: nothing to exchange", "figures": {}}
         else:
             self.ddp = make_ddp(model, device_ids=[self.device.index] if cuda else None)
             self.timer = CommTimer()
             self.timer.attach(self.ddp)
-            self.compressor = make_compressor(
-                spec.compression, warmup_steps=spec.warmup_steps, **dict(spec.compression_options)
-            )
+            name = spec.compression
+            if name == "auto":
+                self.auto = self._choose_compression(model, checkpoint)
+                name = self.auto["name"]
+            self.compressor = make_compressor(name, warmup_steps=spec.warmup_steps, **dict(spec.compression_options))
             self.compressor.register(self.ddp)
             del self.ddp.register_comm_hook  # drop the timing shim: it would keep ddp in a reference cycle
         self._anchor = _proximal_anchor(model, spec)  # the parameters this rank trains, as they start
@@ -248,7 +253,27 @@ class TrainingActor:
             "global_step": self.global_step,
             "weights": self.weights_report,
             "group_ports": sorted(self._group_sockets.listeners),
+            "compression": self.auto,
         }
+
+    def _choose_compression(self, model: torch.nn.Module, checkpoint: Any) -> dict[str, Any]:
+        """``compression="auto"``: the checkpoint's compressor when resuming (its residuals are that compressor's),
+        else the scale-out model's choice from figures measured now (:mod:`dask_dl.train.compression.auto`)."""
+        from dask_dl.train.compression.auto import decide
+
+        source = checkpoint if checkpoint is not None else self.spec.resume_from
+        if source is not None:
+            saved = source if isinstance(source, dict) else load_checkpoint(source, map_location="cpu")
+            name = saved["compressor"][0]["name"]
+            return {"name": name, "reason": f"resumed: the checkpoint's compressor is {name}", "figures": {}}
+        spec = self.spec
+        gen = torch.Generator().manual_seed(spec.seed)
+        x = torch.randn(spec.batch_size, spec.channels, spec.input_size, spec.input_size, generator=gen)
+        y = torch.zeros(spec.batch_size, len(spec.labels))
+        y[:, 0] = 1.0  # a one-hot target serves every loss (ce takes its argmax)
+        x = self.precision.prepare_input(x.to(self.device))
+        choice, figures = decide(model, x, y.to(self.device), self._loss)
+        return {"name": choice.name, "reason": choice.reason, "figures": figures, "predicted_s": choice.predicted_s}
 
     def _load(self, checkpoint: dict[str, Any], *, elastic: bool = False, source: str | None = None) -> None:
         from dask_dl.train.resume import compressor_state, epoch_resume
@@ -370,6 +395,7 @@ class TrainingActor:
             "served": np.concatenate(served) if served else np.zeros(0, np.int64),
             "position": position.advanced(done).to_dict(),
             "lrs": lrs,
+            "auto": self.auto,
         }
 
     def _begin_epoch(self, epoch: int, resume: Any) -> tuple[Any, int, int, torch.Tensor]:

@@ -87,4 +87,7 @@ def epoch_row(
             "event": event,
         }
     )
+    auto = trained[0].get("auto")
+    if auto:  # compression="auto": what the trainers chose, and why (rank 0 chose for all)
+        row.update(compression=auto["name"], compression_reason=auto["reason"])
     return row

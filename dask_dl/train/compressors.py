@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dask_dl.registry import Registry
 
-__all__ = ["COMPRESSORS"]
+__all__ = ["AUTO", "COMPRESSORS", "choices"]
 
 #: compressor name -> DDP comm hook ``(state, bucket) -> Future``
 COMPRESSORS = Registry("compressor", argument="compression")
@@ -26,3 +26,12 @@ COMPRESSORS.register("onebit", f"{_HOOKS}:onebit_hook", help="1-bit SGD with err
 COMPRESSORS.register(
     "onebit2", f"{_HOOKS}:onebit2_hook", help="two-stage 1-bit SGD: bytes per rank independent of the rank count"
 )
+
+#: ``compression="auto"``: not a hook, but the choice of one at run start (dask_dl.train.compression.auto)
+AUTO = "auto"
+AUTO_HELP = "the compressor the scale-out model predicts fastest, from the link and compute time measured at start"
+
+
+def choices() -> list[str]:
+    """What ``compression=`` takes: every compressor's name, and ``auto``."""
+    return [*COMPRESSORS.names(), AUTO]

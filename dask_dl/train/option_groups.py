@@ -179,9 +179,9 @@ def _schedule(name: str, value: Any) -> dict[str, Any]:
 
 
 def _compressors() -> tuple[str, ...]:
-    from dask_dl.train.compressors import COMPRESSORS
+    from dask_dl.train.compressors import choices
 
-    return tuple(COMPRESSORS.names())
+    return tuple(choices())
 
 
 def _models() -> tuple[str, ...]:

@@ -230,8 +230,16 @@ def _check_model(data: dict[str, Any], o: dict[str, Any]) -> Any:
 
 
 def _check_compression(name: Any, warmup_steps: int, options: dict[str, Any]) -> None:
-    from dask_dl.train.compressors import COMPRESSORS
+    from dask_dl.train.compressors import AUTO, COMPRESSORS
 
+    if name == AUTO:
+        if options:
+            raise ConfigurationError(
+                f"compression_options={options!r} are one compressor's options; compression='auto' chooses the "
+                "compressor at run start: pass no compression_options, or name the compressor (e.g. "
+                "compression='powersgd', compression_options={'rank': 2})"
+            )
+        return
     COMPRESSORS.entry(name)
     from dask_dl.train.compression import make_compressor  # the options' checks (imports torch)
 

@@ -123,7 +123,9 @@ def fit(
         Data-parallel trainers, one per worker. Default ``dask-dl.train.trainers``.
     compression : str, optional
         Gradient compressor, a name of :data:`dask_dl.train.compressors.COMPRESSORS` (``none``, ``fp16``,
-        ``bf16``, ``powersgd``, ``onebit``, ``onebit2``).
+        ``bf16``, ``powersgd``, ``onebit``, ``onebit2``), or ``auto``: the one the scale-out model predicts
+        fastest from the link and compute time measured at the run's start (``run.info["compression"]`` and the
+        history's ``compression`` column say which and why; docs/scale-out.md).
     optimizer : {"sgd", "adamw"}, optional
         SGD with momentum ``dask-dl.train.momentum``, or AdamW. Default ``dask-dl.train.optimizer``.
     checkpoint_dir : str, optional
@@ -320,7 +322,8 @@ def fit_visit(
     visit = {"start_state": start_state, "proximal_mu": non_negative_real("proximal_mu", proximal_mu),
              "weights_only": bool(weights_only)}  # fmt: skip
     total_steps = options.steps_per_epoch // options.accumulate * options.epochs
-    if options.compression != "none" and options.parallel == "ddp" and options.warmup_steps >= total_steps:
+    compressed = options.compression not in ("none", "auto")  # auto says what it chose, warm-up included
+    if compressed and options.parallel == "ddp" and options.warmup_steps >= total_steps:
         warnings.warn(
             f"compression={options.compression!r} starts after warmup_steps={options.warmup_steps} uncompressed "
             f"steps, but this run takes {total_steps} steps in all ({options.epochs} epochs x "
@@ -396,7 +399,9 @@ class TrainingRun:
         The workers the trainers run on now (after a restart, the new group's).
     info : dict
         What the trainers reported when they started: ``weights``, the report of ``fit(weights=...)`` (tensors
-        ``missing``, ``unexpected``, ``adapted`` and ``reinitialized``).
+        ``missing``, ``unexpected``, ``adapted`` and ``reinitialized``); ``compression`` with
+        ``compression="auto"``: the compressor chosen (``name``), why (``reason``), the measured ``figures`` and
+        the model's ``predicted_s`` per step of each candidate.
     tracker : dask_dl.tracking.Tracker or None
         The run's MLflow run (``fit(tracking=...)``); None when it is not tracked.
     """
@@ -613,6 +618,10 @@ class TrainingRun:
             self.info["weights"] = weights
             logger.info("%s: %s", self.run_id, describe(weights, str(self.options.weights)))
         self.info["augment_on"] = infos[0].get("augment_on")
+        if infos[0].get("compression"):  # compression="auto": the choice, its reason and the measured figures
+            self.info["compression"] = infos[0]["compression"]
+            logger.info("%s: compression=%r: %s", self.run_id, self.info["compression"]["name"],
+                        self.info["compression"]["reason"])  # fmt: skip
         self.steps_per_epoch = infos[0]["steps_per_epoch"]
         self._epoch = infos[0]["start_epoch"]
         self.status = "running"

@@ -1,0 +1,131 @@
+"""``compression="auto"``: the compressor the scale-out model predicts fastest, from figures measured at run start.
+
+Every rank measures the group's link with a short all-reduce probe (:func:`probe_link`: a one-value all-reduce for
+the latency, a 32 MB one for the bandwidth, a bfloat16 one for gloo's 16-bit sums) and the compute time of its
+model on a batch of the run's shape (:func:`probe_compute`: forward and backward, no exchange). Rank 0 takes the
+slowest rank's figures (a step waits for it), lets :func:`dask_dl.train.compression.model.choose` decide, and
+broadcasts the choice, so that every rank registers the same hook. DDP takes one comm hook, before its first step:
+the compute time is measured on batches of the run's shape before training rather than on its first steps, and the
+model's buffers, gradients and random generators are left as they were, so that the run trains as it would with the
+chosen compressor.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dask_dl.train.compression.model import (
+    AUTO_CANDIDATES,
+    CPU_CANDIDATES,
+    CPU_KERNELS,
+    H200_KERNELS,
+    Choice,
+    Kernels,
+    Link,
+    choose,
+)
+
+__all__ = ["decide", "probe_compute", "probe_link"]
+
+PROBE_BYTES = 32 * 2**20  # past a switch's (and tc's) burst allowance: the rate, not the buffer
+
+
+def _timed_allreduce(tensor: torch.Tensor, repeats: int) -> float:
+    """The shortest of ``repeats`` all-reduces of ``tensor``: the link's capability, not a pause of the machine."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dist.all_reduce(tensor)
+        if tensor.is_cuda:
+            torch.cuda.synchronize(tensor.device)
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def probe_link(
+    *, device: torch.device | None = None, nbytes: int = PROBE_BYTES, repeats: int = 3, kernels: Kernels | None = None
+) -> Link:
+    """The default group's latency and bandwidth per rank, from all-reduces of one value and of ``nbytes``, and
+    the time per value of a bfloat16 all-reduce's sums.
+
+    A ring all-reduce of ``b`` bytes (``v`` values) on ``N`` ranks takes ``2 (N-1) alpha + 2 (N-1)/N b / B`` plus
+    ``(N-1)/N v`` sums: the one-value all-reduce gives ``alpha``, the float32 one ``B`` (its sums, at the kernels'
+    ``add`` per value, taken out), the bfloat16 one of as many values the 16-bit sums' time. Every rank returns the
+    slowest rank's figures.
+    """
+    device = device or torch.device("cpu")
+    kernels = kernels or (H200_KERNELS if device.type == "cuda" else CPU_KERNELS)
+    n, values = dist.get_world_size(), nbytes // 4
+    small = torch.zeros(1, device=device)
+    big = torch.zeros(values, device=device)
+    half = torch.zeros(values, dtype=torch.bfloat16, device=device)
+    _timed_allreduce(big, 1)  # connections and first touch
+    _timed_allreduce(half, 1)
+    times = [_timed_allreduce(small, 2 * repeats), _timed_allreduce(big, repeats), _timed_allreduce(half, repeats)]
+    both = torch.tensor(times, dtype=torch.float64, device=device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    t_small, t_big, t_half = (float(v) for v in both.cpu())
+    share = (n - 1) / n
+    transfer = max(t_big - t_small - share * values * kernels.add, 1e-9)
+    bandwidth = 2 * share * nbytes / transfer
+    add16 = max(t_half - t_small - share * nbytes / bandwidth, 0.0) / (share * values)
+    return Link(alpha=t_small / (2 * (n - 1)), bandwidth=bandwidth, add16=add16)
+
+
+def probe_compute(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Any, *, repeats: int = 2) -> float:
+    """Seconds of forward + backward of ``model`` on the batch ``(x, y)``, leaving the model as it was.
+
+    Buffers (batch-norm statistics), gradients and the random generators are restored: the run that follows
+    trains exactly as it would have without the probe.
+    """
+    buffers = [b.detach().clone() for b in model.buffers()]
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if x.is_cuda else None
+    training = model.training
+    model.train()
+    times = []
+    try:
+        for _ in range(repeats + 1):  # the first pass allocates
+            start = time.perf_counter()
+            loss_fn(model(x), y).backward()
+            if x.is_cuda:
+                torch.cuda.synchronize(x.device)
+            times.append(time.perf_counter() - start)
+    finally:
+        for p in model.parameters():
+            p.grad = None
+        with torch.no_grad():
+            for b, saved in zip(model.buffers(), buffers, strict=True):
+                b.copy_(saved)
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+        model.train(training)
+    return min(times[1:])
+
+
+def decide(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Any) -> tuple[Choice, dict[str, Any]]:
+    """Measure, choose on rank 0, broadcast: every rank gets the same :class:`Choice` and figures.
+
+    Returns the choice and the figures it was made from (link, compute seconds, kernels, world size).
+    """
+    world = dist.get_world_size()
+    shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
+    link = probe_link(device=x.device)
+    compute = torch.tensor([probe_compute(model, x, y, loss_fn)], dtype=torch.float64, device=x.device)
+    dist.all_reduce(compute, op=dist.ReduceOp.MAX)
+    kernels = H200_KERNELS if x.is_cuda else CPU_KERNELS
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        candidates = AUTO_CANDIDATES if x.is_cuda else CPU_CANDIDATES
+        choice = choose(shapes, world=world, link=link, compute_s=float(compute), kernels=kernels,
+                        candidates=candidates)  # fmt: skip
+        figures = {"world_size": world, **link.to_dict(), "compute_s": float(compute), "kernels": kernels.to_dict()}
+        box[0] = (choice.to_dict(), figures)
+    dist.broadcast_object_list(box, src=0)
+    made, figures = box[0]
+    return Choice(made["name"], made["reason"], made["predicted_s"]), figures
