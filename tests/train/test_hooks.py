@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import gc
 import io
-import socket
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dask_dl.testing.compression import FakeBucket, numel, sim_grouping, sim_onebit
+from dask_dl.testing.servers import free_port
 from dask_dl.train.compression import COMPRESSORS, make_compressor
 from dask_dl.train.compression.hooks import onebit2_hook, onebit_hook
 from dask_dl.train.compression.plan import plan_stripes
@@ -40,12 +40,6 @@ def _gradients(seed, steps, n_ranks, shapes):
     return [[rng.standard_normal(numel(shapes)).astype(np.float32) for _ in range(n_ranks)] for _ in range(steps)]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _entry(rank, world, port, outdir, checks):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -62,7 +56,7 @@ def _entry(rank, world, port, outdir, checks):
 
 
 def _spawn(world, tmp_path, checks):
-    mp.spawn(_entry, args=(world, _free_port(), str(tmp_path), checks), nprocs=world, join=True)
+    mp.spawn(_entry, args=(world, free_port(), str(tmp_path), checks), nprocs=world, join=True)
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(world)]
 
 

@@ -8,7 +8,6 @@ fail before any actor is placed.
 
 from __future__ import annotations
 
-import socket
 import time
 
 import dask
@@ -27,6 +26,7 @@ from dask_dl.data.loader import ChunkLoader
 from dask_dl.errors import CheckpointError
 from dask_dl.models import MODELS, build_model
 from dask_dl.normalize import normalize
+from dask_dl.testing.servers import free_port
 from dask_dl.testing.train import fit_squares, squares_collection
 from dask_dl.train.checkpoint import save_checkpoint
 from dask_dl.train.options import check_run
@@ -285,7 +285,7 @@ def test_fsdp_shards_of_two_trainers_load_on_one(store, cluster_client, tmp_path
     sharded = fit(store, cluster_client, parallel="fsdp", checkpoint_dir=str(tmp_path / "ck"))
     consolidated = fit(store, cluster_client, parallel="fsdp").checkpoint()  # no directory: the whole optimizer
     path = str(tmp_path / "ck" / "epoch-0000.pt")
-    mp.spawn(_load_shards_on_one_trainer, args=(path, _free_port(), str(tmp_path / "one.pt")), nprocs=1, join=True)
+    mp.spawn(_load_shards_on_one_trainer, args=(path, free_port(), str(tmp_path / "one.pt")), nprocs=1, join=True)
     loaded = torch.load(tmp_path / "one.pt", weights_only=True)
     assert set(loaded["model"]) == set(consolidated["model"])
     for name, value in consolidated["model"].items():
@@ -296,12 +296,6 @@ def test_fsdp_shards_of_two_trainers_load_on_one(store, cluster_client, tmp_path
     for name, value in momentum.items():
         assert torch.equal(loaded["optimizer"]["state"][name]["momentum_buffer"], value), name
         assert float(value.abs().max()) > 0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow
