@@ -40,28 +40,30 @@ _STYLE = """<style>
 
 def dashboard_doc(scheduler: Any, extra: dict[str, Any], doc: Any) -> None:
     """Fill ``doc`` with the full dask_dl page, inside the Dask dashboard's template (its menu on top)."""
-    from distributed.dashboard.components.scheduler import BOKEH_THEME, env
-
-    _fill(scheduler, doc)
-    doc.template = env.get_template("simple.html")
-    doc.template_variables.update(extra)
-    doc.theme = BOKEH_THEME
+    fill_document(doc, RunsPage(lambda: scheduler_runs(scheduler)), TITLE, extra)
 
 
 def individual_doc(scheduler: Any, extra: dict[str, Any], doc: Any) -> None:
     """Fill ``doc`` with the dask_dl page alone, for JupyterLab's Dask panel (which adds no menu)."""
-    from distributed.dashboard.components.scheduler import BOKEH_THEME
-
-    _fill(scheduler, doc)
-    doc.theme = BOKEH_THEME
+    fill_document(doc, RunsPage(lambda: scheduler_runs(scheduler)), TITLE)
 
 
-def _fill(scheduler: Any, doc: Any) -> None:
-    page = RunsPage(lambda: scheduler_runs(scheduler))
+def fill_document(doc: Any, page: Any, title: str, extra: dict[str, Any] | None = None) -> None:
+    """Show ``page`` (its ``root``, redrawn by its ``update`` every second) in the Bokeh document ``doc``.
+
+    With ``extra`` (the dashboard's template variables) the page sits inside the Dask dashboard's template, its
+    menu on top; without, it stands alone, as JupyterLab's Dask panels want it.
+    """
+    from distributed.dashboard.components.scheduler import BOKEH_THEME, env
+
     page.update()
-    doc.title = f"Dask: {TITLE}"
+    doc.title = f"Dask: {title}"
     doc.add_root(page.root)
     doc.add_periodic_callback(page.update, 1000)
+    if extra is not None:
+        doc.template = env.get_template("simple.html")
+        doc.template_variables.update(extra)
+    doc.theme = BOKEH_THEME
 
 
 class RunsPage:

@@ -20,7 +20,7 @@ from bokeh.models import ColumnDataSource, Div, HoverTool
 from bokeh.plotting import figure
 
 from dask_dl.dashboard.events import check_sweep, scheduler_sweeps
-from dask_dl.dashboard.page import _FIGURE, _STYLE, _error_box, _fmt, _Malformed, _num
+from dask_dl.dashboard.page import _FIGURE, _STYLE, _error_box, _fmt, _Malformed, _num, fill_document
 
 logger = logging.getLogger("dask_dl.dashboard")
 
@@ -38,28 +38,12 @@ _SWEEP_COLORS = {"running": "#1f77b4", "done": "#2ca02c", "stopped": "#ff7f0e", 
 
 def sweeps_doc(scheduler: Any, extra: dict[str, Any], doc: Any) -> None:
     """Fill ``doc`` with the full sweeps page, inside the Dask dashboard's template (its menu on top)."""
-    from distributed.dashboard.components.scheduler import BOKEH_THEME, env
-
-    _fill(scheduler, doc)
-    doc.template = env.get_template("simple.html")
-    doc.template_variables.update(extra)
-    doc.theme = BOKEH_THEME
+    fill_document(doc, SweepsPage(lambda: scheduler_sweeps(scheduler)), TITLE, extra)
 
 
 def individual_sweeps_doc(scheduler: Any, extra: dict[str, Any], doc: Any) -> None:
     """Fill ``doc`` with the sweeps page alone, for JupyterLab's Dask panel (which adds no menu)."""
-    from distributed.dashboard.components.scheduler import BOKEH_THEME
-
-    _fill(scheduler, doc)
-    doc.theme = BOKEH_THEME
-
-
-def _fill(scheduler: Any, doc: Any) -> None:
-    page = SweepsPage(lambda: scheduler_sweeps(scheduler))
-    page.update()
-    doc.title = f"Dask: {TITLE}"
-    doc.add_root(page.root)
-    doc.add_periodic_callback(page.update, 1000)
+    fill_document(doc, SweepsPage(lambda: scheduler_sweeps(scheduler)), TITLE)
 
 
 class SweepsPage:
