@@ -29,8 +29,9 @@ from dask_dl.testing.train import squares_collection
 
 SIZE = 32
 FIXED = dict(model="small_cnn", model_kwargs={"width": 8}, batch_size=8, optimizer="sgd", seed=0)
-#: three learning rates that learn and three that barely move, in a grid (each tried once)
-LRS = [1e-5, 3e-5, 1e-4, 0.05, 0.1, 0.2]
+#: three learning rates that learn and three that barely move (in the 256 steps of an epoch of the ASHA test's
+#: collection), in a grid (each tried once)
+LRS = [1e-6, 3e-6, 1e-5, 0.05, 0.1, 0.2]
 
 
 @pytest.fixture(scope="module")
@@ -42,17 +43,23 @@ def store(tmp_path_factory, cluster_client) -> str:
 
 
 @pytest.mark.slow
-def test_asha_prunes_losers_keeps_every_trial_and_the_best_exports(store, cluster_client, tmp_path):
-    # batches of 2: epochs of 32 steps, long enough for the pruner's verdict (a poll and a trial's start away) to
-    # reach a trial before its last epoch ends
-    epochs = 3
+def test_asha_prunes_losers_keeps_every_trial_and_the_best_exports(cluster_client, tmp_path):
+    # A verdict reaches a trial a poll of the driver, a poll of the sweep, an Optuna storage write and a stop
+    # request after the trial published its epoch: about half a second. Epochs must outlast that (the tests' usual
+    # 64 training images in batches of 2 train in 0.1 s, and a trial ended before its verdict arrived): 512 images
+    # in batches of 2, 256 steps, about a second an epoch here. ASHA's rungs are at epochs 1 and 3 of the 4.
+    root = tmp_path / "long"
+    store = str(root / "squares.zarr")
+    catalog = squares_collection(root, n_train=512, n_val=32)
+    dask_dl.ingest(catalog, store, size=SIZE, chunk=32, shard=2, client=cluster_client, progress=False)
+    epochs = 4
     result = dask_dl.sweep(
         dask_dl.open_dataset(store), {"lr": CategoricalDistribution(LRS)}, trials=len(LRS), sampler="grid",
         pruner="asha", epochs=epochs, client=cluster_client, storage=tmp_path / "sweep.db",
         **{**FIXED, "batch_size": 2},
     )  # fmt: skip
     results = result.results
-    print(results[["number", "state", "params_lr", "best", "epochs"]])
+    print(results[["number", "state", "params_lr", "best", "epochs", "seconds"]])
     assert sorted(results["number"]) == list(range(len(LRS)))
     assert sorted(results["params_lr"]) == LRS  # the grid: every learning rate once
     assert set(results["state"]) <= {"complete", "pruned"}
