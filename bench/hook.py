@@ -29,6 +29,9 @@ from collections import defaultdict
 from dask_dl.testing.compression import ALEXNET, FakeBucket, ddp_buckets
 
 COMPRESSORS = ("onebit", "onebit2")
+# The clock of every figure: this thread's CPU time by default, which a busy machine's other processes do not
+# add to (they do still share the memory bandwidth); --clock wall for wall-clock time.
+clock = time.thread_time
 BUCKET_CAP_MB = 3  # DDP then cuts ALEXNET into 5 buckets (fc8+fc7, fc6, conv5+conv4, conv3+conv2, conv1)
 
 
@@ -63,20 +66,20 @@ class Timed:
             self.bucket = bucket.index()
             if self.bucket not in self.shapes:
                 self.shapes[self.bucket] = tuple(tuple(g.shape) for g in bucket.gradients())
-            start = time.perf_counter()
+            start = clock()
             future = hook(state, bucket)
-            self.hook_s[self.bucket] += time.perf_counter() - start
+            self.hook_s[self.bucket] += clock() - start
             return future
 
         return timed_hook
 
     def wrap_kernel(self, function, into: str = "kernel_s"):
         def timed(*args, **kwargs):
-            start = time.perf_counter()
+            start = clock()
             try:
                 return function(*args, **kwargs)
             finally:
-                getattr(self, into)[self.bucket] += time.perf_counter() - start
+                getattr(self, into)[self.bucket] += clock() - start
 
         return timed
 
@@ -85,9 +88,12 @@ class Timed:
         self.kernel_s.clear()
         self.numba_s.clear()
 
-    def buckets(self) -> dict[int, tuple[float, float, float]]:
-        """Bucket -> (hook, kernels' Python wrappers, numba kernels) seconds of the last step."""
-        return {b: (h, self.kernel_s[b] - self.numba_s[b], self.numba_s[b]) for b, h in sorted(self.hook_s.items())}
+    def buckets(self) -> dict[int, tuple[float, float, float, float]]:
+        """Bucket -> (hook, kernels' Python wrappers, numba kernels, the hook's own work) seconds of the last step."""
+        return {
+            b: (h, self.kernel_s[b] - self.numba_s[b], self.numba_s[b], h - self.kernel_s[b])
+            for b, h in sorted(self.hook_s.items())
+        }
 
 
 def kept_pointers(state) -> dict:
@@ -104,7 +110,10 @@ def kept_pointers(state) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=10, help="timed steps per path (best is kept), round robin")
+    parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu", help="thread CPU time, or wall-clock")
     args = parser.parse_args()
+    global clock
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
 
     import numba
     import torch
@@ -151,16 +160,16 @@ def main() -> None:
     def fake_step(compressor, layout) -> float:
         inputs = [torch.cat([grads[ALEXNET.index(s)].view(-1) for s in b]) for b in layout]  # as bench's clones
         timed.reset()
-        start = time.perf_counter()
+        start = clock()
         futures = []
         for i, (shapes, x) in enumerate(zip(layout, inputs, strict=True)):
             timed.bucket = i
-            t = time.perf_counter()
+            t = clock()
             futures.append(compressor.hook(compressor.state, FakeBucket(shapes, x, i, last=i == len(layout) - 1)))
-            timed.hook_s[i] += time.perf_counter() - t
+            timed.hook_s[i] += clock() - t
         for f in futures:
             f.wait()
-        return time.perf_counter() - start
+        return clock() - start
 
     def ddp_step(name) -> float:
         ddp, _ = ddps[name]
@@ -170,16 +179,16 @@ def main() -> None:
         return sum(timed.hook_s.values())
 
     def memcpy() -> float:
-        start = time.perf_counter()
+        start = clock()
         copy.copy_(flat)
-        return time.perf_counter() - start
+        return clock() - start
 
     paths = [(name, "ddp") for name in COMPRESSORS] + [(name, f"fake {w}") for name in COMPRESSORS for w in layouts]
     for name, which in paths:  # warm-up: plans, kept buffers, first touch
         ddp_step(name) if which == "ddp" else fake_step(fakes[name, which[5:]], layouts[which[5:]])
 
     best: dict = defaultdict(lambda: math.inf)
-    parts: dict = defaultdict(lambda: (math.inf, math.inf, math.inf))  # (path, bucket) -> best (hook, wrap, numba)
+    parts: dict = defaultdict(lambda: (math.inf,) * 4)  # (path, bucket) -> best (hook, wrapper, numba, own), each
     allocated, moved = {}, {}
     for _ in range(args.steps):
         for name, which in paths:
@@ -197,18 +206,42 @@ def main() -> None:
         tracemalloc.stop()
         after = kept_pointers(state)
         moved[name, which] = sum(after.get(k) != v for k, v in before.items()) + len(set(after) - set(before))
+    fixed = {name: fixed_cost(make_compressor(name), layout[-1], timed) for name in COMPRESSORS}
     kernels.quantize, kernels.decode, kernels.QUANTIZE_TASKS, kernels.DECODE_TASKS = saved
     dist.destroy_process_group()
-    report(args, best, parts, allocated, moved, layouts)
+    report(args, best, parts, allocated, moved, layouts, fixed)
 
 
-def report(args, best, parts, allocated, moved, layouts) -> None:
+def fixed_cost(compressor, shapes, timed, calls: int = 20, batches: int = 15) -> tuple[float, float]:
+    """Seconds per hook call on the small bucket ``shapes`` (DDP's last), best batch of ``calls``: the whole
+    call, and its part outside the numba kernels (what every bucket pays whatever its size)."""
+    import torch
+
+    values = torch.randn(sum(math.prod(s) for s in shapes))
+    params = [torch.nn.Parameter(torch.empty(s, device="meta")) for s in shapes]
+    bucket = FakeBucket(shapes, values, 0, params=params)
+    compressor.state.param_names = {id(p): f"w{i}" for i, p in enumerate(params)}
+    compressor.hook(compressor.state, bucket).wait()
+    best = (math.inf, math.inf)
+    for _ in range(batches):
+        timed.reset()
+        timed.bucket = 0
+        start = clock()
+        for _ in range(calls):
+            compressor.hook(compressor.state, bucket).wait()
+        total = (clock() - start) / calls
+        best = min(best, (total, total - timed.numba_s[0] / calls))
+    return best
+
+
+def report(args, best, parts, allocated, moved, layouts, fixed) -> None:
     unit = best["copy"]
     with open("/proc/loadavg") as f:
         load = " ".join(f.read().split()[:3])
     n = sum(math.prod(s) for s in ALEXNET)
     print(f"gradient: {n / 1e6:.1f}M float32 values ({4 * n / 1e6:.0f} MB), one rank, one thread; load {load}")
-    print(f"one copy of the gradient into allocated memory: {unit * 1e3:.1f} ms (best of {args.steps})")
+    copied = f"{unit * 1e3:.1f} ms (best of {args.steps}, {args.clock} clock)"
+    print(f"one copy of the gradient into allocated memory: {copied}")
     print("\nbest step as a multiple of the copy (sum of per-bucket bests in brackets)")
     print(f"{'compressor':10} {'DDP hook':>16} {'FakeBucket, DDP layout':>24} {'FakeBucket, bench layout':>26}")
     for name in COMPRESSORS:
@@ -217,17 +250,23 @@ def report(args, best, parts, allocated, moved, layouts) -> None:
             buckets = sum(v[0] for k, v in parts.items() if k[:2] == (name, which))
             cells.append(f"{best[name, which] / unit:.2f}x ({buckets / unit:.2f}x)")
         print(f"{name:10} {cells[0]:>16} {cells[1]:>24} {cells[2]:>26}")
+    print("\nfixed cost of a hook call (DDP's smallest bucket, 7808 values, best batch of 20 calls):")
     for name in COMPRESSORS:
-        print(f"\n{name}: per bucket, best of {args.steps} (ms); hook = numba kernels + their Python wrappers + own")
+        total, outside = fixed[name]
+        print(
+            f"  {name:8} {total * 1e6:6.0f} us a call, {outside * 1e6:6.0f} us of it outside the numba kernels; "
+            f"x {len(layouts['ddp'])} buckets = {len(layouts['ddp']) * outside / unit:.3f} x copy a step"
+        )
+    for name in COMPRESSORS:
+        print(f"\n{name}: per bucket, best of {args.steps} (ms), each column its own best")
         header = f"{'path':10} {'bucket':>6} {'values':>9} {'hook':>7} {'numba':>7} {'wrapper':>8} {'own':>6}"
         print(f"  {header}  parameters")
         for which in ("ddp", "fake ddp", "fake bench"):
-            for (nm, wh, b), (hook, wrap, kern) in sorted(parts.items()):
+            for (nm, wh, b), (hook, wrap, kern, own) in sorted(parts.items()):
                 if (nm, wh) != (name, which):
                     continue
                 shapes = layouts["bench" if which == "fake bench" else "ddp"][b]
                 values = sum(math.prod(s) for s in shapes)
-                own = hook - wrap - kern
                 ms = f"{hook * 1e3:7.2f} {kern * 1e3:7.2f} {wrap * 1e3:8.3f} {own * 1e3:6.3f}"
                 print(f"  {which:10} {b:6} {values:9} {ms}  {' '.join('x'.join(map(str, s)) for s in shapes)}")
         for which in ("ddp", "fake ddp", "fake bench"):

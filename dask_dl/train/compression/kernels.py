@@ -340,6 +340,18 @@ def _decode_run(msgs, mp, mn, r0, r1, inv_n, col, per_column, bit0, out, add, bi
         _mean_run(msgs, mp, mn, r0, r1, inv_n, c, per_column, bit0 + done, out[done:], add, bits, acc)
 
 
+@njit(cache=True)
+def _or_sides(tasks, msgs, heads, tails):
+    """OR the side slots into their messages' shared sign bytes, one task after another (``np.bitwise_or.at``
+    did the same in ~0.4 us a byte: 0.1 ms a call on a bucket of 260 tasks)."""
+    for t in range(tasks.shape[0]):
+        m = tasks[t, M]
+        if tasks[t, HEAD] >= 0:
+            msgs[m, tasks[t, HEAD]] |= heads[t]
+        if tasks[t, TAIL] >= 0:
+            msgs[m, tasks[t, TAIL]] |= tails[t]
+
+
 def quantize_tasks(mode, grad, received, mp_in, mn_in, vals, ef, tasks, msgs, scales, heads, tails, psp, psn, pcp):
     """Phase one of quantizing: transposed groups completely (sums, scales, signs, residual, while each is in
     cache); untransposed pieces' bands up to their partial column sums ``psp``/``psn``/``pcp``.
@@ -522,9 +534,7 @@ def quantize(
         if len(table.reductions):
             REDUCE_COLUMNS[k](table.reductions, psp, psn, pcp, scales)
             SIGN_BANDS[k](mode, grad, vals, ef, tasks, msgs, scales, heads, tails)
-    for rows, side in ((tasks[:, HEAD], heads), (tasks[:, TAIL], tails)):
-        use = rows >= 0
-        np.bitwise_or.at(msgs, (tasks[use, M], rows[use]), side[use])
+    _or_sides(tasks, msgs, heads, tails)
     for m in range(msgs.shape[0]):
         k = int(columns[m])
         msgs[m, : 8 * k] = scales[m, : 2 * k].view(np.uint8)
