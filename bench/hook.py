@@ -6,20 +6,22 @@ real ``DistributedDataParallel`` with ``bucket_cap_mb=3``: DDP hands its hook 5 
 registered as the trainer registers it (``Compressor.register``), its hook wrapped to time each call. Beside it,
 in the same run and round robin: one copy of the whole gradient into allocated memory (the unit), and the same
 compressor driven with :class:`~dask_dl.testing.compression.FakeBucket` as ``bench/compression.py --no-exchange``
-does (its 5 ``ddp_buckets``, fresh clones each step), and with FakeBuckets of DDP's own 5 bucket layouts.
+does (fresh buckets each step), in DDP's 5 layouts and in ``ddp_buckets``' (bench/compression.py's).
 
-Printed per compressor: best-of-steps time of each path as a multiple of the copy; per DDP bucket the hook's time
-and what the kernels (``kernels.quantize``/``decode``, numba) took of it, the rest being the hook's own work
-(layout, names, plan lookup, residual views, the future); and per step what was allocated: numpy bytes
-(tracemalloc) and new tensors (the ``data_ptr`` of the hook's kept buffers compared step to step).
+Printed: each path's best step as a multiple of the copy; the fixed cost of a hook call (DDP's smallest bucket);
+per bucket, the hook's time and its parts: the numba kernels, their Python wrappers (``kernels.quantize`` and
+``decode`` around them) and the hook's own work (layout, names, plan, residual views, the future); per step, the
+NumPy allocation peak (tracemalloc, in a separate untimed step) and how many kept buffers moved (``data_ptr``).
+Times are this thread's CPU time unless ``--clock wall``: other processes on a busy machine do not add to it.
 
-    python bench/hook.py                 # 7 steps round robin (~1 min on 2 cores)
-    python bench/hook.py --steps 15      # steadier
+    python bench/hook.py                 # 10 steps round robin (~2 min on 2 busy cores)
+    python bench/hook.py --steps 12 --clock wall
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import math
 import socket
 import time
@@ -142,8 +144,11 @@ def main() -> None:
     kernels.DECODE_TASKS = tuple(timed.wrap_kernel(f, "numba_s") for f in saved[3])
 
     ddps, layout = {}, None
+    # no buffer broadcast at every forward, as the trainer's make_ddp (torch 2.13 renamed the switch)
+    parameters = inspect.signature(DistributedDataParallel.__init__).parameters
+    switch = "forward_sync_buffers" if "forward_sync_buffers" in parameters else "broadcast_buffers"
     for name in COMPRESSORS:
-        ddp = DistributedDataParallel(shaped_model(), bucket_cap_mb=BUCKET_CAP_MB, broadcast_buffers=False)
+        ddp = DistributedDataParallel(shaped_model(), bucket_cap_mb=BUCKET_CAP_MB, **{switch: False})
         compressor = make_compressor(name)
         register = ddp.register_comm_hook
         ddp.register_comm_hook = lambda state, hook, register=register: register(state, timed.wrap_hook(hook))
