@@ -85,7 +85,7 @@ def _onebit(state: OneBitState, bucket: dist.GradBucket, *, two_stage: bool) -> 
         return allreduce_hook(state, bucket)
     buffer = bucket.buffer()
     shapes = [tuple(g.shape) for g in bucket.gradients()]
-    layout = ColumnLayout(tuple(shapes))
+    layout = _layout(state, tuple(shapes))
     if layout.numel != buffer.numel() or buffer.dtype != torch.float32:
         raise ConfigurationError(
             f"1-bit compression needs dense float32 gradients; bucket {bucket.index()} holds {buffer.numel()} "
@@ -101,3 +101,13 @@ def _onebit(state: OneBitState, bucket: dist.GradBucket, *, two_stage: bool) -> 
         future = onebit_eager(state, layout, names, buffer, key, two_stage=two_stage)
     state.end_bucket(bucket)
     return future
+
+
+def _layout(state: OneBitState, shapes: tuple[tuple[int, ...], ...]) -> ColumnLayout:
+    """The bucket's :class:`ColumnLayout`, made once per layout: its cached properties (matrices, offsets,
+    column starts) are then computed once, not at every step of every bucket."""
+    key = ("layout", shapes)
+    layout = state.workspace.get(key)
+    if layout is None:
+        layout = state.workspace[key] = ColumnLayout(shapes)
+    return layout

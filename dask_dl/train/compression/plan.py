@@ -43,6 +43,9 @@ class TaskTable:
     reductions: np.ndarray
     n_partials: int
     values: int  # entries the tasks cover
+    #: the kernels' small arrays (scales, side slots, partial sums, header means), made at the first call and
+    #: cleared at each one: a step then allocates nothing (see ``kernels.scratch``)
+    scratch: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 def task_table(layout: ColumnLayout, messages: Sequence[Pieces], *, grain: int | None = None) -> TaskTable:
