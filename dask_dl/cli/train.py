@@ -99,7 +99,7 @@ def train_command(store, upload, tracking, scheduler, workers, quiet, **options)
             client=client, wait=False, tracking=tracking, **options,
         )  # fmt: skip
         interrupted = follow(
-            run, lambda shown: _echo_training(run, shown, interactive), "stopping the trainers", shown=(0, 0)
+            run, lambda shown: _echo_training(run, shown, interactive), "stopping the trainers", shown=(0, 0, False)
         )
         if "weights" in run.info:  # what of the start weights was loaded, adapted, re-initialised
             from dask_dl.models.weights import describe
@@ -213,9 +213,12 @@ def _final_table(history: Any, width: int = 100) -> str:
     return "\n".join(lines)
 
 
-def _echo_training(run, shown: tuple[int, int], interactive: bool) -> tuple[int, int]:
-    """Print the restarts and the epochs since the last call (the terminal view prints its own epochs); return
-    how many of each were printed."""
+def _echo_training(run, shown: tuple[int, int, bool], interactive: bool) -> tuple[int, int, bool]:
+    """Print ``--compression auto``'s choice once it is made, the restarts and the epochs since the last call (the
+    terminal view prints its own epochs); return how many of each were printed and whether the choice was."""
+    chosen = run.info.get("compression")
+    if chosen and not shown[2]:
+        click.echo(f"{run.run_id}: compression auto chose {chosen['name']}: {chosen['reason']}")
     restarts = run.restarts.to_dict("records")
     for row in restarts[shown[0] :]:
         when = (
@@ -237,7 +240,7 @@ def _echo_training(run, shown: tuple[int, int], interactive: bool) -> tuple[int,
                 if k in row
             )
             click.echo(f"{run.run_id} {text}" + (f" ({row['event']})" if row.get("event") else ""))
-    return len(restarts), len(rows)
+    return len(restarts), len(rows), bool(chosen)
 
 
 @cli.command()

@@ -158,3 +158,20 @@ def test_cli_takes_auto():
     compression = next(p for p in train_command.params if p.name == "compression")
     assert list(compression.type.choices) == ["none", "fp16", "bf16", "powersgd", "onebit", "onebit2", "auto"]
     assert "auto: the compressor the scale-out model predicts fastest" in compression.help
+
+
+@pytest.mark.slow
+def test_the_train_command_says_what_auto_chose_once(store, cluster_client):
+    from click.testing import CliRunner
+
+    from dask_dl.cli import cli
+
+    args = ["train", store, "-e", "2", "-q", "--trainers", "2", "--compression", "auto"]
+    result = CliRunner().invoke(cli, [*args, "--scheduler", cluster_client.scheduler.address])
+    assert result.exit_code == 0, result.output
+    said = [line for line in result.output.splitlines() if " compression auto chose " in line]
+    assert len(said) == 1, result.output
+    run_id, _, choice = said[0].partition(": compression auto chose ")
+    name, _, reason = choice.partition(": ")
+    assert run_id.startswith("fit-") and name in CPU_CANDIDATES
+    assert reason.startswith(f"{name} is predicted") and "2 trainers" in reason
