@@ -222,6 +222,8 @@ def run_world(world: int, network: str, args, *, script: str = __file__) -> dict
             cmd += ["--master", master, "--port", str(port), "--out", out, "--steps", str(args.steps)]
             cmd += ["--compressors", args.compressors]
             env = dict(os.environ, GLOO_SOCKET_IFNAME=f"ddlb{r}n" if namespaces else "lo", OMP_NUM_THREADS="1")
+            # c10d warns at every connection that a namespace's peer has no host name: errors only
+            env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
             prefix = ["ip", "netns", "exec", namespaces[r]] if namespaces else []
             procs.append(subprocess.Popen(prefix + cmd, env=env))
         deadline = time.monotonic() + args.timeout
