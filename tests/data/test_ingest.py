@@ -255,6 +255,39 @@ def test_real_nih_pngs_and_dicoms(cluster_client, shared_data, tmp_path):
     assert ds.label.values[0].sum() >= 1 and not ds.label.values[2:].any()
 
 
+@pytest.mark.slow
+def test_nih_at_full_resolution(cluster_client, shared_data, tmp_path):
+    """1024x1024 PNGs in the NIH layout, as published (the shared copies are 512 px: upscaled 2x), read by read_nih
+    and ingested at 256 px: each stored image is Pillow's reducing Lanczos of the file, exactly, and within 1.5 grey
+    levels on average of a plain 4x4 block mean (0.45 measured; flipped, transposed or shifted by 8 px: 19 or more)."""
+    names = ["00000001_000.png", "00027426_000.png"]
+    table = pd.read_csv(shared_data / "nih" / "Data_Entry_2017_v2020.csv.gz", dtype=str, keep_default_na=False)
+    rows = table[table["Image Index"].isin(names)]
+    root = tmp_path / "nih"
+    (root / "images").mkdir(parents=True)
+    rows.to_csv(root / "Data_Entry_2017_v2020.csv", index=False)
+    for name in names:
+        small = Image.open(shared_data / "nih" / name).convert("L")
+        small.resize((1024, 1024), Image.Resampling.BICUBIC).save(root / "images" / name)
+    catalog = dask_dl.read_nih(root)
+    result = run_ingest(catalog, tmp_path / "nih.zarr", cluster_client, size=256, chunk=1, shard=2)
+    assert (result.n, result.n_rejected) == (2, 0)
+    ds = dask_dl.open_dataset(tmp_path / "nih.zarr")
+    assert ds.image.shape == (2, 256, 256)
+    findings = dict(zip(rows["Image Index"], rows["Finding Labels"], strict=True))
+    for i, name in enumerate(ds.image_id.values):
+        original = Image.open(root / "images" / str(name))
+        assert original.size == (1024, 1024) and original.mode == "L"
+        stored = ds.image.values[i]
+        reference = original.resize((256, 256), Image.Resampling.LANCZOS, reducing_gap=2.0)
+        np.testing.assert_array_equal(stored, np.asarray(reference))
+        block_mean = np.asarray(original, np.float64).reshape(256, 4, 256, 4).mean(axis=(1, 3))
+        assert np.abs(stored - block_mean).mean() < 1.5
+        assert {str(f) for f in ds.finding.values[ds.label.values[i] == 1]} == set(findings[name].split("|")) - {
+            "No Finding"
+        }
+
+
 # ---- small images and too many rejects (issue 8) -----------------------------------------------------------
 
 
