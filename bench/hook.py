@@ -21,35 +21,19 @@ Times are this thread's CPU time unless ``--clock wall``: other processes on a b
 from __future__ import annotations
 
 import argparse
-import inspect
 import math
-import socket
 import time
 import tracemalloc
 from collections import defaultdict
 
-from dask_dl.testing.compression import ALEXNET, FakeBucket, ddp_buckets
+from dask_dl.testing.compression import ALEXNET, FakeBucket, ddp_buckets, shaped_model
+from dask_dl.testing.train import one_rank_group
 
 COMPRESSORS = ("onebit", "onebit2")
 # The clock of every figure: this thread's CPU time by default, which a busy machine's other processes do not
 # add to (they do still share the memory bandwidth); --clock wall for wall-clock time.
 clock = time.thread_time
 BUCKET_CAP_MB = 3  # DDP then cuts ALEXNET into 5 buckets (fc8+fc7, fc6, conv5+conv4, conv3+conv2, conv1)
-
-
-def shaped_model():
-    """A module with ALEXNET's parameters whose forward ``(gradients)`` returns ``sum((p * g).sum())``."""
-    import torch
-
-    class Shaped(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.weights = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(s)) for s in ALEXNET])
-
-        def forward(self, grads):
-            return sum((p * g).sum() for p, g in zip(self.weights, grads, strict=True))
-
-    return Shaped()
 
 
 class Timed:
@@ -119,17 +103,20 @@ def main() -> None:
 
     import numba
     import torch
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
-
-    from dask_dl.train.compression import kernels, make_compressor
 
     torch.set_num_threads(1)
     numba.set_num_threads(1)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    with one_rank_group():
+        measured = measure(args)
+    report(args, *measured)
+
+
+def measure(args) -> tuple:
+    """Every path's steps in turns, the allocation steps and the fixed cost of a call (inside a one-rank group)."""
+    import torch
+
+    from dask_dl.train.compression import kernels, make_compressor
+    from dask_dl.train.step import make_ddp
 
     gen = torch.Generator().manual_seed(0)
     grads = [torch.randn(s, generator=gen) * 1e-3 for s in ALEXNET]
@@ -144,11 +131,8 @@ def main() -> None:
     kernels.DECODE_TASKS = tuple(timed.wrap_kernel(f, "numba_s") for f in saved[3])
 
     ddps, layout = {}, None
-    # no buffer broadcast at every forward, as the trainer's make_ddp (torch 2.13 renamed the switch)
-    parameters = inspect.signature(DistributedDataParallel.__init__).parameters
-    switch = "forward_sync_buffers" if "forward_sync_buffers" in parameters else "broadcast_buffers"
     for name in COMPRESSORS:
-        ddp = DistributedDataParallel(shaped_model(), bucket_cap_mb=BUCKET_CAP_MB, **{switch: False})
+        ddp = make_ddp(shaped_model(ALEXNET), device_ids=None, bucket_cap_mb=BUCKET_CAP_MB)  # as the trainer's
         compressor = make_compressor(name)
         register = ddp.register_comm_hook
         ddp.register_comm_hook = lambda state, hook, register=register: register(state, timed.wrap_hook(hook))
@@ -213,8 +197,7 @@ def main() -> None:
         moved[name, which] = sum(after.get(k) != v for k, v in before.items()) + len(set(after) - set(before))
     fixed = {name: fixed_cost(make_compressor(name), layout[-1], timed) for name in COMPRESSORS}
     kernels.quantize, kernels.decode, kernels.QUANTIZE_TASKS, kernels.DECODE_TASKS = saved
-    dist.destroy_process_group()
-    report(args, best, parts, allocated, moved, layouts, fixed)
+    return best, parts, allocated, moved, layouts, fixed
 
 
 def fixed_cost(compressor, shapes, timed, calls: int = 20, batches: int = 15) -> tuple[float, float]:

@@ -17,6 +17,7 @@ __all__ = [
     "FakeBucket",
     "ddp_buckets",
     "numel",
+    "shaped_model",
     "sim_columns",
     "sim_grouping",
     "sim_onebit",
@@ -85,16 +86,27 @@ class FakeBucket:
 
 
 def ddp_buckets(shapes: Sequence[tuple[int, ...]], cap_bytes: int = 25 * 2**20) -> list[list[tuple[int, ...]]]:
-    """Group parameter shapes the way DDP does by default: reverse order, about ``cap_bytes`` per bucket."""
-    buckets, current, size = [], [], 0
-    for shape in reversed(shapes):
-        nbytes = 4 * math.prod(shape)
-        if current and size + nbytes > cap_bytes:
-            buckets.append(current)
-            current, size = [], 0
-        current.append(shape)
-        size += nbytes
-    return buckets + [current] if current else buckets
+    """Group parameter shapes the way DDP does by default: reverse order, about ``cap_bytes`` per bucket (the
+    scale-out model's :func:`~dask_dl.train.compression.model.buckets`)."""
+    from dask_dl.train.compression.model import buckets
+
+    return buckets(shapes, cap_bytes)
+
+
+def shaped_model(shapes: Sequence[tuple[int, ...]]):
+    """A ``torch.nn.Module`` with zero parameters of ``shapes`` whose ``forward(grads)`` is ``sum((p * g).sum())``:
+    after ``backward`` each parameter's gradient is its ``g`` exactly, so DDP hands its hook known buckets."""
+    import torch
+
+    class Shaped(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weights = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(s)) for s in shapes])
+
+        def forward(self, grads):
+            return sum((p * g).sum() for p, g in zip(self.weights, grads, strict=True))
+
+    return Shaped()
 
 
 # ---- a NumPy model of 1-bit SGD --------------------------------------------------------------------------------

@@ -63,14 +63,11 @@ def one_rank_group() -> Iterator[None]:
     that needs the GIL to let go of its last work then never ends, and the process hangs (pytorch#56297; seen
     once in a full test run). So free every DDP model inside the block: make it in a function the block calls.
     """
-    import socket
-
     import torch.distributed as dist
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    from dask_dl.testing.servers import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         yield
     finally:

@@ -142,14 +142,14 @@ class Alone:
         return contextlib.nullcontext()
 
 
-def make_ddp(model: torch.nn.Module, *, device_ids: list[int] | None) -> DistributedDataParallel:
+def make_ddp(model: torch.nn.Module, *, device_ids: list[int] | None, **options: Any) -> DistributedDataParallel:
     """DDP that does not broadcast buffers at every forward (one more collective a step, where ranks wait for
     each other): rank 0's are sent before validation (:mod:`dask_dl.train.buffers`), and are the checkpointed
     ones. torch 2.13 names the switch ``forward_sync_buffers`` and warns on the older ``broadcast_buffers``,
     which the torch versions before it take. (The new switch still sends rank 0's buffers once, when DDP starts;
-    the ranks build the same model either way.)"""
+    the ranks build the same model either way.) ``options`` go to DDP as they are (``bucket_cap_mb``)."""
     import inspect
 
     parameters = inspect.signature(DistributedDataParallel.__init__).parameters
     switch = "forward_sync_buffers" if "forward_sync_buffers" in parameters else "broadcast_buffers"
-    return DistributedDataParallel(model, device_ids=device_ids, **{switch: False})
+    return DistributedDataParallel(model, device_ids=device_ids, **{switch: False}, **options)

@@ -3,32 +3,20 @@ to the hook bucket by bucket during backward (``bench/hook.py`` times this path)
 
 from __future__ import annotations
 
-import inspect
 import tracemalloc
 
 import pytest
 import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
 
-from dask_dl.testing.compression import FakeBucket, numel
+from dask_dl.testing.compression import FakeBucket, numel, shaped_model
 from dask_dl.testing.train import one_rank_group
 from dask_dl.train.compression import hooks, make_compressor
 from dask_dl.train.compression.plan import StripePlan
+from dask_dl.train.step import make_ddp
 
 # Row-grouped conv and linear weights, biases and a column-grouped (tall) matrix: 610k values, 2.4 MB.
 SHAPES = [(128, 64, 3, 3), (128,), (512, 1024), (512,), (512, 16), (14, 256), (14,)]
 CAP_MB = 0.03  # DDP then hands these over in 3 buckets: (14, 14x256, 512x16), (512, 512x1024), (128, 128x64x3x3)
-
-
-class Shaped(torch.nn.Module):
-    """Parameters of ``SHAPES``; ``forward(grads)`` is ``sum((p * g).sum())``, so each gradient is ``g`` exactly."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.weights = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(s)) for s in SHAPES])
-
-    def forward(self, grads):
-        return sum((p * g).sum() for p, g in zip(self.weights, grads, strict=True))
 
 
 def _steps(seed: int, steps: int) -> list[list[torch.Tensor]]:
@@ -37,8 +25,7 @@ def _steps(seed: int, steps: int) -> list[list[torch.Tensor]]:
 
 
 def _ddp(name: str):
-    switch = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters else ""
-    ddp = DDP(Shaped(), bucket_cap_mb=CAP_MB, **{switch or "broadcast_buffers": False})  # as make_ddp
+    ddp = make_ddp(shaped_model(SHAPES), device_ids=None, bucket_cap_mb=CAP_MB)  # as the trainer makes it
     compressor = make_compressor(name)
     seen: list = []  # (bucket index, shapes, parameters) of each call, in DDP's order
     register = ddp.register_comm_hook
@@ -121,7 +108,6 @@ def test_after_warm_up_a_step_through_ddp_allocates_no_buffer_and_no_layout(name
     # every message, gather buffer, residual and scratch array kept, at the same address
     assert any(isinstance(k[0], int) for k in before) and after == before
     assert layouts == 0  # the bucket's layout (and its cached properties) is made once, not at every call
-    # only; one message is gradient_bytes / 32
     # what tracemalloc sees (NumPy and Python objects, not torch's allocator) stays far below one message
     # (gradient_bytes / 32): views, lists, the futures
     assert peak < gradient_bytes / 64, f"a step allocated up to {peak} bytes at once through NumPy or Python"
