@@ -42,17 +42,26 @@ def store(tmp_path_factory, cluster_client) -> str:
     return path
 
 
-@pytest.mark.slow
-def test_asha_prunes_losers_keeps_every_trial_and_the_best_exports(cluster_client, tmp_path):
-    # A verdict reaches a trial a poll of the driver, a poll of the sweep, an Optuna storage write and a stop
-    # request after the trial published its epoch: about half a second. Epochs must outlast that (the tests' usual
-    # 64 training images in batches of 2 train in 0.1 s, and a trial ended before its verdict arrived): 512 images
-    # in batches of 2, 256 steps, about a second an epoch here. ASHA's rungs are at epochs 1 and 3 of the 4.
-    root = tmp_path / "long"
-    store = str(root / "squares.zarr")
+@pytest.fixture(scope="module")
+def long_store(tmp_path_factory, cluster_client) -> str:
+    """A store whose epochs outlast a message from the sweep to a running trial (batches of 2).
+
+    A pruning verdict or a stop reaches a trial a poll of the driver, a poll of the sweep, an Optuna storage write
+    and a stop request after the trial published its epoch: about half a second. The usual 64 training images in
+    batches of 2 train an epoch in 0.1 s, and trials ended before the message arrived; 512 images make 256 steps,
+    about 0.6 s an epoch here.
+    """
+    root = tmp_path_factory.mktemp("long")
+    path = str(root / "squares.zarr")
     catalog = squares_collection(root, n_train=512, n_val=32)
-    dask_dl.ingest(catalog, store, size=SIZE, chunk=32, shard=2, client=cluster_client, progress=False)
-    epochs = 4
+    dask_dl.ingest(catalog, path, size=SIZE, chunk=32, shard=2, client=cluster_client, progress=False)
+    return path
+
+
+@pytest.mark.slow
+def test_asha_prunes_losers_keeps_every_trial_and_the_best_exports(long_store, cluster_client, tmp_path):
+    store = long_store
+    epochs = 4  # ASHA's rungs are at epochs 1 and 3
     result = dask_dl.sweep(
         dask_dl.open_dataset(store), {"lr": CategoricalDistribution(LRS)}, trials=len(LRS), sampler="grid",
         pruner="asha", epochs=epochs, client=cluster_client, storage=tmp_path / "sweep.db",
@@ -398,10 +407,12 @@ def test_sweep_command_end_to_end_and_resumed(store, cluster_client, tmp_path):
 
 
 @pytest.mark.slow
-def test_stop_leaves_running_trials_for_resume(store, cluster_client, tmp_path):
+def test_stop_leaves_running_trials_for_resume(long_store, cluster_client, tmp_path):
+    store = long_store  # the stop must reach the trials before their last epoch ends
     storage = tmp_path / "sweep.db"
     space = {"lr": CategoricalDistribution([0.1, 0.2])}
-    options = dict(trials=2, sampler="grid", pruner="none", epochs=3, storage=storage, client=cluster_client, **FIXED)
+    options = dict(trials=2, sampler="grid", pruner="none", epochs=3, storage=storage, client=cluster_client,
+                   **{**FIXED, "batch_size": 2})  # fmt: skip
     running = dask_dl.sweep(dask_dl.open_dataset(store), space, wait=False, **options)
     deadline = time.monotonic() + 120
     while not any(len(c) for c in running.results["val_auroc_mean"]):  # an epoch is done and checkpointed
