@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import sys
+import traceback
 
 import matplotlib
 
@@ -308,7 +309,7 @@ def page(collection, run, cluster_client):
     args = ["report", collection["store"], str(collection["root"] / "ck"), "--out", str(out), "--top", "4",
             "--scheduler", cluster_client.scheduler.address]  # fmt: skip
     result = CliRunner().invoke(cli, args)
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == 0, result.output + "".join(traceback.format_exception(*result.exc_info))
     again = CliRunner().invoke(cli, args)
     assert again.exit_code == 1 and "--overwrite" in again.output  # one line, the page kept
     return out

@@ -47,7 +47,7 @@ def follow(run: Any, echo: Callable[[Any], Any], stopping: str, shown: Any = 0) 
     try:
         with caught_interrupt() as interrupt:  # raised here, never lost in a finalizer (dask_dl.interrupt)
             while not run.done:
-                time.sleep(0.5)
+                time.sleep(0.1)
                 interrupt.check()
                 shown = echo(shown)
     except KeyboardInterrupt:

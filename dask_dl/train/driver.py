@@ -442,7 +442,7 @@ class Driver:
                     self.sink.progress(self._last_progress)
                 except Exception as exc:  # live progress is a view: the epoch's own result carries the numbers
                     self._log_failure("reported no progress", 0, exc)
-            time.sleep(_POLL_S)
+            _wait_for_one(futures, _POLL_S)
 
     def _result(self, rank: int, future: Any) -> Any:
         try:
@@ -574,7 +574,7 @@ class Driver:
                     "(killed, out of memory or preempted)",
                     lost_workers=gone,
                 )
-            time.sleep(_POLL_S)
+            _wait_for_one(self._actor_futures, _POLL_S)
 
     def _trainer_worker_ids(self) -> dict[str, str | None]:
         """The scheduler's id of each trainer's worker (a nanny's restarted worker gets a new one)."""
@@ -672,6 +672,22 @@ class Driver:
     def _log_failure(self, what: str, rank: int, exc: BaseException) -> None:
         where = self.workers[rank] if rank < len(self.workers) else "?"
         logger.warning("%s: trainer %d on %s %s: %s: %s", self.sink.run_id, rank, where, what, type(exc).__name__, exc)
+
+
+def _wait_for_one(futures: list[Any], timeout: float) -> None:
+    """Return when the first of ``futures`` not yet done is done, or after ``timeout`` seconds.
+
+    The loops that watch the trainers look again at once when a call ends (an epoch, a group's setup) instead of
+    sleeping out their poll: a short run loses no poll interval per call. Its result or error is left for the
+    caller to read.
+    """
+    pending = next((f for f in futures if not f.done()), None)
+    if pending is None:
+        return
+    try:
+        pending.result(timeout=timeout)
+    except Exception:  # a timeout, or the call's own error: the caller reads every future's outcome itself
+        pass
 
 
 def _where(checkpoint: dict[str, Any] | None) -> dict[str, int]:
