@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -50,21 +52,76 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture(scope="module")
-def cluster_client():
-    """A real LocalCluster of 2 worker processes x 1 thread, shared by one test module's tests.
+@pytest.fixture(scope="session")
+def shared_scheduler(tmp_path_factory) -> str:
+    """The scheduler file of a real cluster kept for the whole run: ``dask scheduler`` and ``dask worker --nworkers
+    2 --nthreads 1``, each in a process group of its own, stopped by pid at the end.
 
-    Not distributed's per-test ``client`` fixture for modules that read Zarr stores in the test process: that
-    fixture fails a test for the I/O threads zarr starts (they live as long as the process), and a cluster per
-    test would double those modules' time.
+    Its workers stay warm from module to module: torch is imported and the first model built once per run, not
+    once per module (about 5 s each time). Started from dask's command line, not as a LocalCluster: distributed's
+    per-test fixtures (``client``, ``gen_cluster``) end every multiprocessing child of this process and check that
+    no Scheduler lives in it, which a LocalCluster kept for the run would fail.
     """
+    from distributed import Client
+
+    from dask_dl.testing.servers import stop_server, unavailable
+
+    folder = tmp_path_factory.mktemp("shared-cluster")
+    file, log = folder / "scheduler.json", folder / "cluster.log"
+    command = [sys.executable, "-m"]
+    # the test modules' folders, which pytest put on sys.path, as a LocalCluster's spawned workers get them: the
+    # functions a test sends with client.run are pickled by their module's name
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    with open(log, "wb") as out:
+        scheduler = subprocess.Popen(
+            [*command, "distributed.cli.dask_scheduler", "--host", "127.0.0.1", "--port", "0",
+             "--dashboard-address", "127.0.0.1:0", "--scheduler-file", str(file)],
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+        workers = subprocess.Popen(
+            [*command, "distributed.cli.dask_worker", "--scheduler-file", str(file), "--nworkers", "2",
+             "--nthreads", "1", "--host", "127.0.0.1", "--dashboard-address", "127.0.0.1:0"],
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env,
+        )  # fmt: skip
+    try:
+        try:
+            with Client(scheduler_file=str(file), timeout=60) as client:
+                client.wait_for_workers(2, timeout=120)
+        except Exception as exc:
+            unavailable(f"the run's shared cluster did not start ({exc}):\n{log.read_text()[-3000:]}")
+        yield str(file)
+    finally:
+        stop_server(workers, group=True)
+        stop_server(scheduler, group=True)
+
+
+@pytest.fixture(scope="module")
+def cluster_client(shared_scheduler):
+    """A Client of the run's shared cluster (2 worker processes x 1 thread), one per test module.
+
+    Each module has a client of its own, so its futures and persisted results go with the module; the workers
+    stay warm. A module whose tests kill, stop or scale workers takes :func:`own_cluster_client` instead.
+    Not distributed's per-test ``client`` fixture for modules that read Zarr stores in the test process: that
+    fixture fails a test for the I/O threads zarr starts (they live as long as the process).
+    """
+    from distributed import Client
+
+    with Client(scheduler_file=shared_scheduler, timeout=60) as client:
+        client.wait_for_workers(2, timeout=120)
+        yield client
+
+
+@pytest.fixture(scope="module")
+def own_cluster_client():
+    """A LocalCluster of 2 worker processes x 1 thread for one module alone: for tests that kill, stop or scale
+    its workers, which would disturb the modules after them on the shared cluster."""
     from distributed import Client, LocalCluster
 
     with (
         LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster,
-        Client(cluster) as shared,
+        Client(cluster) as mine,
     ):
-        yield shared
+        yield mine
 
 
 @pytest.fixture(scope="session")

@@ -560,6 +560,8 @@ def _run(
 
 def _gather_logged(futures: list[Any], url: str) -> list[pd.DataFrame]:
     """The futures' results as they finish, with a log line per tenth; Ctrl-C is checked between polls."""
+    from distributed import wait
+
     tables: list[pd.DataFrame] = []
     pending, step = list(futures), max(1, len(futures) // 10)
     with caught_interrupt() as interrupt:  # never lost in a finalizer (dask_dl.interrupt)
@@ -573,8 +575,9 @@ def _gather_logged(futures: list[Any], url: str) -> list[pd.DataFrame]:
                 tables.append(future.result())  # a failed shard raises here, as it did in the task
                 if len(tables) % step == 0 or len(tables) == len(futures):
                     logger.info("ingest %s: %d/%d shards written", url, len(tables), len(futures))
-            if len(waiting) == len(pending):
-                time.sleep(0.1)
+            if len(waiting) == len(pending):  # back as soon as a shard is written, at the latest in 0.1 s
+                with contextlib.suppress(TimeoutError):
+                    wait(waiting, timeout=0.1, return_when="FIRST_COMPLETED")
             pending = waiting
     return tables
 

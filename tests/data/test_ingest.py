@@ -874,7 +874,8 @@ def _page_faults() -> int:
 def test_ingest_tasks_reuse_freed_memory_under_the_nannys_trim_threshold(cluster_client, tmp_path):
     # the nanny starts workers with MALLOC_TRIM_THRESHOLD_, under which every allocation over 128 KiB is a fresh
     # mapping: each 1 MB file's bytes alone would fault in its 257 pages again for every image
-    assert set(cluster_client.run(os.environ.get, "MALLOC_TRIM_THRESHOLD_").values()) == {"65536"}
+    # read in the workers (a lambda travels by value; os.environ.get would take this process's environ with it)
+    assert set(cluster_client.run(lambda: os.environ.get("MALLOC_TRIM_THRESHOLD_")).values()) == {"65536"}
     rng = np.random.default_rng(0)
     paths = []
     for i in range(16):  # noise: the PNG files hardly compress

@@ -330,17 +330,17 @@ def test_nonfinite_loss_keeps_last_good_checkpoint(store, cluster_client, tmp_pa
 
 
 @pytest.mark.slow
-def test_dead_trainer_fails_fast_and_cluster_recovers(store, cluster_client):
+def test_dead_trainer_fails_fast_and_cluster_recovers(store, own_cluster_client):
     import os
     import signal
 
     # no restarts: recovery is test_recovery's
-    run = fit_squares(store, cluster_client, epochs=500, batch_size=1, wait=False, max_restarts=0)
+    run = fit_squares(store, own_cluster_client, epochs=500, batch_size=1, wait=False, max_restarts=0)
     deadline = time.monotonic() + 60
     while not len(run.history) and time.monotonic() < deadline:
         time.sleep(0.05)
     victim = run.workers[1]
-    os.kill(cluster_client.run(os.getpid, workers=[victim])[victim], signal.SIGKILL)
+    os.kill(own_cluster_client.run(os.getpid, workers=[victim])[victim], signal.SIGKILL)
     # the survivor's all-reduce fails as the peer's socket closes (or after dask-dl.train.timeout at worst); the
     # error blames the worker the scheduler lost, not the survivor that saw "Connection reset by peer"
     with pytest.raises(TrainingError, match=rf"trainer 1 on {victim} was lost in epoch \d+") as info:
@@ -348,24 +348,24 @@ def test_dead_trainer_fails_fast_and_cluster_recovers(store, cluster_client):
     assert info.value.lost_workers == [victim]
     assert run.status == "failed" and run.checkpoint()["epoch"] >= 0
     assert run.error is info.value
-    cluster_client.wait_for_workers(2, timeout=60)  # the nanny restarts the killed worker
-    assert fit_squares(store, cluster_client, epochs=1).status == "finished"
+    own_cluster_client.wait_for_workers(2, timeout=60)  # the nanny restarts the killed worker
+    assert fit_squares(store, own_cluster_client, epochs=1).status == "finished"
 
 
 @pytest.mark.slow
-def test_a_hung_trainer_does_not_poison_its_workers(store, cluster_client):
+def test_a_hung_trainer_does_not_poison_its_workers(store, own_cluster_client):
     import os
     import signal
 
     import dask
 
     with dask.config.set({"dask-dl.train.timeout": 3, "dask-dl.train.hang-grace": 2}):
-        run = fit_squares(store, cluster_client, epochs=500, batch_size=1, wait=False, max_restarts=0)
+        run = fit_squares(store, own_cluster_client, epochs=500, batch_size=1, wait=False, max_restarts=0)
     deadline = time.monotonic() + 60
     while not len(run.history) and time.monotonic() < deadline:
         time.sleep(0.05)
     victim = run.workers[1]
-    pid = cluster_client.run(os.getpid, workers=[victim])[victim]
+    pid = own_cluster_client.run(os.getpid, workers=[victim])[victim]
     os.kill(pid, signal.SIGSTOP)
     stopped = time.monotonic()
     try:
@@ -385,11 +385,11 @@ def test_a_hung_trainer_does_not_poison_its_workers(store, cluster_client):
     finally:
         os.kill(pid, signal.SIGCONT)
     for seed in range(3):  # the same workers, as good as new: no stale group, no advanced group counter
-        again = fit_squares(store, cluster_client, epochs=1, seed=seed)
+        again = fit_squares(store, own_cluster_client, epochs=1, seed=seed)
         assert again.status == "finished" and sorted(again.workers) == sorted(run.workers)
-    assert in_process_group(cluster_client) == [False, False]
+    assert in_process_group(own_cluster_client) == [False, False]
     # the hung trainer never tore down: its hold on the allocator settings went with its stale group
-    assert list(cluster_client.run(_allocator_holders).values()) == [0, 0]
+    assert list(own_cluster_client.run(_allocator_holders).values()) == [0, 0]
 
 
 def _allocator_holders() -> int:
@@ -415,16 +415,16 @@ def _failed_rendezvous() -> str:
 
 
 @pytest.mark.slow
-def test_a_failed_rendezvous_does_not_poison_its_worker(store, cluster_client):
+def test_a_failed_rendezvous_does_not_poison_its_worker(store, own_cluster_client):
     import dask
 
     # torch names each new group after a per-process counter that a failed rendezvous advances: without a reset
     # this worker's next group would be "1" while its peer's is "0", and their keys would never meet
-    victim = sorted(scheduler_workers(cluster_client))[1]
-    assert cluster_client.run(_failed_rendezvous, workers=[victim])[victim] != "joined"
+    victim = sorted(scheduler_workers(own_cluster_client))[1]
+    assert own_cluster_client.run(_failed_rendezvous, workers=[victim])[victim] != "joined"
     with dask.config.set({"dask-dl.train.timeout": 10}):
-        assert fit_squares(store, cluster_client, epochs=1).status == "finished"
-    assert in_process_group(cluster_client) == [False, False]
+        assert fit_squares(store, own_cluster_client, epochs=1).status == "finished"
+    assert in_process_group(own_cluster_client) == [False, False]
 
 
 _CLIENT_SCRIPT = """
@@ -443,7 +443,7 @@ time.sleep(600)
 
 
 @pytest.mark.slow
-def test_a_killed_client_does_not_leave_trainers_running(store, cluster_client, tmp_path):
+def test_a_killed_client_does_not_leave_trainers_running(store, own_cluster_client, tmp_path):
     import subprocess
     import sys
 
@@ -451,24 +451,24 @@ def test_a_killed_client_does_not_leave_trainers_running(store, cluster_client, 
     script = tmp_path / "client.py"
     script.write_text(_CLIENT_SCRIPT)
     proc = subprocess.Popen(
-        [sys.executable, str(script), cluster_client.scheduler.address, store, str(ck)],
+        [sys.executable, str(script), own_cluster_client.scheduler.address, store, str(ck)],
         stdout=subprocess.PIPE,
         text=True,
     )
     try:
         assert proc.stdout.readline().strip() == "training"
-        assert in_process_group(cluster_client) == [True, True]
+        assert in_process_group(own_cluster_client) == [True, True]
     finally:
         proc.kill()  # SIGKILL: no stop, no teardown, no goodbye to the scheduler
         proc.wait()
     # the scheduler forgets the dead client's actors; each trainer notices, they stop together and leave the group
     deadline = time.monotonic() + 60
-    while in_process_group(cluster_client) != [False, False] and time.monotonic() < deadline:
+    while in_process_group(own_cluster_client) != [False, False] and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert in_process_group(cluster_client) == [False, False]
-    assert trainer_keys(cluster_client) == []
+    assert in_process_group(own_cluster_client) == [False, False]
+    assert trainer_keys(own_cluster_client) == []
     # the dead client's lease on the checkpoint_dir is stale (its process is gone): a new run takes over
-    assert fit_squares(store, cluster_client, epochs=1, checkpoint_dir=str(ck)).status == "finished"
+    assert fit_squares(store, own_cluster_client, epochs=1, checkpoint_dir=str(ck)).status == "finished"
 
 
 @pytest.mark.slow

@@ -606,12 +606,12 @@ def replicated_pipeline_reference(store, *, b: int, microbatches: int, replicas:
 
 
 @pytest.mark.slow
-def test_two_replicas_of_a_two_stage_pipeline(store, cluster_client):
-    cluster = cluster_client.cluster
+def test_two_replicas_of_a_two_stage_pipeline(store, own_cluster_client):
+    cluster = own_cluster_client.cluster
     cluster.scale(4)
     try:
-        cluster_client.wait_for_workers(4, timeout=120)
-        run = fit(store, cluster_client, parallel="pipeline", stages=2, microbatches=2, batch_size=8, trainers=4)
+        own_cluster_client.wait_for_workers(4, timeout=120)
+        run = fit(store, own_cluster_client, parallel="pipeline", stages=2, microbatches=2, batch_size=8, trainers=4)
         assert run.history["global_batch"].iloc[0] == 16 and run.history["steps"].iloc[0] == N_TRAIN // 16
         assert_weights(run.checkpoint()["model"], replicated_pipeline_reference(store, b=8, microbatches=2, replicas=2))
         # both replicas score their half of the validation split with the checkpointed (first replica's) statistics
