@@ -285,7 +285,7 @@ if __name__ == "__main__":
         dask_dl.sweep(dask_dl.open_dataset({store!r}), {{"lr": CategoricalDistribution([0.05, 0.1, 0.2, 0.15])}},
                       trials=4, sampler="grid", pruner="none", epochs={epochs}, storage={storage!r}, client=client,
                       model="small_cnn", model_kwargs={{"width": 8}}, batch_size=2, optimizer="sgd", seed=0)
-"""  # batches of 2: epochs of 32 steps, so that the watcher below sees a trial between its epochs
+"""  # batches of 2: epochs of 256 steps, so that the watcher below sees a trial between its epochs
 
 
 def _states(storage: Path) -> dict[tuple[int, int], str]:
@@ -314,8 +314,9 @@ def _epoch_files(folder: Path) -> dict[str, int]:
 
 
 @pytest.mark.slow
-def test_resume_after_sigkill_trains_no_complete_trial_again(store, cluster_client, tmp_path):
-    epochs, storage = 3, tmp_path / "sweep.db"
+def test_resume_after_sigkill_trains_no_complete_trial_again(long_store, cluster_client, tmp_path):
+    store = long_store  # epochs that outlast the watcher's look at the study (the squares' 32 steps did not, once)
+    epochs, storage = 2, tmp_path / "sweep.db"
     script = tmp_path / "run_sweep.py"
     script.write_text(textwrap.dedent(SCRIPT.format(store=store, epochs=epochs, storage=str(storage))))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
