@@ -85,8 +85,8 @@ def shared_scheduler(tmp_path_factory) -> str:
         )  # fmt: skip
     try:
         try:
-            with Client(scheduler_file=str(file), timeout=60) as client:
-                client.wait_for_workers(2, timeout=120)
+            with Client(scheduler_file=str(file), timeout=60) as first:
+                first.wait_for_workers(2, timeout=120)
         except Exception as exc:
             unavailable(f"the run's shared cluster did not start ({exc}):\n{log.read_text()[-3000:]}")
         yield str(file)
@@ -100,21 +100,21 @@ def cluster_client(shared_scheduler):
     """A Client of the run's shared cluster (2 worker processes x 1 thread), one per test module.
 
     Each module has a client of its own, so its futures and persisted results go with the module; the workers
-    stay warm. A module whose tests kill, stop or scale workers takes :func:`own_cluster_client` instead.
+    stay warm. A test that kills, stops or scales workers takes :func:`own_cluster_client` instead.
     Not distributed's per-test ``client`` fixture for modules that read Zarr stores in the test process: that
     fixture fails a test for the I/O threads zarr starts (they live as long as the process).
     """
     from distributed import Client
 
-    with Client(scheduler_file=shared_scheduler, timeout=60) as client:
-        client.wait_for_workers(2, timeout=120)
-        yield client
+    with Client(scheduler_file=shared_scheduler, timeout=60) as ours:
+        ours.wait_for_workers(2, timeout=120)
+        yield ours
 
 
 @pytest.fixture(scope="module")
 def own_cluster_client():
-    """A LocalCluster of 2 worker processes x 1 thread for one module alone: for tests that kill, stop or scale
-    its workers, which would disturb the modules after them on the shared cluster."""
+    """A LocalCluster of 2 worker processes x 1 thread for one module alone: for the tests that kill, stop or
+    scale workers, which would disturb the modules after them on the shared cluster."""
     from distributed import Client, LocalCluster
 
     with (

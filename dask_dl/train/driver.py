@@ -30,6 +30,7 @@ again from the beginning).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -684,10 +685,8 @@ def _wait_for_one(futures: list[Any], timeout: float) -> None:
     pending = next((f for f in futures if not f.done()), None)
     if pending is None:
         return
-    try:
+    with contextlib.suppress(Exception):  # a timeout, or the call's own error: the caller reads every outcome
         pending.result(timeout=timeout)
-    except Exception:  # a timeout, or the call's own error: the caller reads every future's outcome itself
-        pass
 
 
 def _where(checkpoint: dict[str, Any] | None) -> dict[str, int]:

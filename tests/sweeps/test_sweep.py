@@ -315,7 +315,7 @@ def _epoch_files(folder: Path) -> dict[str, int]:
 
 @pytest.mark.slow
 def test_resume_after_sigkill_trains_no_complete_trial_again(long_store, cluster_client, tmp_path):
-    store = long_store  # epochs that outlast the watcher's look at the study (the squares' 32 steps did not, once)
+    store = long_store  # epochs long enough for the watcher below to see a trial between two of them
     epochs, storage = 2, tmp_path / "sweep.db"
     script = tmp_path / "run_sweep.py"
     script.write_text(textwrap.dedent(SCRIPT.format(store=store, epochs=epochs, storage=str(storage))))
