@@ -11,6 +11,7 @@ import contextlib
 import os
 import signal
 import time
+import warnings
 from pathlib import Path
 
 import click
@@ -174,7 +175,13 @@ def wait_until(condition, *, within: float = 120.0, what: str = "") -> None:
 
 def live_workers(client: Client, n: int) -> None:
     """Wait until ``n`` workers answer. A killed worker stays on the scheduler's list until the scheduler notices
-    (``client.wait_for_workers`` counts it), and its nanny's new one may not be there yet."""
+    (``client.wait_for_workers`` counts it), and its nanny's new one may not be there yet.
+
+    A nanny whose new worker has not answered in a minute gets a spare worker beside it, with a warning that says
+    what the nanny and its process are doing: on a loaded CI machine one such restart once stayed silent for good
+    (its worker never registered, nothing logged), and each test after it failed waiting for a worker that
+    distributed's nanny, not dask_dl, owed them.
+    """
 
     def answered() -> bool:
         pids = client.run(os.getpid, on_error="return")
@@ -183,7 +190,28 @@ def live_workers(client: Client, n: int) -> None:
         time.sleep(0.2)
         return False
 
-    wait_until(answered, within=180, what=f"{n} workers that answer")
+    try:
+        wait_until(answered, within=60, what=f"{n} workers that answer")
+    except AssertionError:
+        cluster = client.cluster
+        warnings.warn(f"a spare worker replaces a nanny's restart that did not come: {nanny_states(cluster)}")
+        cluster.scale(len(cluster.worker_spec) + 1)
+        wait_until(answered, within=120, what=f"{n} workers that answer ({nanny_states(cluster)})")
+
+
+def nanny_states(cluster: LocalCluster) -> str:
+    """What each of ``cluster``'s nannies and its worker process are doing: status, pid and the kernel's state."""
+    states = []
+    for name, nanny in cluster.workers.items():
+        process = getattr(getattr(nanny, "process", None), "process", None)  # WorkerProcess -> AsyncProcess
+        pid = getattr(process, "pid", None)
+        kernel = ""
+        with contextlib.suppress(OSError, TypeError):
+            status = Path(f"/proc/{pid}/status").read_text().splitlines()
+            kernel = " ".join(line for line in status if line.startswith("State:"))
+        worker_status = getattr(getattr(nanny, "process", None), "status", None)
+        states.append(f"{name}: nanny {nanny.status}, worker process {worker_status} pid {pid} {kernel}".strip())
+    return "; ".join(states)
 
 
 def validation_loss(store, model: torch.nn.Module) -> float:
