@@ -454,7 +454,8 @@ def decode_tasks(msgs, mp, mn, tasks, average, out):
 def _outlined(namespace: dict[str, Any]) -> dict[str, Any]:
     """``namespace`` with each helper that numba inlines into its callers (``inline="always"``) replaced by a copy
     that it calls instead, under a name of its own in numba's cache. The parallel twins call these: inlining the
-    helpers into ``prange`` loops tripled their compile time (42 s of a cold 61 s) for no measured speed."""
+    helpers into ``prange`` loops nearly tripled their compile time (40 s of a cold 58 s) for no measured speed
+    (``python bench/compile.py``)."""
     outlined = dict(namespace)
     for name, value in namespace.items():
         if isinstance(value, numba.core.registry.CPUDispatcher) and value.targetoptions.get("inline") == "always":
