@@ -178,9 +178,9 @@ def live_workers(client: Client, n: int) -> None:
     (``client.wait_for_workers`` counts it), and its nanny's new one may not be there yet.
 
     A nanny whose new worker has not answered in a minute gets a spare worker beside it, with a warning that says
-    what the nanny and its process are doing: on a loaded CI machine one such restart once stayed silent for good
-    (its worker never registered, nothing logged), and each test after it failed waiting for a worker that
-    distributed's nanny, not dask_dl, owed them.
+    what the nanny and its process are doing: on a loaded machine a nanny's restart can stay silent for good (its
+    worker never registers, nothing is logged), and every test after it would fail waiting for a worker that
+    distributed's nanny, not dask_dl, owes them.
     """
 
     def answered() -> bool:
@@ -194,7 +194,8 @@ def live_workers(client: Client, n: int) -> None:
         wait_until(answered, within=60, what=f"{n} workers that answer")
     except AssertionError:
         cluster = client.cluster
-        warnings.warn(f"a spare worker replaces a nanny's restart that did not come: {nanny_states(cluster)}")
+        states = nanny_states(cluster)
+        warnings.warn(f"a spare worker replaces a nanny's restart that did not come: {states}", stacklevel=2)
         cluster.scale(len(cluster.worker_spec) + 1)
         wait_until(answered, within=120, what=f"{n} workers that answer ({nanny_states(cluster)})")
 
