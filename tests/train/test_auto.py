@@ -45,6 +45,14 @@ def test_exchange_times_are_the_collectives_cost_formulas():
     # all-to-all of 4 stripes of 33,250 bytes, then all-gather of one stripe
     two_stage = 3 * 1e-4 + 0.75 * 4 * 33250 / 1e8 + 3 * (1e-4 + 33250 / 1e8)
     assert exchange_time("onebit2", fc, world=4, link=LINK, kernels=FREE) == pytest.approx(two_stage)
+    # the small-message bandwidth, when measured, is the all-gathers' and all-to-alls' (not the all-reduce's)
+    gathered = Link(alpha=1e-4, bandwidth=1e8, gather=5e7)
+    assert exchange_time("none", fc, world=4, link=gathered, kernels=FREE) == pytest.approx(0.0606)
+    assert exchange_time("onebit", fc, world=4, link=gathered, kernels=FREE) == pytest.approx(3 * (1e-4 + 2.66e-3))
+    two_stage = 3 * 1e-4 + 0.75 * 4 * 33250 / 5e7 + 3 * (1e-4 + 33250 / 5e7)
+    assert exchange_time("onebit2", fc, world=4, link=gathered, kernels=FREE) == pytest.approx(two_stage)
+    assert Link.from_dict(gathered.to_dict()) == gathered
+    assert Link.from_dict({"alpha_s": 1e-4, "bandwidth_bytes_per_s": 1e8}) == LINK  # figures of an older run
     # the kernels: onebit quantizes every value once and decodes N messages of every value
     work = Kernels(add=0, add16=0, div=0, cast=0, quantize=2e-9, decode=1e-9, lowrank=0)
     assert exchange_time("onebit", fc, world=4, link=LINK, kernels=work) == pytest.approx(
@@ -116,6 +124,7 @@ def test_auto_fit_records_its_choice_and_trains_like_it(store, cluster_client):
     made = run.info["compression"]
     figures = made["figures"]
     assert figures["world_size"] == 2 and figures["compute_s"] > 0 and figures["bandwidth_bytes_per_s"] > 0
+    assert figures["gather_bytes_per_s"] > 0
     # the choice is the model's for the figures measured
     model = dask_dl.build_model("small_cnn", num_outputs=2, in_channels=1, width=8)
     shapes = [tuple(p.shape) for p in model.parameters()]

@@ -1,7 +1,8 @@
 """``compression="auto"``: the compressor the scale-out model predicts fastest, from figures measured at run start.
 
-Every rank measures the group's link with a short all-reduce probe (:func:`probe_link`: a one-value all-reduce for
-the latency, a 32 MB one for the bandwidth, a bfloat16 one for gloo's 16-bit sums) and the compute time of its
+Every rank measures the group's link with a short probe (:func:`probe_link`: a one-value all-reduce for the latency,
+a 32 MB one for the bandwidth, a bfloat16 one for gloo's 16-bit sums, a 1 MB all-gather for the 1-bit compressors'
+messages) and the compute time of its
 model on a batch of the run's shape (:func:`probe_compute`: forward and backward, no exchange). Rank 0 takes the
 slowest rank's figures (a step waits for it), lets :func:`dask_dl.train.compression.model.choose` decide, and
 broadcasts the choice, so that every rank registers the same hook. DDP takes one comm hook, before its first step:
@@ -32,6 +33,8 @@ from dask_dl.train.compression.model import (
 __all__ = ["decide", "probe_compute", "probe_link"]
 
 PROBE_BYTES = 32 * 2**20  # past a switch's (and tc's) burst allowance: the rate, not the buffer
+#: bytes a rank all-gathers in the small-message probe: the 1-bit message of one 25 MB DDP bucket (n/8 + scales)
+GATHER_BYTES = 2**20
 
 
 def _timed_allreduce(tensor: torch.Tensor, repeats: int) -> float:
@@ -46,16 +49,35 @@ def _timed_allreduce(tensor: torch.Tensor, repeats: int) -> float:
     return min(times)
 
 
+def _timed_all_gather(message: torch.Tensor, repeats: int) -> float:
+    """The shortest of ``repeats`` all-gathers of ``message`` from every rank (as the 1-bit hooks gather)."""
+    gathered = message.new_empty(dist.get_world_size() * message.numel())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dist.all_gather_single(gathered, message)
+        if message.is_cuda:
+            torch.cuda.synchronize(message.device)
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
 def probe_link(
-    *, device: torch.device | None = None, nbytes: int = PROBE_BYTES, repeats: int = 3, kernels: Kernels | None = None
+    *,
+    device: torch.device | None = None,
+    nbytes: int = PROBE_BYTES,
+    gather_bytes: int = GATHER_BYTES,
+    repeats: int = 3,
+    kernels: Kernels | None = None,
 ) -> Link:
-    """The default group's latency and bandwidth per rank, from all-reduces of one value and of ``nbytes``, and
-    the time per value of a bfloat16 all-reduce's sums.
+    """The default group's latency and bandwidth per rank, from all-reduces of one value and of ``nbytes``, the
+    time per value of a bfloat16 all-reduce's sums, and the bandwidth of an all-gather of ``gather_bytes`` a rank.
 
     A ring all-reduce of ``b`` bytes (``v`` values) on ``N`` ranks takes ``2 (N-1) alpha + 2 (N-1)/N b / B`` plus
     ``(N-1)/N v`` sums: the one-value all-reduce gives ``alpha``, the float32 one ``B`` (its sums, at the kernels'
-    ``add`` per value, taken out), the bfloat16 one of as many values the 16-bit sums' time. Every rank returns the
-    slowest rank's figures.
+    ``add`` per value, taken out), the bfloat16 one of as many values the 16-bit sums' time. An all-gather of ``m``
+    bytes a rank takes ``(N-1) (alpha + m / B_gather)``: the 1-bit compressors' messages are that size. Every rank
+    returns the slowest rank's figures.
     """
     device = device or torch.device("cpu")
     kernels = kernels or (H200_KERNELS if device.type == "cuda" else CPU_KERNELS)
@@ -63,17 +85,26 @@ def probe_link(
     small = torch.zeros(1, device=device)
     big = torch.zeros(values, device=device)
     half = torch.zeros(values, dtype=torch.bfloat16, device=device)
+    message = torch.zeros(gather_bytes, dtype=torch.uint8, device=device)
     _timed_allreduce(big, 1)  # connections and first touch
     _timed_allreduce(half, 1)
-    times = [_timed_allreduce(small, 2 * repeats), _timed_allreduce(big, repeats), _timed_allreduce(half, repeats)]
-    both = torch.tensor(times, dtype=torch.float64, device=device)
-    dist.all_reduce(both, op=dist.ReduceOp.MAX)
-    t_small, t_big, t_half = (float(v) for v in both.cpu())
+    _timed_all_gather(message, 1)
+    times = [
+        _timed_allreduce(small, 2 * repeats),
+        _timed_allreduce(big, repeats),
+        _timed_allreduce(half, repeats),
+        _timed_all_gather(message, 2 * repeats),
+    ]
+    slowest = torch.tensor(times, dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    t_small, t_big, t_half, t_gather = (float(v) for v in slowest.cpu())
     share = (n - 1) / n
+    alpha = t_small / (2 * (n - 1))
     transfer = max(t_big - t_small - share * values * kernels.add, 1e-9)
     bandwidth = 2 * share * nbytes / transfer
     add16 = max(t_half - t_small - share * nbytes / bandwidth, 0.0) / (share * values)
-    return Link(alpha=t_small / (2 * (n - 1)), bandwidth=bandwidth, add16=add16)
+    gather = (n - 1) * gather_bytes / max(t_gather - (n - 1) * alpha, 1e-9)
+    return Link(alpha=alpha, bandwidth=bandwidth, add16=add16, gather=gather)
 
 
 def probe_compute(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Any, *, repeats: int = 2) -> float:

@@ -12,7 +12,8 @@ one communication stream in bucket order (it overlaps the backward pass). The st
 The collectives cost what the usual algorithms cost on ``N`` ranks with a latency ``alpha`` per message and a
 bandwidth ``B`` per rank and direction: ring all-reduce ``2 (N-1) alpha + 2 (N-1)/N bytes / B`` (or a tree's
 ``2 log2(N) (alpha + bytes / B)`` when shorter), all-gather ``(N-1) (alpha + input / B)``, all-to-all
-``(N-1) alpha + (N-1)/N input / B``. The compressors' own work is a time per value of each kernel
+``(N-1) alpha + (N-1)/N input / B``, with the all-gathers' and all-to-alls' ``B`` measured on messages of the
+1-bit compressors' size (:attr:`Link.gather`). The compressors' own work is a time per value of each kernel
 (:class:`Kernels`): the 1-bit quantize sweep, the decode of one message, the casts, the sums inside an
 all-reduce, PowerSGD's work. What each compressor sends and does:
 
@@ -70,11 +71,16 @@ class Link:
 
     ``add16``: seconds per value summed in a 16-bit all-reduce, when the probe measured it (gloo sums bfloat16 one
     value at a time on CPU, an order of magnitude slower than float32); None: the kernels' figure.
+    ``gather``: bytes/s per rank and way of an all-gather of the 1-bit compressors' message size (about 1 MB a
+    rank, :data:`dask_dl.train.compression.auto.GATHER_BYTES`), when the probe measured it; None: ``bandwidth``.
+    Messages that small get less of a link than a 32 MB all-reduce does (on loopback gloo, about half), and the
+    all-gathers and all-to-alls of ``onebit`` and ``onebit2`` are made of them.
     """
 
     alpha: float
     bandwidth: float
     add16: float | None = None
+    gather: float | None = None
 
     @classmethod
     def gbit(cls, gbit_per_s: float, *, alpha: float = 20e-6) -> Link:
@@ -82,14 +88,24 @@ class Link:
         return cls(alpha=alpha, bandwidth=gbit_per_s * 1e9 / 8)
 
     def to_dict(self) -> dict[str, float | None]:
-        return {"alpha_s": self.alpha, "bandwidth_bytes_per_s": self.bandwidth, "add16_s": self.add16}
+        return {"alpha_s": self.alpha, "bandwidth_bytes_per_s": self.bandwidth, "add16_s": self.add16,
+                "gather_bytes_per_s": self.gather}  # fmt: skip
 
     @classmethod
     def from_dict(cls, figures: Mapping[str, float]) -> Link:
-        """The link of :meth:`to_dict`'s figures (extra keys ignored)."""
-        add16 = figures.get("add16_s")
+        """The link of :meth:`to_dict`'s figures (extra keys ignored, missing optional ones None)."""
+
+        def optional(key: str) -> float | None:
+            value = figures.get(key)
+            return None if value is None else float(value)
+
         return cls(alpha=float(figures["alpha_s"]), bandwidth=float(figures["bandwidth_bytes_per_s"]),
-                   add16=None if add16 is None else float(add16))  # fmt: skip
+                   add16=optional("add16_s"), gather=optional("gather_bytes_per_s"))  # fmt: skip
+
+    @property
+    def small(self) -> float:
+        """Bytes/s per rank of the compressed collectives' messages: ``gather`` when measured, else ``bandwidth``."""
+        return self.bandwidth if self.gather is None else self.gather
 
 
 @dataclass(frozen=True)
@@ -162,11 +178,11 @@ def _allreduce(nbytes: float, n_values: int, world: int, link: Link, add: float)
 
 
 def _all_gather(nbytes: float, world: int, link: Link) -> float:
-    return (world - 1) * (link.alpha + nbytes / link.bandwidth) if world > 1 else 0.0
+    return (world - 1) * (link.alpha + nbytes / link.small) if world > 1 else 0.0
 
 
 def _all_to_all(nbytes: float, world: int, link: Link) -> float:
-    return (world - 1) * link.alpha + (world - 1) / world * nbytes / link.bandwidth if world > 1 else 0.0
+    return (world - 1) * link.alpha + (world - 1) / world * nbytes / link.small if world > 1 else 0.0
 
 
 def _powersgd(bucket: list[tuple[int, ...]], rank: int = 1, min_rate: float = 2.0) -> tuple[int, int, int]:
