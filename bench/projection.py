@@ -3,8 +3,9 @@
 ``--check`` calibrates and checks the model on this machine: the kernels' time per value measured on one thread,
 then every compressor's exchange of an AlexNet-shaped gradient (45.5M values in DDP-like buckets, hooks called
 back to back as in ``bench/compression.py``) timed on 2, 3 and 4 gloo ranks over veth links rate-limited with
-``tc`` (bench/compression.py's namespaces), beside the model's prediction from the link that ``auto``'s all-reduce
-probe measures in the same group. It prints the model's error at each point and, last, ``max error X%`` over them.
+``tc`` (bench/compression.py's namespaces), beside the model's prediction from the link that ``auto``'s probe
+(all-reduces and a 1 MB all-gather, its rate under ``gather``) measures in the same group. It prints the model's
+error at each point and, last, ``max error X%`` over them.
 The ranks share this machine's cores: every rank measures the kernels again, all at once, before the exchanges,
 and the model is given the slowest rank's figures (its time per value under that world's contention).
 
@@ -255,8 +256,8 @@ def check(args) -> None:
     kernels = measure_kernels()
     figures = ", ".join(f"{k} {v * 1e9:.2f} ns" for k, v in kernels.to_dict().items() if k != "share")
     print(f"kernels, seconds per value (one thread): {figures}")
-    print(f"{'network':8} {'N':>2} {'probe Gbit/s':>12} {'alpha us':>8} {'compressor':10} {'measured s':>10} "
-          f"{'model s':>8} {'error':>7}")  # fmt: skip
+    print(f"{'network':8} {'N':>2} {'probe Gbit/s':>12} {'gather':>6} {'alpha us':>8} {'compressor':10} "
+          f"{'measured s':>10} {'model s':>8} {'error':>7}")  # fmt: skip
     errors: list[tuple[int, float]] = []
     os.environ["DDL_PROJECTION_KERNELS"] = json.dumps(kernels.to_dict())  # the ranks' one-rank PowerSGD figure
     try:
@@ -275,8 +276,9 @@ def check(args) -> None:
                     model = exchange_time(name, ALEXNET, world=world, link=link, kernels=here)
                     error = model / measured - 1
                     errors.append((world, error))
-                    print(f"{network:8} {world:>2} {link.bandwidth * 8 / 1e9:12.3f} {link.alpha * 1e6:8.0f} "
-                          f"{name:10} {measured:10.3f} {model:8.3f} {error:+7.1%}", flush=True)  # fmt: skip
+                    print(f"{network:8} {world:>2} {link.bandwidth * 8 / 1e9:12.3f} {link.small * 8 / 1e9:6.3f} "
+                          f"{link.alpha * 1e6:8.0f} {name:10} {measured:10.3f} {model:8.3f} {error:+7.1%}",
+                          flush=True)  # fmt: skip
     finally:
         teardown()
     at4 = [abs(e) for w, e in errors if w == 4]

@@ -99,6 +99,9 @@ def test_choose_for_given_figures():
     assert set(made.predicted_s) == {"bf16", "onebit"}
     fastest = choose(fc, world=4, link=LINK, compute_s=0.0, kernels=slow, candidates=("bf16", "onebit"))
     assert fastest.name == "onebit" and fastest.reason.startswith("onebit is predicted fastest (onebit 4.3 ms, bf16")
+    assert fastest.reason.endswith("; 4 trainers, 0.8 Gbit/s and 100 us per message measured, compute 0.0 ms a step)")
+    gathered = choose(fc, world=4, link=Link(alpha=1e-4, bandwidth=1e8, gather=5e7), compute_s=0.0, kernels=slow)
+    assert "0.8 Gbit/s (0.4 on 1 MB all-gathers) and 100 us per message" in gathered.reason
 
 
 def test_model_imports_without_torch():
@@ -183,4 +186,4 @@ def test_the_train_command_says_what_auto_chose_once(store, cluster_client):
     run_id, _, choice = said[0].partition(": compression auto chose ")
     name, _, reason = choice.partition(": ")
     assert run_id.startswith("fit-") and name in CPU_CANDIDATES
-    assert reason.startswith(f"{name} is predicted") and "2 trainers" in reason
+    assert reason.startswith(f"{name} is predicted") and "2 trainers" in reason and " on 1 MB all-gathers)" in reason

@@ -327,9 +327,10 @@ def choose(
     best = min(predicted.values())
     name = next(c for c in candidates if predicted[c] <= best * (1 + margin))
     fastest = min(predicted, key=predicted.get)
+    gather = "" if link.gather is None else f" ({link.gather * 8 / 1e9:.3g} on 1 MB all-gathers)"
     figures = (
-        f"{world} trainers, {link.bandwidth * 8 / 1e9:.3g} Gbit/s and {link.alpha * 1e6:.0f} us per message "
-        f"measured, compute {compute_s * 1e3:.1f} ms a step"
+        f"{world} trainers, {link.bandwidth * 8 / 1e9:.3g} Gbit/s{gather} and {link.alpha * 1e6:.0f} us per "
+        f"message measured, compute {compute_s * 1e3:.1f} ms a step"
     )
     times = ", ".join(f"{c} {s * 1e3:.1f} ms" for c, s in sorted(predicted.items(), key=lambda kv: kv[1]))
     if name == fastest:
