@@ -174,10 +174,10 @@ def wait_until(condition, *, within: float = 120.0, what: str = "") -> None:
 
 
 def live_workers(client: Client, n: int) -> None:
-    """Wait until ``n`` workers answer. A killed worker stays on the scheduler's list until the scheduler notices
-    (``client.wait_for_workers`` counts it), and its nanny's new one may not be there yet.
+    """Wait until exactly ``n`` workers answer. A killed worker stays on the scheduler's list until the scheduler
+    notices (``client.wait_for_workers`` counts it), and its nanny's new one may not be there yet.
 
-    A nanny whose new worker has not answered in a minute gets a spare worker beside it, with a warning that says
+    A nanny whose new worker has not answered in 30 s gets a spare worker beside it, with a warning that says
     what the nanny and its process are doing: on a loaded machine a nanny's restart can stay silent for good (its
     worker never registers, nothing is logged), and every test after it would fail waiting for a worker that
     distributed's nanny, not dask_dl, owes them.
@@ -193,7 +193,7 @@ def live_workers(client: Client, n: int) -> None:
 
     cluster = client.cluster
     try:
-        wait_until(answered, within=60, what=f"{n} workers that answer")
+        wait_until(answered, within=30, what=f"{n} workers that answer")
     except AssertionError:
         states = nanny_states(cluster)
         warnings.warn(f"a spare worker replaces a nanny's restart that did not come: {states}", stacklevel=2)
