@@ -40,3 +40,35 @@ def test_sigterm_closes_the_cluster_connect_started():
         os.kill(os.getpid(), signal.SIGTERM)
     assert cluster.status.name == "closed"
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the handler lived only as long as the cluster
+
+
+def test_closing_a_cluster_keeps_distributeds_info_records_off_the_console_but_shows_warnings():
+    import io
+    import logging
+
+    from distributed.utils import silence_logging_cmgr
+
+    from dask_dl.cluster.client import _console_shows_warnings_only
+
+    console = io.StringIO()  # a console handler of distributed's, as its logging config installs on stderr
+    handler = logging.StreamHandler(console)
+    logging.getLogger("distributed").addHandler(handler)
+    batched = logging.getLogger("distributed.batched")
+    try:
+        with _console_shows_warnings_only():
+            # a cluster silences the console while it runs and restores the handlers' level as it closes: the
+            # filter must outlast that restoring, when a late "Batched Comm Closed" arrives
+            with silence_logging_cmgr("error"):
+                pass
+            try:
+                raise OSError("stream closed")
+            except OSError:
+                batched.info("Batched Comm Closed <TCP (closed)>", exc_info=True)
+            batched.warning("a warning while closing")
+        batched.info("an info record after the close")
+    finally:
+        logging.getLogger("distributed").removeHandler(handler)
+    shown = console.getvalue()
+    assert "Batched Comm Closed" not in shown and "Traceback" not in shown
+    assert "a warning while closing" in shown
+    assert "an info record after the close" in shown  # the filter is gone once the cluster is closed

@@ -167,7 +167,34 @@ def _close(client: Client | None, cluster: Any) -> None:
         client.close()  # first: a client outliving its scheduler retries the lost connection and logs about it
     if cluster is not None:
         logger.info("closing %s", type(cluster).__name__)
-        cluster.close()
+        with _console_shows_warnings_only():
+            cluster.close()
+
+
+class _WarningsAndErrors(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING
+
+
+@contextlib.contextmanager
+def _console_shows_warnings_only() -> Iterator[None]:
+    """While a cluster dask_dl started closes, distributed's INFO records stay off the console; warnings still show.
+
+    A cluster keeps distributed's console quiet while it runs (LocalCluster below WARNING, dask-jobqueue below
+    ERROR) but gives the console its level back before its event loop has stopped: the scheduler's stream to a
+    worker that the close has just ended can then report ``Batched Comm Closed`` with a traceback, at INFO, on the
+    terminal of a command that ended as it should. A filter, not a level: the cluster's own restoring of handler
+    levels on close would undo a level.
+    """
+    handlers = [h for h in logging.getLogger("distributed").handlers if isinstance(h, logging.StreamHandler)]
+    quiet = _WarningsAndErrors()
+    for handler in handlers:
+        handler.addFilter(quiet)
+    try:
+        yield
+    finally:
+        for handler in handlers:
+            handler.removeFilter(quiet)
 
 
 @contextlib.contextmanager
