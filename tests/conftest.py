@@ -43,8 +43,10 @@ def _fork_workers_from_a_warm_server() -> None:
     finally:
         tempfile.tempdir = None
 
-    preload = ["distributed", "numpy", "pandas", "torch", "zarr", "PIL.Image", "onnxruntime",
-               "dask_dl.train.actor", "dask_dl.train.compression.kernels", "dask_dl.data.ingest", "dask_dl.inference"]  # fmt: skip
+    preload = [
+        *("distributed", "numpy", "pandas", "torch", "zarr", "PIL.Image", "onnxruntime"),
+        *("dask_dl.train.actor", "dask_dl.train.compression.kernels", "dask_dl.data.ingest", "dask_dl.inference"),
+    ]
     multiprocessing.get_context("forkserver").set_forkserver_preload(preload)
     multiprocessing.forkserver.ensure_running()
     dask.config.set({"distributed.worker.multiprocessing-method": "forkserver"})
@@ -54,7 +56,7 @@ _fork_workers_from_a_warm_server()
 
 # distributed's harness: ``client`` gives a Client of a real LocalCluster (2 worker processes) per test,
 # ``gen_cluster`` (imported in the tests that use it) an in-process cluster for async tests.
-from distributed.utils_test import (  # noqa: F401
+from distributed.utils_test import (  # noqa: F401, E402  # after the config above
     cleanup,
     client,
     cluster_fixture,
