@@ -38,8 +38,10 @@ def test_pinning_after_torch_is_imported_says_it_is_too_late():
 def test_local_workers_get_the_pinned_environment_when_deterministic(monkeypatch, deterministic):
     for name in PINNED_CPU_KERNELS:  # the test run pins every process: here the workers get them from make_local
         monkeypatch.delenv(name, raising=False)
+    # spawned, as users' workers are: the test run forks its workers from a server whose environment is pinned
+    spawned = {"distributed.worker.multiprocessing-method": "spawn"}
     with (
-        dask.config.set({"dask-dl.train.deterministic": deterministic}),
+        dask.config.set({"dask-dl.train.deterministic": deterministic, **spawned}),
         make_local(n_workers=1, env={"DASK_DL_OWN": "1"}) as cluster,
         Client(cluster) as client,
     ):
