@@ -25,8 +25,8 @@ def _fork_workers_from_a_warm_server() -> None:
     The server starts here, before distributed.utils_test snapshots the config that its fixtures restore, and
     before any worker: distributed's own forkserver preload (a shorter list) is then set on a server already
     running and changes nothing. The server has the environment of this moment (TMPDIR, the pinned CPU kernels of
-    the repository's conftest.py); workers get their dask config from their nanny, as spawned ones do. Users'
-    clusters keep distributed's default, spawn.
+    the repository's conftest.py) and the variables a nanny sets before it spawns; workers get their dask config
+    from their nanny, as spawned ones do. Users' clusters keep distributed's default, spawn.
     """
     import multiprocessing
     import multiprocessing.forkserver
@@ -34,6 +34,7 @@ def _fork_workers_from_a_warm_server() -> None:
     import tempfile
 
     import dask
+    import distributed  # noqa: F401  # its config defaults, read below
 
     # the server's socket lives in this process's multiprocessing folder, removed when this process exits: make it
     # beside the run's temporary folder, not in it (the run removes that folder before it exits)
@@ -48,7 +49,15 @@ def _fork_workers_from_a_warm_server() -> None:
         *("dask_dl.train.actor", "dask_dl.train.compression.kernels", "dask_dl.data.ingest", "dask_dl.inference"),
     ]
     multiprocessing.get_context("forkserver").set_forkserver_preload(preload)
-    multiprocessing.forkserver.ensure_running()
+    # the variables a nanny sets before it spawns a worker (MALLOC_TRIM_THRESHOLD_, OMP_NUM_THREADS=1, ...), read
+    # at a process's start: the server has them, so its forked workers start as spawned ones do
+    before = dict(os.environ)
+    os.environ.update({k: str(v) for k, v in dask.config.get("distributed.nanny.pre-spawn-environ").items()})
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        os.environ.clear()
+        os.environ.update(before)
     dask.config.set({"distributed.worker.multiprocessing-method": "forkserver"})
 
 
