@@ -36,28 +36,21 @@ def _fork_workers_from_a_warm_server() -> None:
     import dask
     import distributed  # noqa: F401  # its config defaults, read below
 
-    # the server's socket lives in this process's multiprocessing folder, removed when this process exits: make it
-    # beside the run's temporary folder, not in it (the run removes that folder before it exits)
-    tempfile.tempdir = os.path.dirname(os.environ["TMPDIR"])
-    try:
-        multiprocessing.util.get_temp_dir()
-    finally:
-        tempfile.tempdir = None
-
     preload = [
         *("distributed", "numpy", "pandas", "torch", "zarr", "PIL.Image", "onnxruntime"),
         *("dask_dl.train.actor", "dask_dl.train.compression.kernels", "dask_dl.data.ingest", "dask_dl.inference"),
     ]
     multiprocessing.get_context("forkserver").set_forkserver_preload(preload)
-    # the variables a nanny sets before it spawns a worker (MALLOC_TRIM_THRESHOLD_, OMP_NUM_THREADS=1, ...), read
-    # at a process's start: the server has them, so its forked workers start as spawned ones do
-    before = dict(os.environ)
-    os.environ.update({k: str(v) for k, v in dask.config.get("distributed.nanny.pre-spawn-environ").items()})
-    try:
+    with pytest.MonkeyPatch.context() as patch:
+        # the server's socket lives in this process's multiprocessing folder, removed when this process exits: make
+        # it beside the run's temporary folder, not in it (the run removes that folder before it exits)
+        patch.setattr(tempfile, "tempdir", os.path.dirname(os.environ["TMPDIR"]))
+        multiprocessing.util.get_temp_dir()
+        # the variables a nanny sets before it spawns a worker (MALLOC_TRIM_THRESHOLD_, OMP_NUM_THREADS=1, ...),
+        # read at a process's start: the server has them, so its forked workers start as spawned ones do
+        for name, value in dask.config.get("distributed.nanny.pre-spawn-environ").items():
+            patch.setenv(name, str(value))
         multiprocessing.forkserver.ensure_running()
-    finally:
-        os.environ.clear()
-        os.environ.update(before)
     dask.config.set({"distributed.worker.multiprocessing-method": "forkserver"})
 
 
