@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 import signal
 
+import dask.array as da
 import pytest
-from distributed import Client, LocalCluster
+from distributed import Client, LocalCluster, default_client
 
 from dask_dl.cluster import connect
 
@@ -28,6 +29,12 @@ def test_connect_leaves_a_passed_client_and_closes_its_own_connection():
         with connect(scheduler=cluster.scheduler_address) as client:
             assert client is not mine
             assert client.submit(lambda: 3).result() == 3
+            # the block's client is the current one, though `mine` was current before: what it persisted is
+            # computed through it (through `mine`, a graph can overtake the persist and lose its dependencies)
+            assert default_client() is client
+            persisted = client.persist(da.arange(10, chunks=5))
+            assert int(persisted.sum().compute()) == 45
+        assert default_client() is mine  # the caller's current client is back
         assert client.status == "closed"  # our connection is closed ...
         assert cluster.status.name == "running"  # ... the cluster someone else started is not
         assert mine.submit(lambda: 4).result() == 4

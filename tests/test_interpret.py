@@ -153,6 +153,24 @@ def test_top_losses_are_the_brute_force_top_k(scored):
     assert len(interp.top_losses(10_000)) == interp.ds.sizes["sample"]  # k larger than the split: all of it
 
 
+def test_an_interpretation_computes_on_its_own_client_whichever_client_is_current(collection, scored, cluster_client):
+    """The scores are futures of the client that scored. Computed through the current client instead (here a
+    second cluster's, as a notebook's ``with Client(...)`` block makes it), every question failed with Dask's "lost
+    dependencies"; through a second client of the same scheduler, only when its graph overtook the scores'."""
+    from distributed import Client, LocalCluster
+
+    expected, losses = scored
+    with (
+        LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0") as elsewhere,
+        Client(elsewhere) as current,
+    ):
+        interp = dask_dl.interpret(collection["ds"], collection["onnx"], split="test", client=cluster_client)
+        assert interp.client is cluster_client
+        pd.testing.assert_frame_equal(interp.scores, expected.scores)
+        assert interp.top_losses(3)["position"].tolist() == np.argsort(-losses, kind="stable")[:3].tolist()
+        assert current.run_on_scheduler(lambda dask_scheduler: len(dask_scheduler.tasks)) == 0  # nothing came here
+
+
 @pytest.mark.slow
 def test_plot_top_losses_draws_the_worst_image_first_with_its_map(collection, scored, cluster_client):
     _, losses = scored

@@ -212,7 +212,8 @@ def connect(
     Takes the same arguments as :func:`get_client`: a client passed in (or the current default client) is yielded
     as it is and stays open; a ``scheduler`` address gets a connection that is closed on exit; a ``kind`` gets a
     new cluster of that kind (a SLURM cluster's jobs are cancelled on exit, also on error and Ctrl-C); otherwise a
-    local cluster is started and closed on exit, client first.
+    local cluster is started and closed on exit, client first. Inside the block the yielded client is the current
+    one, so that what it persisted is computed through it even where another client was current before.
 
     Examples
     --------
@@ -223,7 +224,7 @@ def connect(
     """
     client = get_client(client, scheduler=scheduler, n_workers=n_workers, kind=kind, security=security, **kwargs)
     try:
-        with _sigterm_interrupts(getattr(client, "_dask_dl_owns_cluster", False)):
+        with _sigterm_interrupts(getattr(client, "_dask_dl_owns_cluster", False)), client.as_current():
             yield client
     finally:
         close_client(client)

@@ -7,11 +7,12 @@ ONNX file first) and keeps the scores on the cluster. The worst images are found
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import tempfile
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import dask.array as da
 import numpy as np
@@ -29,6 +30,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from matplotlib.figure import Figure
 
 __all__ = ["Interpretation", "interpret"]
+
+T = TypeVar("T")
 
 
 def interpret(
@@ -103,7 +106,15 @@ def interpret(
         probs = probs.persist()  # Dask's local scheduler: keep the scores rather than score again per question
     truth = ds["label"].sel(finding=labels).data
     return Interpretation(
-        ds, model, onnx_path=onnx_path, probs=probs, truth=truth, labels=labels, task=info.task, workdir=workdir
+        ds,
+        model,
+        onnx_path=onnx_path,
+        probs=probs,
+        truth=truth,
+        labels=labels,
+        task=info.task,
+        workdir=workdir,
+        client=client,
     )
 
 
@@ -120,11 +131,28 @@ def _current_client() -> Client | None:
         return None
 
 
+def _on_its_client(method: Callable[..., T]) -> Callable[..., T]:
+    """Run ``method`` with the interpretation's client as the current one.
+
+    The scores are futures of that client: computed through another (a notebook's ``with Client(...)`` block, a
+    second cluster), the graph would name keys that scheduler has not got, or has not got yet, and Dask would
+    cancel it for "lost dependencies".
+    """
+
+    @functools.wraps(method)
+    def on_its_client(self: Interpretation, *args: Any, **kwargs: Any) -> T:
+        with self.client.as_current() if self.client is not None else contextlib.nullcontext():
+            return method(self, *args, **kwargs)
+
+    return on_its_client
+
+
 class Interpretation:
     """A model's scores on a dataset, and the tables and figures that say where it goes wrong.
 
     Made by :func:`interpret`. ``probs`` (images x labels) and ``losses`` (per image) are Dask arrays held on
-    the cluster; ``scores`` is the :func:`~dask_dl.scores_table`, gathered when first used.
+    the cluster of ``client``; ``scores`` is the :func:`~dask_dl.scores_table`, gathered when first used. Every
+    table and figure is computed through ``client``, where the scores are, whichever client is current.
     """
 
     def __init__(
@@ -138,8 +166,9 @@ class Interpretation:
         labels: Sequence[str],
         task: str = "multilabel",
         workdir: Any = None,
+        client: Client | None = None,
     ) -> None:
-        self.ds, self.model, self.onnx_path = ds, model, onnx_path
+        self.ds, self.model, self.onnx_path, self.client = ds, model, onnx_path, client
         self.probs, self.truth, self.labels, self.task = probs, truth, list(labels), task
         self.losses = sample_losses(probs, truth, task=task)
         self._workdir = workdir  # the exported model lives as long as this object
@@ -150,6 +179,7 @@ class Interpretation:
     # ---- tables ------------------------------------------------------------------------------------------
 
     @functools.cached_property
+    @_on_its_client
     def scores(self) -> pd.DataFrame:
         """The :func:`~dask_dl.scores_table` of the dataset: ids, ``p_<label>`` scores and true labels."""
         from dask_dl.inference import scores_table
@@ -163,6 +193,7 @@ class Interpretation:
 
         return evaluate(self.scores, labels=self.labels)
 
+    @_on_its_client
     def top_losses(self, k: int = 9) -> pd.DataFrame:
         """The ``k`` images with the highest loss, highest first, found chunk by chunk on the cluster.
 
@@ -290,6 +321,7 @@ class Interpretation:
         )
         return fig, ax
 
+    @_on_its_client
     def _worst_maps(self, subset: xr.Dataset, worst: list[str], method: str | None) -> xr.DataArray:
         """Each image's map of its own worst label, as one finding named ``worst`` that :func:`show` draws."""
         from dask_dl.explanation.maps import explain
