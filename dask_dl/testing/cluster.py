@@ -108,7 +108,7 @@ def small_story(
         )
         dask_dl.export_onnx(run, model_path, overwrite=True)
         test = dask_dl.open_dataset(store, split="test")
-        scores = dask_dl.predict(test, model_path, client=client).compute()
+        scores = client.compute(dask_dl.predict(test, model_path, client=client)).result()
     records = stream.data
     ran_on = {
         "synthesize": worker_of_tasks(records, "_write_block"),
