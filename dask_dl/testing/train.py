@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import gc
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -13,7 +15,7 @@ import pandas as pd
 
 from dask_dl.data.schema import make_catalog
 
-__all__ = ["SQUARES_RUN", "fit_squares", "one_rank_group", "squares_collection"]
+__all__ = ["SQUARES_RUN", "fit_squares", "one_rank_group", "paced_small_cnn", "squares_collection"]
 
 #: The training tests' run on the squares store: a small CNN of width 8, one epoch, 2 trainers of 8 images a step,
 #: plain SGD (the learning rate and the references in the tests are SGD's)
@@ -73,3 +75,22 @@ def one_rank_group() -> Iterator[None]:
     finally:
         gc.collect()  # DDP models in reference cycles: their reducers let go of the group while it exists
         dist.destroy_process_group()
+
+
+def paced_small_cnn(num_outputs: int, in_channels: int = 1, *, seconds: float = 0.05, **options: Any) -> Any:
+    """The registry's ``small_cnn``, that sleeps ``seconds`` before each forward pass.
+
+    The same options and seed give it the same weights as ``small_cnn``, step after step: a run of it is one of
+    ``small_cnn`` whose steps take long enough for a test to act between them (kill a trainer in a chosen epoch)
+    at any speed of the machine's restarts, without more computation. ``fit(model="dask_dl.testing.train:
+    paced_small_cnn", model_kwargs={"width": 8, "seconds": 0.05})``.
+    """
+    from dask_dl.models import build_model
+
+    model = build_model("small_cnn", num_outputs=num_outputs, in_channels=in_channels, **options)
+    model.register_forward_pre_hook(functools.partial(_pause, seconds))
+    return model
+
+
+def _pause(seconds: float, module: Any, args: Any) -> None:
+    time.sleep(seconds)
