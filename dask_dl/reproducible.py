@@ -19,9 +19,9 @@ make a processor with AVX-512 compute exactly as one with AVX2 does:
 
 :func:`cpu_pinning_environment` returns them (nothing on a processor without AVX2, whose kernels are then the
 same everywhere anyway), and :func:`pin_cpu_kernels` sets them for this process and the processes it starts.
-``dask-dl.train.deterministic: true`` turns on ``torch.use_deterministic_algorithms`` in the trainers
-(:func:`use_deterministic_algorithms`), and ``make("local")`` gives its workers the pinned environment. Workers
-started elsewhere (a batch job, a gateway) need these variables in their own environment.
+``dask-dl.train.deterministic: true`` turns on ``torch.use_deterministic_algorithms`` in the trainers, and
+``make("local")`` gives its workers the pinned environment. Workers started elsewhere (a batch job, a gateway)
+need these variables in their own environment.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import platform
 import sys
 from collections.abc import MutableMapping
 
-__all__ = ["PINNED_CPU_KERNELS", "cpu_pinning_environment", "pin_cpu_kernels", "use_deterministic_algorithms"]
+__all__ = ["PINNED_CPU_KERNELS", "cpu_pinning_environment", "pin_cpu_kernels"]
 
 PINNED_CPU_KERNELS: dict[str, str] = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_CBWR": "AVX2"}
 
@@ -97,20 +97,3 @@ def pin_cpu_kernels(environ: MutableMapping[str, str] | None = None) -> dict[str
     added = {k: v for k, v in cpu_pinning_environment().items() if k not in environ}
     environ.update(added)
     return added
-
-
-def use_deterministic_algorithms(mode: bool) -> None:
-    """``torch.use_deterministic_algorithms(mode)``, called only when it changes something.
-
-    The call imports ``torch._inductor`` to set inductor's own switch, and that imports TorchDynamo and SymPy:
-    about 4 s of CPU in a fresh process. A trainer calls this at every start, in processes that are fresh after
-    every restart; in the default mode (off, as torch starts) there is then nothing to change and nothing to
-    import.
-    """
-    import torch
-
-    if (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()) != (
-        bool(mode),
-        False,
-    ):
-        torch.use_deterministic_algorithms(bool(mode))

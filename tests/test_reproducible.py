@@ -33,31 +33,6 @@ def test_pinning_after_torch_is_imported_says_it_is_too_late():
         pin_cpu_kernels()
 
 
-def test_deterministic_algorithms_are_switched_only_when_that_changes_something():
-    """torch.use_deterministic_algorithms imports torch._inductor (about 4 s of CPU in a new trainer): in torch's
-    own starting mode, off, a trainer has nothing to switch and imports nothing; on, and off again, both take."""
-    import subprocess
-    import sys
-
-    # a fresh interpreter: this test process has imported inductor already
-    script = "; ".join(
-        [
-            "import sys, torch",
-            "from dask_dl.reproducible import use_deterministic_algorithms",
-            "use_deterministic_algorithms(False)",
-            "print('torch._inductor' in sys.modules)",
-            "import torch._inductor.config as inductor",
-            "use_deterministic_algorithms(True)",
-            "print(torch.are_deterministic_algorithms_enabled(), inductor.deterministic)",
-            "use_deterministic_algorithms(False)",
-            "print(torch.are_deterministic_algorithms_enabled(), inductor.deterministic)",
-        ]
-    )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.splitlines() == ["False", "True True", "False False"]
-
-
 @pytest.mark.skipif(not PINNABLE, reason="no AVX2 x86-64 processor: nothing to pin")
 @pytest.mark.parametrize("deterministic", [True, False])
 def test_local_workers_get_the_pinned_environment_when_deterministic(monkeypatch, deterministic):

@@ -35,7 +35,6 @@ import torch.distributed as dist
 from dask_dl import allocator
 from dask_dl.checkpoint import load_checkpoint
 from dask_dl.errors import TrainingError
-from dask_dl.reproducible import use_deterministic_algorithms
 from dask_dl.train import profiler
 from dask_dl.train.abort import before_group, group_sockets, shut_group_sockets
 from dask_dl.train.buffers import broadcast_buffers
@@ -166,7 +165,7 @@ class TrainingActor:
         if spec.model_name not in MODELS and spec.model_target is not None:  # registered in the user's process
             MODELS.register(spec.model_name, spec.model_target)
         torch.set_num_threads(max(1, worker.state.nthreads))  # a fixed count: the sums of a kernel split by thread
-        use_deterministic_algorithms(spec.deterministic)
+        torch.use_deterministic_algorithms(spec.deterministic)
         if not self.__dict__.get("_holds_allocator"):  # held once per trainer: see let_go_of_allocator
             allocator.keep_freed_memory()  # the nanny's MALLOC_TRIM_THRESHOLD_ made every step 1.65x slower
             self._holds_allocator = True
