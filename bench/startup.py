@@ -8,7 +8,12 @@ epochs) ``--runs`` times each on a 2-worker LocalCluster whose workers trained o
 the wall time, the steps' own time (compute + exchange + data wait, from the history) and the fixed cost (the
 difference); last, the median fixed cost and ``fixed cost / steps`` ratio.
 
-    python bench/startup.py              # about 30 s
+First it prints what a new trainer's first run costs: one fit on a new cluster (spawned workers, as users get
+them, torch already imported on them) against the same fit on the same, now warm, workers. The first run pays
+the imports of dask_dl's trainer and of TorchDynamo (the constructor of DistributedDataParallel imports it), and
+the first process group and model.
+
+    python bench/startup.py              # about 60 s
 """
 
 from __future__ import annotations
@@ -34,6 +39,21 @@ def main() -> None:
     options = dict(model="small_cnn", model_kwargs={"width": 8}, batch_size=8, trainers=2, lr=0.05,
                    optimizer="sgd", compression="none", warmup_steps=0, seed=5)  # fmt: skip
     root = Path(tempfile.mkdtemp(prefix="dask-dl-startup-"))
+    with (
+        LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+    ):
+        store = str(root / "first.zarr")
+        dask_dl.ingest(squares_collection(root), store, size=32, chunk=8, shard=2, client=client, progress=False)
+        dataset = dask_dl.open_dataset(store)
+        client.run(lambda: __import__("torch"))  # torch's own import is not the trainer's to pay
+        seconds = []
+        for _ in range(2):
+            start = time.perf_counter()
+            dask_dl.fit(dataset, epochs=1, client=client, **options)
+            seconds.append(time.perf_counter() - start)
+        first, warm = seconds
+        print(f"first fit on new workers {first:.2f} s, the same fit warm {warm:.2f} s: {first / warm:.1f}x")
     with (
         LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cluster,
         Client(cluster) as client,

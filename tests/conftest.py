@@ -39,8 +39,8 @@ def _fork_workers_from_a_warm_server() -> None:
     preload = [
         *("distributed", "numpy", "pandas", "torch", "zarr", "PIL.Image", "onnxruntime"),
         *("dask_dl.train.actor", "dask_dl.train.compression.kernels", "dask_dl.data.ingest", "dask_dl.inference"),
-        # imported by DistributedDataParallel's constructor and by torch.use_deterministic_algorithms (on in the
-        # test run): 4-5 s of CPU in each new trainer
+        # TorchDynamo, which DistributedDataParallel's constructor imports, and inductor's config, which
+        # torch.use_deterministic_algorithms imports (each brings the other): 1.1-1.5 s of CPU in each new trainer
         *("torch._dynamo", "torch._inductor.config"),
     ]
     multiprocessing.get_context("forkserver").set_forkserver_preload(preload)
