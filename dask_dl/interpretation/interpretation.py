@@ -239,6 +239,7 @@ class Interpretation:
 
     # ---- figures -----------------------------------------------------------------------------------------
 
+    @_on_its_client
     def plot_top_losses(
         self, k: int = 9, *, explain: bool = True, method: str | None = None, columns: int = 3
     ) -> Figure:
@@ -321,7 +322,6 @@ class Interpretation:
         )
         return fig, ax
 
-    @_on_its_client
     def _worst_maps(self, subset: xr.Dataset, worst: list[str], method: str | None) -> xr.DataArray:
         """Each image's map of its own worst label, as one finding named ``worst`` that :func:`show` draws."""
         from dask_dl.explanation.maps import explain
