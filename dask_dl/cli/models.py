@@ -145,7 +145,6 @@ def explain_command(
     store, model, labels, out, method, split, dtype, boxes, image_size, overwrite, scheduler, workers
 ) -> None:
     """Explain MODEL's findings on the images of STORE and write the maps to a Zarr store."""
-    from dask_dl.cluster import close_client, get_client
     from dask_dl.data.dataset import open_dataset
     from dask_dl.errors import StoreError
     from dask_dl.explanation import explain, localization
@@ -160,8 +159,7 @@ def explain_command(
         boxes = read_boxes(boxes, size=ds, image_size=image_size)
     chosen = [label.strip() for label in labels.split(",")] if labels else None
     maps = explain(ds, model, labels=chosen, method=method, dtype=dtype)
-    client = get_client(scheduler=scheduler, n_workers=workers)
-    try:
+    with connect(scheduler, workers):  # the maps are computed as they are written, on the block's client
         write_maps(maps, out, overwrite=True)
         click.echo(f"wrote {method} maps of {maps.sizes['sample']} images x {maps.sizes['finding']} findings to {out}")
         if boxes is not None:
@@ -170,11 +168,6 @@ def explain_command(
             written = xr.open_zarr(out, consolidated=False)["explanation"]
             table = localization(written, boxes)  # in the maps' pixels: read above
             click.echo(table.round(3).to_string())
-    finally:
-        if scheduler is not None:
-            client.close()
-        else:
-            close_client(client)
 
 
 @cli.command("report")
