@@ -177,7 +177,12 @@ OPTIONS = dict(
 )  # fmt: skip  # tests/train/test_recovery.py's run, one epoch shorter: 32 steps per epoch
 
 
-PACE = 0.08  # s a step of the killed run: about 3 s an epoch
+#: the killed run: the same, with small_cnn sleeping 80 ms a step (same weights), about 3 s an epoch
+PACED = {
+    **OPTIONS,
+    "model": "dask_dl.testing.train:paced_small_cnn",
+    "model_kwargs": {**OPTIONS["model_kwargs"], "seconds": 0.08},
+}
 
 
 def wait_until(condition, *, within: float = 120.0, what: str = "") -> None:
@@ -191,7 +196,7 @@ def test_fit_with_a_trainer_killed_every_epoch_ends_with_an_uninterrupted_runs_w
     """Three workers for two trainers: the spare, then each nanny's replacement, takes a killed trainer's place,
     so every restart goes on at world size 2 and the weights equal an uninterrupted run's bit for bit.
 
-    The killed run's model is small_cnn paced to PACE s a step (same weights, no more computation): an epoch
+    The killed run (PACED) is small_cnn paced to 80 ms a step (same weights, no more computation): an epoch
     then lasts longer than a restart and the killer's wait for the replaced worker to settle, so that the next
     kill lands in the next epoch however fast the restarts are."""
     root = tmp_path / "squares"
@@ -205,9 +210,7 @@ def test_fit_with_a_trainer_killed_every_epoch_ends_with_an_uninterrupted_runs_w
         straight = dask_dl.fit(dataset, client=client, **OPTIONS).checkpoint()["model"]
 
         ck = tmp_path / "ck"
-        paced = {**OPTIONS, "model": "dask_dl.testing.train:paced_small_cnn"}
-        paced["model_kwargs"] = {**OPTIONS["model_kwargs"], "seconds": PACE}
-        run = dask_dl.fit(dataset, client=client, **paced, checkpoint_dir=str(ck), checkpoint_every_steps=3, wait=False)
+        run = dask_dl.fit(dataset, client=client, **PACED, checkpoint_dir=str(ck), checkpoint_every_steps=3, wait=False)
         killer = WorkerKiller(client, among=lambda: run.workers, keep=0)
         for epoch in range(OPTIONS["epochs"]):
             # in the middle of the epoch, after a step checkpoint: the restart goes on from that step
