@@ -48,6 +48,9 @@ def _registries() -> list[tuple[Registry, dict]]:
     return list(found.values())
 
 
+# an example's LocalCluster asks for the dashboard's usual port, 8787, which a cluster of another test process
+# (pytest -n 2) may hold: distributed then serves it on another port and says so
+@pytest.mark.filterwarnings("ignore:Port 8787 is already in use:UserWarning")
 @pytest.mark.parametrize("name", MODULES)
 def test_docstring_examples_run(name):
     module = importlib.import_module(name)

@@ -409,11 +409,14 @@ def test_sweep_command_end_to_end_and_resumed(store, cluster_client, tmp_path):
 
 @pytest.mark.slow
 def test_stop_leaves_running_trials_for_resume(long_store, cluster_client, tmp_path):
-    store = long_store  # the stop must reach the trials before their last epoch ends
+    store = long_store
     storage = tmp_path / "sweep.db"
     space = {"lr": CategoricalDistribution([0.1, 0.2])}
+    # the stop must reach the trials before their last epoch ends: small_cnn paced to 5 ms a step (the same
+    # weights), 1.3 s more an epoch, so that it does on a machine busy with other tests too
+    paced = {"model": "dask_dl.testing.train:paced_small_cnn", "model_kwargs": {"width": 8, "seconds": 0.005}}
     options = dict(trials=2, sampler="grid", pruner="none", epochs=3, storage=storage, client=cluster_client,
-                   **{**FIXED, "batch_size": 2})  # fmt: skip
+                   **{**FIXED, "batch_size": 2, **paced})  # fmt: skip
     running = dask_dl.sweep(dask_dl.open_dataset(store), space, wait=False, **options)
     deadline = time.monotonic() + 120
     while not any(len(c) for c in running.results["val_auroc_mean"]):  # an epoch is done and checkpointed
