@@ -15,7 +15,6 @@ import pytest
 # config to that snapshot, which would otherwise lack the "dask-dl" key. The same for dask-gateway's and
 # dask-jobqueue's defaults ("gateway.*", "jobqueue.*"), registered when they are first imported: a cluster test
 # that ran after another module's reset found them gone (KeyError: 'gateway').
-import dask  # isort: skip
 import dask_dl.config  # noqa: F401  # isort: skip
 import dask_gateway  # noqa: F401  # isort: skip
 from dask_dl.cluster.slurm import _import_jobqueue  # isort: skip
@@ -29,12 +28,12 @@ def _fork_workers_from_a_warm_server() -> None:
     hundred of them (every LocalCluster, every nanny's restart after a kill). Forked, a cluster of two is up in
     0.6 s instead of 3 s.
 
-    The server starts when pytest is configured, before any worker: distributed's own forkserver preload (a
-    shorter list) is then set on a server already running and changes nothing. The start method is set when this
-    module is imported, before distributed.utils_test snapshots the config that its fixtures restore. The server
-    has the environment of this moment (TMPDIR, the pinned CPU kernels of the repository's conftest.py) and the
-    variables a nanny sets before it spawns; workers get their dask config from their nanny, as spawned ones do.
-    Users' clusters keep distributed's default, spawn.
+    The server starts here, while pytest captures this process's output (its workers' output then goes to the
+    test that runs, as a test's own output does), before distributed.utils_test snapshots the config that its
+    fixtures restore, and before any worker: distributed's own forkserver preload (a shorter list) is then set on
+    a server already running and changes nothing. The server has the environment of this moment (TMPDIR, the
+    pinned CPU kernels of the repository's conftest.py) and the variables a nanny sets before it spawns; workers
+    get their dask config from their nanny, as spawned ones do. Users' clusters keep distributed's default, spawn.
     """
     import multiprocessing
     import multiprocessing.forkserver
@@ -62,15 +61,10 @@ def _fork_workers_from_a_warm_server() -> None:
         for name, value in dask.config.get("distributed.nanny.pre-spawn-environ").items():
             patch.setenv(name, str(value))
         multiprocessing.forkserver.ensure_running()
+    dask.config.set({"distributed.worker.multiprocessing-method": "forkserver"})
 
 
-def pytest_configure(config):
-    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
-        return  # the controller of `pytest -n 2` runs no test: each of its workers starts a server of its own
-    _fork_workers_from_a_warm_server()
-
-
-dask.config.set({"distributed.worker.multiprocessing-method": "forkserver"})
+_fork_workers_from_a_warm_server()
 
 # distributed's harness: ``client`` gives a Client of a real LocalCluster (2 worker processes) per test,
 # ``gen_cluster`` (imported in the tests that use it) an in-process cluster for async tests.
