@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import dask
 import pytest
 
 # The repository's conftest.py has pointed TMPDIR and DASK_CONFIG at the run's own folder before dask is imported.
@@ -40,7 +41,6 @@ def _fork_workers_from_a_warm_server() -> None:
     import multiprocessing.util
     import tempfile
 
-    import dask
     import distributed  # noqa: F401  # its config defaults, read below
 
     preload = [
@@ -65,6 +65,7 @@ def _fork_workers_from_a_warm_server() -> None:
 
 
 _fork_workers_from_a_warm_server()
+_SCHEDULER = dask.config.get("scheduler", None)  # as the run began: see the fixture below
 
 # distributed's harness: ``client`` gives a Client of a real LocalCluster (2 worker processes) per test,
 # ``gen_cluster`` (imported in the tests that use it) an in-process cluster for async tests.
@@ -144,6 +145,25 @@ def shared_scheduler(tmp_path_factory) -> str:
     finally:
         stop_server(workers, group=True)
         stop_server(scheduler, group=True)
+
+
+@pytest.fixture(autouse=True)
+def _no_default_scheduler_without_a_client():
+    """Each test starts with dask's ``scheduler`` config as the run began, when no client is left alive.
+
+    A distributed Client sets ``scheduler: dask.distributed`` while it is the default, and puts back what it found
+    when the last default client closes: two default clients closed in the order they were made leave it set with
+    none alive, and a later test that computes without a client failed ("Requested dask.distributed scheduler but
+    no Client active"), or not, by which tests ran before it in its process.
+    """
+    from distributed.client import _get_global_client
+
+    yield
+    if dask.config.get("scheduler", None) == "dask.distributed" != _SCHEDULER and _get_global_client() is None:
+        if _SCHEDULER is None:
+            dask.config.config.pop("scheduler")
+        else:
+            dask.config.set(scheduler=_SCHEDULER)
 
 
 @pytest.fixture(scope="module")
