@@ -53,25 +53,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
-@pytest.hookimpl(tryfirst=True)  # the tests as selected, before the test process reports them to pytest-xdist
-def pytest_collection_finish(session):
-    """In a test process of ``pytest -n 2``: the longest files first.
-
-    The two processes take whole files (``--dist loadfile``) in the order collected, the next file going to the
-    process that finished one. Collected by name, the longest (the trainer's modules, the notebooks) came last,
-    and one process ran the last of them while the other had nothing left. Longest first, the files that end the
-    run are short. A file's length is guessed from its tests: about 40 s a notebook, 5 s a slow test, 0.2 s
-    another. A run in one process keeps the order by name.
-    """
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
-        return
-    seconds: dict = {}
-    for item in session.items:
-        guess = 40 if item.path.suffix == ".ipynb" else 5 if item.get_closest_marker("slow") else 0.2
-        seconds[item.path] = seconds.get(item.path, 0) + guess
-    session.items.sort(key=lambda item: -seconds[item.path])  # stable: a file's tests keep their order
-
-
 def pytest_sessionfinish(session, exitstatus):
     if exitstatus == pytest.ExitCode.TESTS_FAILED:
         return
