@@ -64,33 +64,6 @@ def _fork_workers_from_a_warm_server() -> None:
     dask.config.set({"distributed.worker.multiprocessing-method": "forkserver"})
 
 
-def _compile_the_1bit_kernels() -> list[subprocess.Popen]:
-    """Compile the 1-bit kernels of this install in the background, once, while the run starts; numba caches them
-    beside their module, where every later process finds them.
-
-    With numba's cache empty (a fresh clone), the run's first users of the kernels compiled them each for
-    itself: both trainers of the first 1-bit fit the serial kernels (17-18 s of CPU each), and each test process
-    that checks them on two threads the parallel ones too (45 s in all). Two processes compile them here instead,
-    the serial ones and the parallel ones, while the tests are collected; the controller of ``pytest -n 2``
-    starts them before its test processes. A cache that holds them costs nothing: no process starts.
-    """
-    if os.environ.get("PYTEST_XDIST_WORKER") or os.environ.get("NUMBA_CACHE_DIR"):
-        return []  # the controller started them; or a cache elsewhere, which is not looked for
-    import dask_dl
-
-    folder = Path(dask_dl.__file__).parent / "train" / "compression"
-    source = (folder / "kernels.py").stat().st_mtime
-    code = "import torch; torch.set_num_threads({}); from dask_dl.train.compression.fused import warm_up; warm_up()"
-    return [
-        subprocess.Popen(
-            [sys.executable, "-c", code.format(threads)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
-        for threads, twin in ((1, "quantize_tasks_serial"), (2, "quantize_tasks"))
-        if not any(p.stat().st_mtime >= source for p in (folder / "__pycache__").glob(f"kernels.{twin}-*.nbi"))
-    ]
-
-
-_COMPILING = _compile_the_1bit_kernels()
 _fork_workers_from_a_warm_server()
 _SCHEDULER = dask.config.get("scheduler", None)  # as the run began: see the fixture below
 
@@ -172,15 +145,6 @@ def shared_scheduler(tmp_path_factory) -> str:
     finally:
         stop_server(workers, group=True)
         stop_server(scheduler, group=True)
-
-
-def pytest_unconfigure(config):
-    for proc in _COMPILING:  # done long before in a full run; a short one waits for them, or the next run redoes it
-        try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.fixture(autouse=True)
