@@ -160,10 +160,7 @@ def _no_default_scheduler_without_a_client():
 
     yield
     if dask.config.get("scheduler", None) == "dask.distributed" != _SCHEDULER and _get_global_client() is None:
-        if _SCHEDULER is None:
-            dask.config.config.pop("scheduler")
-        else:
-            dask.config.set(scheduler=_SCHEDULER)
+        dask.config.set(scheduler=_SCHEDULER)  # None: dask picks as it did before any client
 
 
 @pytest.fixture(scope="module")
