@@ -247,6 +247,10 @@ class Scheduler(threading.Thread):
 
     def _follow(self, record: TrialRecord) -> None:
         run = record.run
+        # done is read before the history: a run is done only after its last epoch's row, so a history read after
+        # it holds every epoch that _end counts (read the other way round, a run that ended in between had an
+        # epoch counted in ``epochs`` and missing from the metric's curve)
+        done = run.done
         for row in run.history.to_dict("records"):
             if row.get("event") == "stopped":
                 continue
@@ -261,7 +265,7 @@ class Scheduler(threading.Thread):
                     logger.info("trial %d pruned after %d epochs (%s=%.4g)", record.number, step, self.metric, value)
                     record.pruning = True
                     run.stop()
-        if run.done:
+        if done:
             self._end(record)
 
     def _end(self, record: TrialRecord) -> None:
