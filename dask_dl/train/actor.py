@@ -65,6 +65,8 @@ class TrainingActor:
         self._progress: dict[str, Any] = {}
         self._ready = False
         self._orphaned = False  # released by the scheduler while running (its client is gone)
+        self._release_lock = threading.Lock()  # who frees an orphaned trainer: its epochs' end or its watcher
+        self._watch_end = threading.Event()  # set by teardown: the release watcher of the last run_epochs ends
         self._latest: dict[str, Any] | None = None  # the newest epoch checkpoint when there is no directory
         self._latest_step: dict[str, Any] | None = None  # the newest step checkpoint (newer than _latest) likewise
         self._resume: Any = None  # an EpochResume for the first epoch of run_epochs (a step checkpoint's)
@@ -546,9 +548,12 @@ class TrainingActor:
 
         done = threading.Event()
         self._orphaned = False
+        self._watch_end.set()  # a watcher still waiting from an earlier call ends: this call starts its own
+        self._watch_end = threading.Event()
         watcher = threading.Thread(
-            target=self._watch_release, args=(get_worker(), done), name="dask-dl-trainer-watch", daemon=True
-        )
+            target=self._watch_release, args=(get_worker(), done, self._watch_end), name="dask-dl-trainer-watch",
+            daemon=True,
+        )  # fmt: skip
         watcher.start()
         try:
             result = self._epochs(first_epoch=first_epoch, epochs=epochs, history=history, directory=directory,
@@ -560,23 +565,32 @@ class TrainingActor:
             self.teardown(keep_latest=True)
             _raise_for_the_driver(exc)
         finally:
-            done.set()
-        if self._orphaned:  # no driver is left to tear this trainer down: free the worker now
+            with self._release_lock:
+                done.set()
+                orphaned = self._orphaned
+        if orphaned:  # no driver is left to tear this trainer down: free the worker now
             self.teardown()
         return result
 
-    def _watch_release(self, worker: Any, done: threading.Event) -> None:
+    def _watch_release(self, worker: Any, done: threading.Event, end: threading.Event) -> None:
         """Stop the epochs when this actor is released without a stop (its client disconnected or was killed).
 
         The scheduler forgets an actor whose client is gone, and the worker drops it from its actors; the
-        epochs, running in the actor's thread, would otherwise go on for ever.
+        epochs, running in the actor's thread, would otherwise go on for ever. The watch goes on after the epochs,
+        until a teardown: the ranks of a killed client are released one by one, and the first one seen stops all
+        of them at their next agreement, before the others have seen their own release; a rank whose release
+        comes after its epochs ended frees its worker here, since no driver will.
         """
-        while not done.wait(_WATCH_S):
+        while not end.wait(_WATCH_S):
             if not registered(worker, self):
                 logger.warning("worker %s: trainer %d was released by its client (disconnected?); stopping",
                                worker.address, self.rank)  # fmt: skip
-                self._orphaned = True
-                self._stop.set()  # every rank sees its own release; they agree on the step at the next check
+                with self._release_lock:
+                    self._orphaned = True
+                    self._stop.set()  # every rank sees its own release; they agree on the step at the next check
+                    ended = done.is_set()
+                if ended:
+                    self.teardown()
                 return
 
     def _epochs(
@@ -685,6 +699,7 @@ class TrainingActor:
 
         ``keep_latest`` keeps rank 0's in-memory checkpoint for the driver to fetch (after a failed epoch).
         """
+        self._watch_end.set()
         for name in ("train_loader", "val_loader"):
             close = getattr(getattr(self, name, None), "close", None)
             if close is not None:
