@@ -40,9 +40,6 @@ _spec.loader.exec_module(_reproducible)
 _reproducible.pin_cpu_kernels()
 
 
-# The Ctrl-C tests press Ctrl-C in this process (SIGINT to itself). A run started in the background of a script
-# (`bash .ci/run &`, nohup) inherits SIGINT ignored, as POSIX has a shell without job control start its background
-# commands, and Python then installs no KeyboardInterrupt handler: every Ctrl-C test failed or waited for good.
 # Every Dask server of the run (schedulers, nannies, workers: the run's shared clusters, each test's LocalCluster,
 # the notebooks' and the CLI runs' clusters) checks its event loop every 100 ms instead of 20 ms, and every worker
 # samples its threads for the dashboard's profile every 100 ms instead of 10 ms. At distributed's defaults an idle
@@ -52,7 +49,9 @@ _reproducible.pin_cpu_kernels()
 os.environ.setdefault("DASK_DISTRIBUTED__ADMIN__TICK__INTERVAL", "100ms")
 os.environ.setdefault("DASK_DISTRIBUTED__WORKER__PROFILE__INTERVAL", "100ms")
 
-
+# The Ctrl-C tests press Ctrl-C in this process (SIGINT to itself). A run started in the background of a script
+# (`bash .ci/run &`, nohup) inherits SIGINT ignored, as POSIX has a shell without job control start its background
+# commands, and Python then installs no KeyboardInterrupt handler: every Ctrl-C test failed or waited for good.
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 

@@ -247,9 +247,8 @@ class Scheduler(threading.Thread):
 
     def _follow(self, record: TrialRecord) -> None:
         run = record.run
-        # done is read before the history: a run is done only after its last epoch's row, so a history read after
-        # it holds every epoch that _end counts (read the other way round, a run that ended in between had an
-        # epoch counted in ``epochs`` and missing from the metric's curve)
+        # done is read before the history: a run is done only after its last epoch's row, so the history read next
+        # holds every epoch that _end counts, and the trial's curve and its ``epochs`` agree
         done = run.done
         for row in run.history.to_dict("records"):
             if row.get("event") == "stopped":
