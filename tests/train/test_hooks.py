@@ -56,7 +56,10 @@ def _entry(rank, world, port, outdir, checks):
 
 
 def _spawn(world, tmp_path, checks):
-    mp.spawn(_entry, args=(world, free_port(), str(tmp_path), checks), nprocs=world, join=True)
+    # the ranks fork from the test process's warm server (tests/conftest.py), as the run's workers do: a spawned
+    # rank imports torch and dask_dl again, about 4 s of CPU each
+    args = (world, free_port(), str(tmp_path), checks)
+    mp.start_processes(_entry, args=args, nprocs=world, join=True, start_method="forkserver")
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(world)]
 
 

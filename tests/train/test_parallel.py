@@ -285,7 +285,8 @@ def test_fsdp_shards_of_two_trainers_load_on_one(store, cluster_client, tmp_path
     sharded = fit(store, cluster_client, parallel="fsdp", checkpoint_dir=str(tmp_path / "ck"))
     consolidated = fit(store, cluster_client, parallel="fsdp").checkpoint()  # no directory: the whole optimizer
     path = str(tmp_path / "ck" / "epoch-0000.pt")
-    mp.spawn(_load_shards_on_one_trainer, args=(path, free_port(), str(tmp_path / "one.pt")), nprocs=1, join=True)
+    args = (path, free_port(), str(tmp_path / "one.pt"))  # forked from the warm server, as in test_hooks.py
+    mp.start_processes(_load_shards_on_one_trainer, args=args, nprocs=1, join=True, start_method="forkserver")
     loaded = torch.load(tmp_path / "one.pt", weights_only=True)
     assert set(loaded["model"]) == set(consolidated["model"])
     for name, value in consolidated["model"].items():
