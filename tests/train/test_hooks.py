@@ -1,8 +1,8 @@
 """The compression hooks (``compression/hooks.py``, ``fused.py``, ``eager.py``) on real gloo process groups.
 
-The distributed checks run in two spawns (2 and 3 ranks) that each do many checks and save what they saw; the
-assertions are made here, against a NumPy simulation of the algorithms written independently of the hooks
-(``dask_dl.testing.compression``). onebit and onebit2 run their fused CPU kernels, and the eager path too
+The distributed checks run in three worlds of real ranks (2, 2 and 3) that each do many checks and save what
+they saw; the assertions are made here, against a NumPy simulation of the algorithms written independently of
+the hooks (``dask_dl.testing.compression``). onebit and onebit2 run their fused CPU kernels, and the eager path too
 where the check says so.
 """
 
@@ -55,7 +55,7 @@ def _entry(rank, world, port, outdir, checks):
     torch.save(results, Path(outdir) / f"rank{rank}.pt")
 
 
-def _spawn(world, tmp_path, checks):
+def _run_ranks(world, tmp_path, checks):
     # the ranks fork from the test process's warm server (tests/conftest.py), as the run's workers do: a spawned
     # rank imports torch and dask_dl again, about 4 s of CPU each
     args = (world, free_port(), str(tmp_path), checks)
@@ -288,18 +288,18 @@ def check_onebit2_ddp_bytes(rank, world):
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     checks = ["check_simulation", "check_bytes", "check_small_cnn_bytes", "check_onebit2_ddp_bytes"]
-    return _spawn(2, tmp_path_factory.mktemp("gloo2"), checks)
+    return _run_ranks(2, tmp_path_factory.mktemp("gloo2"), checks)
 
 
 @pytest.fixture(scope="module")
 def two_ranks_training(tmp_path_factory):
-    """A spawn of its own: its setup lands in another test than ``two_ranks``' (each under the test timeout)."""
-    return _spawn(2, tmp_path_factory.mktemp("gloo2t"), ["check_convergence", "check_ddp_training"])
+    """A world of its own: its setup lands in another test than ``two_ranks``' (each under the test timeout)."""
+    return _run_ranks(2, tmp_path_factory.mktemp("gloo2t"), ["check_convergence", "check_ddp_training"])
 
 
 @pytest.fixture(scope="module")
 def three_ranks(tmp_path_factory):
-    return _spawn(3, tmp_path_factory.mktemp("gloo3"), ["check_simulation"])
+    return _run_ranks(3, tmp_path_factory.mktemp("gloo3"), ["check_simulation"])
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -338,8 +338,8 @@ def test_distributed_equals_simulation(world, name, request):
 @pytest.mark.parametrize("world", [2, 3])
 def test_onebit2_telescoping_identity(world, request):
     """sum_t out_t + (sum_r worker residual_r) / N + server residual == sum_t mean_r g_r,t (after warm-up)."""
-    spawned = request.getfixturevalue("two_ranks" if world == 2 else "three_ranks")
-    results = [r["check_simulation"]["onebit2"] for r in spawned]
+    ranks = request.getfixturevalue("two_ranks" if world == 2 else "three_ranks")
+    results = [r["check_simulation"]["onebit2"] for r in ranks]
     grads = _gradients(7, 5, world, SHAPES)
     n = len(SHAPES)
     target = sum(np.mean(step, axis=0) for step in grads[1:])  # the steps after the warm-up one

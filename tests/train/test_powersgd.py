@@ -1,7 +1,7 @@
 """``compression/powersgd.py``: torch's PowerSGD hook with our counters, checks and per-name state.
 
 Its distributed behaviour (bytes per step, DDP training, exact resume) is checked with the other compressors in
-``test_hooks.py``'s gloo spawns.
+``test_hooks.py``'s gloo ranks.
 """
 
 from __future__ import annotations
