@@ -13,6 +13,7 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
+from dask_dl.cluster.workers import ask_workers
 from dask_dl.errors import ClusterError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -46,6 +47,8 @@ def _how_to_send(name: str) -> str:
 def check_importable(client: Client, needs: dict[str, str], *, workers: list[str] | None = None) -> None:
     """Make sure every worker (or ``workers``) can import each module of ``needs``, before any work is sent.
 
+    A worker lost while it is asked is left out (:func:`~dask_dl.cluster.workers.ask_workers`): it takes no work.
+
     Parameters
     ----------
     client
@@ -64,7 +67,7 @@ def check_importable(client: Client, needs: dict[str, str], *, workers: list[str
     names = sorted(n for n in needs if n and n != "__main__")
     if not names:
         return
-    answers = client.run(_find, names, workers=workers)
+    answers = ask_workers(client, _find, names, workers=workers)
     for name in names:
         missing = {w: found[name] for w, found in sorted(answers.items()) if found.get(name)}
         if missing:

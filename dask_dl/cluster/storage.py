@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from distributed.diagnostics.plugin import WorkerPlugin
 
+from dask_dl.cluster.workers import ask_workers
 from dask_dl.errors import ConfigurationError, StoreNotFoundError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -115,6 +116,8 @@ def _probe(path: str) -> str | None:
 def check_visible(client: Client, *paths: str | os.PathLike, workers: list[str] | None = None) -> None:
     """Make sure every worker (or ``workers``) sees every path, before any work is sent.
 
+    A worker lost while it is asked is left out (:func:`~dask_dl.cluster.workers.ask_workers`): it takes no work.
+
     Parameters
     ----------
     client
@@ -132,7 +135,7 @@ def check_visible(client: Client, *paths: str | os.PathLike, workers: list[str] 
     urls = [os.fspath(p) for p in paths if p is not None]
     if not urls:
         return
-    answers = client.run(lambda: {url: _probe(url) for url in urls}, workers=workers)
+    answers = ask_workers(client, lambda: {url: _probe(url) for url in urls}, workers=workers)
     problems = [(w, url, why) for w, found in sorted(answers.items()) for url, why in found.items() if why]
     if problems:
         lines = "; ".join(f"worker {w} cannot see {url!r} ({why})" for w, url, why in problems)

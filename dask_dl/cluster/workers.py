@@ -11,6 +11,7 @@ scoring on the GPU workers.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from dask_dl.checks import one_of
@@ -23,6 +24,7 @@ __all__ = [
     "GPU_RESOURCE",
     "WORKER_KINDS",
     "add_cpu_workers",
+    "ask_workers",
     "cpu_workers",
     "gpu_workers",
     "scheduler_workers",
@@ -42,6 +44,29 @@ def scheduler_workers(client: Client) -> dict[str, dict[str, Any]]:
     client's periodic refresh (which asks for no workers) can land in between, leaving an empty dict.
     """
     return dict(client.sync(client.scheduler.identity, n_workers=-1)["workers"])
+
+
+def ask_workers(
+    client: Client, function: Callable[..., Any], *args: Any, workers: list[str] | None = None
+) -> dict[str, Any]:
+    """``function(*args)`` run on every worker (or ``workers``) that stays while asked: ``{address: answer}``.
+
+    A worker lost while it is asked (killed, out of memory, its machine gone) is left out of the answers, as the
+    scheduler leaves it out of the work that follows; the worker its nanny starts in its place starts as it did.
+    Any other failure, such as ``function`` raising on a worker, is raised here. ``client.run`` with
+    ``on_error="raise"`` would fail the caller for a worker that happened to die during the question.
+    """
+    from distributed.comm.core import CommClosedError
+
+    answers = client.run(function, *args, workers=workers, on_error="return")
+    kept = {}
+    for address, answer in answers.items():
+        if isinstance(answer, CommClosedError | OSError):  # its connection closed, or it could not be reached
+            continue
+        if isinstance(answer, BaseException):
+            raise answer
+        kept[address] = answer
+    return kept
 
 
 def gpu_workers(client: Client, *, resource: str = GPU_RESOURCE) -> list[str]:
