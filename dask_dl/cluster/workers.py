@@ -54,14 +54,14 @@ def ask_workers(
     A worker lost while it is asked (killed, out of memory, its machine gone) is left out of the answers, as the
     scheduler leaves it out of the work that follows; the worker its nanny starts in its place starts as it did.
     Any other failure, such as ``function`` raising on a worker, is raised here. ``client.run`` with
-    ``on_error="raise"`` would fail the caller for a worker that happened to die during the question.
+    ``on_error="raise"`` would fail the caller for a worker that happened to die during the question. An
+    ``OSError`` counts as a lost worker, so ``function`` should return its own I/O failures as answers, as the
+    store and module checks' probes do.
     """
-    from distributed.comm.core import CommClosedError
-
     answers = client.run(function, *args, workers=workers, on_error="return")
     kept = {}
     for address, answer in answers.items():
-        if isinstance(answer, CommClosedError | OSError):  # its connection closed, or it could not be reached
+        if isinstance(answer, OSError):  # distributed's CommClosedError (its connection closed), or unreachable
             continue
         if isinstance(answer, BaseException):
             raise answer
