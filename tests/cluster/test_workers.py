@@ -26,7 +26,7 @@ def test_a_worker_lost_while_asked_is_left_out_and_other_failures_raise():
         Client(cluster) as client,
     ):
         first, second = sorted(scheduler_workers(client))
-        # the same loss fails client.run's caller: what the store and module checks used before
+        # the same loss fails the caller of a plain client.run
         with pytest.raises(OSError):
             client.run(_address_unless, first, workers=[first, second])
         deadline = time.monotonic() + 60  # the scheduler forgets the lost worker; its nanny starts another
