@@ -550,10 +550,8 @@ class TrainingActor:
         self._orphaned = False
         self._watch_end.set()  # a watcher still waiting from an earlier call ends: this call starts its own
         self._watch_end = threading.Event()
-        watcher = threading.Thread(
-            target=self._watch_release, args=(get_worker(), done, self._watch_end), name="dask-dl-trainer-watch",
-            daemon=True,
-        )  # fmt: skip
+        args = (get_worker(), done, self._watch_end)
+        watcher = threading.Thread(target=self._watch_release, args=args, name="dask-dl-trainer-watch", daemon=True)
         watcher.start()
         try:
             result = self._epochs(first_epoch=first_epoch, epochs=epochs, history=history, directory=directory,
