@@ -202,8 +202,18 @@ def sweep(root: Path, args) -> dict:
         dataset = dask_dl.open_dataset(store)
 
         def run_sweep(folder: str, **kwargs):
-            return dask_dl.sweep(dataset, space, trials=4, sampler="grid", pruner="none", epochs=args.epochs,
-                                 checkpoint_dir=str(root / folder), client=client, **options, **kwargs)  # fmt: skip
+            return dask_dl.sweep(
+                dataset,
+                space,
+                trials=4,
+                sampler="grid",
+                pruner="none",
+                epochs=args.epochs,
+                checkpoint_dir=str(root / folder),
+                client=client,
+                **options,
+                **kwargs,
+            )
 
         calm, started, ended = timed(lambda: run_sweep("calm"))
         calm_s = ended - started

@@ -64,8 +64,11 @@ def main() -> None:
             started = time.perf_counter()
             run = dask_dl.fit(ds, seed=args.seed, client=client, **common, **options(text))
             last = run.history.iloc[-1]
-            print(f"{name:14s} val AUROC {last['val_auroc_mean']:.3f}  train loss {last['train_loss']:.3f}  "
-                  f"epochs {len(run.history)}  {time.perf_counter() - started:.0f} s", flush=True)  # fmt: skip
+            print(
+                f"{name:14s} val AUROC {last['val_auroc_mean']:.3f}  train loss {last['train_loss']:.3f}  "
+                f"epochs {len(run.history)}  {time.perf_counter() - started:.0f} s",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -217,8 +217,9 @@ def main() -> None:
         rates = dict(PUBLISHED)
         if args.steps_per_s:
             rates[f"{args.steps_per_s:g} steps/s x {args.step_batch}"] = args.steps_per_s * args.step_batch
-        for line in cores_table(rates, cpu_rate=per_core["cpu"], device_rate=per_core["deferred"],
-                                batch=args.step_batch):  # fmt: skip
+        for line in cores_table(
+            rates, cpu_rate=per_core["cpu"], device_rate=per_core["deferred"], batch=args.step_batch
+        ):
             print(line)
         print(f"  device / CPU augmentation: x{per_core['cpu'] / per_core['deferred']:.2f} the cores")
         if args.device == "cuda":

@@ -46,27 +46,46 @@ def main() -> None:
         store = str(Path(tmp) / "digits.zarr")
         dask_dl.ingest(catalog, store, size=32, client=client, progress=False)
         train = dask_dl.open_dataset(store, split="train").sample.values
-        print(f"{len(catalog)} digits, {len(train)} for training; batch {args.batch_size}, lr {args.lr}, "
-              f"{args.epochs} epochs")  # fmt: skip
+        print(
+            f"{len(catalog)} digits, {len(train)} for training; batch {args.batch_size}, lr {args.lr}, "
+            f"{args.epochs} epochs"
+        )
         rows = []
         for seed in args.seeds:
             run = dask_dl.fit(
-                dask_dl.open_dataset(store), model="small_cnn", epochs=args.epochs, batch_size=args.batch_size,
-                trainers=1, lr=args.lr, optimizer="sgd", seed=seed, client=client,
-            )  # fmt: skip
+                dask_dl.open_dataset(store),
+                model="small_cnn",
+                epochs=args.epochs,
+                batch_size=args.batch_size,
+                trainers=1,
+                lr=args.lr,
+                optimizer="sgd",
+                seed=seed,
+                client=client,
+            )
             fitted = float(run.history["val_accuracy"].iloc[-1])
             loader = ChunkLoader(store, train, batch_size=args.batch_size, seed=seed)
-            same = {"epochs": args.epochs, "steps": loader.steps_per_epoch, "batch_size": args.batch_size,
-                    "lr": args.lr, "seed": seed}  # fmt: skip
+            same = {
+                "epochs": args.epochs,
+                "steps": loader.steps_per_epoch,
+                "batch_size": args.batch_size,
+                "lr": args.lr,
+                "seed": seed,
+            }
             shuffle = np.random.default_rng(seed)
             shuffled = plain_accuracy(store, lambda e, rng=shuffle: rng.permutation(train), **same)
             ordered = plain_accuracy(store, loader.order, **same)
             rows.append((fitted, shuffled, ordered))
-            print(f"seed {seed}: fit {fitted:.3f}  plain, full shuffle {shuffled:.3f}  plain, loader order "
-                  f"{ordered:.3f}  fit - shuffle {fitted - shuffled:+.3f}", flush=True)  # fmt: skip
+            print(
+                f"seed {seed}: fit {fitted:.3f}  plain, full shuffle {shuffled:.3f}  plain, loader order "
+                f"{ordered:.3f}  fit - shuffle {fitted - shuffled:+.3f}",
+                flush=True,
+            )
         mean = np.mean(rows, axis=0)
-        print(f"mean:   fit {mean[0]:.3f}  plain, full shuffle {mean[1]:.3f}  plain, loader order {mean[2]:.3f}  "
-              f"fit - shuffle {mean[0] - mean[1]:+.3f}")  # fmt: skip
+        print(
+            f"mean:   fit {mean[0]:.3f}  plain, full shuffle {mean[1]:.3f}  plain, loader order {mean[2]:.3f}  "
+            f"fit - shuffle {mean[0] - mean[1]:+.3f}"
+        )
 
 
 if __name__ == "__main__":

@@ -131,9 +131,28 @@ def ddp_main(args: argparse.Namespace) -> None:
 
 def run_ddp(args: argparse.Namespace, store: str, out: str, *, ranks: int = 2) -> dict:
     """Run the hand-written job under ``torchrun`` with ``ranks`` processes; its figures and wall time."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-               __file__, "--ddp", "--store", store, "--out", out, "--epochs", str(args.epochs),
-               "--batch-size", str(args.batch_size), "--lr", str(args.lr), "--seed", str(args.seed)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(ranks),
+        __file__,
+        "--ddp",
+        "--store",
+        store,
+        "--out",
+        out,
+        "--epochs",
+        str(args.epochs),
+        "--batch-size",
+        str(args.batch_size),
+        "--lr",
+        str(args.lr),
+        "--seed",
+        str(args.seed),
+    ]
     # glibc's defaults, as a user's torchrun job has them: a LocalCluster in this process put the nanny's
     # MALLOC_TRIM_THRESHOLD_ into os.environ, which switches off glibc's dynamic mmap threshold (twice the step
     # time for small_cnn; dask_dl's trainers undo it, see dask_dl/allocator.py)

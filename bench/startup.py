@@ -36,8 +36,17 @@ def main() -> None:
     import dask_dl
     from dask_dl.testing.train import squares_collection
 
-    options = dict(model="small_cnn", model_kwargs={"width": 8}, batch_size=8, trainers=2, lr=0.05,
-                   optimizer="sgd", compression="none", warmup_steps=0, seed=5)  # fmt: skip
+    options = dict(
+        model="small_cnn",
+        model_kwargs={"width": 8},
+        batch_size=8,
+        trainers=2,
+        lr=0.05,
+        optimizer="sgd",
+        compression="none",
+        warmup_steps=0,
+        seed=5,
+    )
     root = Path(tempfile.mkdtemp(prefix="dask-dl-startup-"))
     with (
         LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cluster,

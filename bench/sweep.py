@@ -56,17 +56,29 @@ def main() -> None:
 
         start = time.perf_counter()
         swept = dask_dl.sweep(
-            dataset, space, trials=args.trials, sampler="random", pruner="asha", client=client,
-            checkpoint_dir=str(root / "sweep"), **fixed,
-        )  # fmt: skip
+            dataset,
+            space,
+            trials=args.trials,
+            sampler="random",
+            pruner="asha",
+            client=client,
+            checkpoint_dir=str(root / "sweep"),
+            **fixed,
+        )
         sweep_s = time.perf_counter() - start
         results = swept.results
 
         start = time.perf_counter()
         best_loop = float("-inf")
         for number, params in zip(results["number"], results["params"], strict=True):
-            run = dask_dl.fit(dataset, **fixed, **params, trainers=1, client=client,
-                              checkpoint_dir=str(root / "loop" / f"trial-{number:04d}"))  # fmt: skip
+            run = dask_dl.fit(
+                dataset,
+                **fixed,
+                **params,
+                trainers=1,
+                client=client,
+                checkpoint_dir=str(root / "loop" / f"trial-{number:04d}"),
+            )
             best_loop = max(best_loop, float(run.history["val_auroc_mean"].max()))
         loop_s = time.perf_counter() - start
 
@@ -75,8 +87,10 @@ def main() -> None:
     print(f"sweep (ASHA, {args.workers} at a time): {sweep_s:7.1f} s, {int(results['epochs'].sum())} epochs, {states}")
     print(f"one after another, to the end:  {loop_s:7.1f} s, {args.trials * args.epochs} epochs")
     print(f"wall time ratio: {sweep_s / loop_s:.2f} (target <= 0.4)")
-    print(f"best val_auroc_mean: sweep {swept.best.metric:.4f}, loop {best_loop:.4f}, "
-          f"difference {best_loop - swept.best.metric:+.4f} (target within 0.01)")  # fmt: skip
+    print(
+        f"best val_auroc_mean: sweep {swept.best.metric:.4f}, loop {best_loop:.4f}, "
+        f"difference {best_loop - swept.best.metric:+.4f} (target within 0.01)"
+    )
 
 
 if __name__ == "__main__":

@@ -300,10 +300,18 @@ def export_onnx(
     if is_url(path):  # object storage: write and check a local file, then upload it whole
         with tempfile.TemporaryDirectory(prefix="dask-dl-export-") as tmp:
             local = export_onnx(
-                source, Path(tmp) / os.path.basename(os.fspath(path)), labels=labels, input_size=input_size,
-                normalization=normalization, task=task, opset=opset, check=check, example=example, model=model,
+                source,
+                Path(tmp) / os.path.basename(os.fspath(path)),
+                labels=labels,
+                input_size=input_size,
+                normalization=normalization,
+                task=task,
+                opset=opset,
+                check=check,
+                example=example,
+                model=model,
                 register=register,
-            )  # fmt: skip
+            )
             publish(local, os.fspath(path))
         return os.fspath(path)
     path = Path(path)

@@ -126,15 +126,42 @@ def shared_scheduler(tmp_path_factory) -> str:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     with open(log, "wb") as out:
         scheduler = subprocess.Popen(
-            [*command, "distributed.cli.dask_scheduler", "--host", "127.0.0.1", "--port", "0",
-             "--dashboard-address", "127.0.0.1:0", "--scheduler-file", str(file)],
-            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
+            [
+                *command,
+                "distributed.cli.dask_scheduler",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--dashboard-address",
+                "127.0.0.1:0",
+                "--scheduler-file",
+                str(file),
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         workers = subprocess.Popen(
-            [*command, "distributed.cli.dask_worker", "--scheduler-file", str(file), "--nworkers", "2",
-             "--nthreads", "1", "--host", "127.0.0.1", "--dashboard-address", "127.0.0.1:0"],
-            stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env,
-        )  # fmt: skip
+            [
+                *command,
+                "distributed.cli.dask_worker",
+                "--scheduler-file",
+                str(file),
+                "--nworkers",
+                "2",
+                "--nthreads",
+                "1",
+                "--host",
+                "127.0.0.1",
+                "--dashboard-address",
+                "127.0.0.1:0",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=env,
+        )
     try:
         try:
             with Client(scheduler_file=str(file), timeout=60) as first:

@@ -171,10 +171,19 @@ def test_predict_under_chaos_equals_a_calm_one(calm, model, client):
 
 # ---- fit: a trainer's worker killed once per epoch ------------------------------------------------------------
 
+#: tests/train/test_recovery.py's run, one epoch shorter: 32 steps per epoch
 OPTIONS = dict(
-    model="small_cnn", model_kwargs={"width": 8}, epochs=3, batch_size=1, trainers=2, lr=0.05, optimizer="sgd",
-    compression="onebit", warmup_steps=2, seed=5,
-)  # fmt: skip  # tests/train/test_recovery.py's run, one epoch shorter: 32 steps per epoch
+    model="small_cnn",
+    model_kwargs={"width": 8},
+    epochs=3,
+    batch_size=1,
+    trainers=2,
+    lr=0.05,
+    optimizer="sgd",
+    compression="onebit",
+    warmup_steps=2,
+    seed=5,
+)
 
 
 #: the killed run: the same, with small_cnn sleeping 80 ms a step (same weights), about 3 s an epoch

@@ -106,10 +106,12 @@ def test_bugs_keep_their_traceback(monkeypatch, store):
     ("raised", "said"),
     [
         (KeyboardInterrupt(), "stopped by Ctrl-C"),
-        (Interrupted("ingest into 's.zarr' stopped by Ctrl-C with 3 of 8 shards written; ..."),
-         "ingest into 's.zarr' stopped by Ctrl-C with 3 of 8 shards written; ..."),
+        (
+            Interrupted("ingest into 's.zarr' stopped by Ctrl-C with 3 of 8 shards written; ..."),
+            "ingest into 's.zarr' stopped by Ctrl-C with 3 of 8 shards written; ...",
+        ),
     ],
-)  # fmt: skip
+)
 def test_ctrl_c_ends_any_command_with_130_and_what_it_kept(monkeypatch, store, raised, said):
     """Status 130, as shells report Ctrl-C (click alone says "Aborted!" and exits with 1), with --debug too."""
     import dask_dl.data.dataset
@@ -272,8 +274,21 @@ def test_upload_sends_your_model_to_workers_that_cannot_import_it(store, cluster
     )
     monkeypatch.chdir(tmp_path)  # the command imports the model from the current folder
     monkeypatch.setattr(sys, "path", list(sys.path))
-    args = ["train", store, "-m", f"{name}:build", "-e", "1", "-b", "4", "-t", "2", "-q", "--scheduler",
-            cluster_client.scheduler.address]  # fmt: skip
+    args = [
+        "train",
+        store,
+        "-m",
+        f"{name}:build",
+        "-e",
+        "1",
+        "-b",
+        "4",
+        "-t",
+        "2",
+        "-q",
+        "--scheduler",
+        cluster_client.scheduler.address,
+    ]
     try:
         refused = CliRunner().invoke(cli, args)  # the cluster's workers were started elsewhere
         line = _one_line_error(refused, f"needs module '{name}', which 2 of 2 worker(s) cannot import")

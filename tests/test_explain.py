@@ -113,9 +113,16 @@ def test_localization_follows_the_papers_definitions():
         dims=("sample", "finding", "y", "x"),
         coords={"finding": ["Mass"], "image_id": ("sample", ["a.png", "b.png"])},
     )
-    boxes = pd.DataFrame({"image_id": ["a.png", "a.png", "b.png"], "finding": ["Mass"] * 3,
-                          "x": [20.0, 10.0, 30.0], "y": [10.0, 10.0, 30.0], "w": [20.0, 20.0, 5.0],
-                          "h": [10.0, 10.0, 5.0]})  # fmt: skip
+    boxes = pd.DataFrame(
+        {
+            "image_id": ["a.png", "a.png", "b.png"],
+            "finding": ["Mass"] * 3,
+            "x": [20.0, 10.0, 30.0],
+            "y": [10.0, 10.0, 30.0],
+            "w": [20.0, 20.0, 5.0],
+            "h": [10.0, 10.0, 5.0],
+        }
+    )
     per_box = localization(maps, boxes, per_box=True)
     np.testing.assert_allclose(per_box["iobb"], [0.5, 1.0, 0.0])
     np.testing.assert_allclose(per_box["iou"], [1 / 3, 1.0, 0.0])
@@ -232,9 +239,23 @@ def test_cli_writes_maps_and_prints_localization(collection, cluster_client, tmp
     torch.save(collection["checkpoint"], checkpoint)
     out = tmp_path / "maps.zarr"
     address = cluster_client.scheduler.address
-    args = ["explain", collection["store"], str(checkpoint), "--labels", "Effusion", "--out", str(out), "--split",
-            "test", "--scheduler", address, "--boxes", str(collection["root"] / "raw" / "BBox_List_2017.csv"),
-            "--image-size", str(SOURCE_SIZE)]  # fmt: skip
+    args = [
+        "explain",
+        collection["store"],
+        str(checkpoint),
+        "--labels",
+        "Effusion",
+        "--out",
+        str(out),
+        "--split",
+        "test",
+        "--scheduler",
+        address,
+        "--boxes",
+        str(collection["root"] / "raw" / "BBox_List_2017.csv"),
+        "--image-size",
+        str(SOURCE_SIZE),
+    ]
     result = CliRunner().invoke(cli, args[:-2])  # without --image-size: NIH's frame, where these boxes are tiny
     assert result.exit_code == 1 and "Pass image_size=" in result.output and "--image-size" in result.output
     assert not out.exists()  # told before the maps were computed

@@ -324,8 +324,17 @@ def page(collection, run, cluster_client):
     from dask_dl.cli import cli
 
     out = collection["root"] / "report.html"
-    args = ["report", collection["store"], str(collection["root"] / "ck"), "--out", str(out), "--top", "4",
-            "--scheduler", cluster_client.scheduler.address]  # fmt: skip
+    args = [
+        "report",
+        collection["store"],
+        str(collection["root"] / "ck"),
+        "--out",
+        str(out),
+        "--top",
+        "4",
+        "--scheduler",
+        cluster_client.scheduler.address,
+    ]
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 0, result.output + "".join(traceback.format_exception(*result.exc_info))
     again = CliRunner().invoke(cli, args)

@@ -226,11 +226,21 @@ def test_cli_export_and_predict(tmp_path, cluster_client, store, model):
     ckdir = tmp_path / "ck"
     ckdir.mkdir()
     checkpoint = {
-        "format": 1, "model_name": "small_cnn", "model_kwargs": {"width": 8}, "model": net.state_dict(),
-        "labels": [str(v) for v in ds.finding.values], "task": "multilabel", "input_size": SIZE, "in_channels": 1,
-        "normalization": {"mean": 0.5, "std": 0.25}, "epoch": 2, "optimizer": {}, "compressor": [], "rng": [],
+        "format": 1,
+        "model_name": "small_cnn",
+        "model_kwargs": {"width": 8},
+        "model": net.state_dict(),
+        "labels": [str(v) for v in ds.finding.values],
+        "task": "multilabel",
+        "input_size": SIZE,
+        "in_channels": 1,
+        "normalization": {"mean": 0.5, "std": 0.25},
+        "epoch": 2,
+        "optimizer": {},
+        "compressor": [],
+        "rng": [],
         "history": [],
-    }  # fmt: skip
+    }
     torch.save(checkpoint, ckdir / "epoch-0002.pt")
     runner = CliRunner()
     onnx_path = tmp_path / "m.onnx"
@@ -314,7 +324,7 @@ def test_bad_onnx_metadata_is_refused_when_the_model_is_opened(tmp_path, store, 
         "list.onnx": (json.dumps([1, 2]), "is a list, not a JSON object"),
         "size.onnx": (json.dumps({**meta, "input_size": 128}), r"says images of 1 x 128 x 128, but the graph input"),
         "labels.onnx": (json.dumps({**meta, "labels": ["a", "b"]}), rf"2 labels, but the graph outputs {n}"),
-    }  # fmt: skip
+    }
     for name, (value, message) in cases.items():
         bad = _altered(path, tmp_path, name, meta=value)
         with pytest.raises(ExportError, match=rf"{name}'.*{message}"):
@@ -383,11 +393,15 @@ def test_the_auroc_of_every_split_is_its_own_column():
 
     from dask_dl.cli.models import _echo_auroc
 
-    table = pd.DataFrame({
-        "split": ["train"] * 4 + ["test"] * 4 + ["val"] * 2,
-        "a": [1, 0, 1, 0, 1, 1, 0, 0, 1, 1], "p_a": [0.9, 0.1, 0.8, 0.2, 0.4, 0.9, 0.3, 0.8, 0.5, 0.6],
-        "b": [0, 0, 1, 1, 0, 0, 0, 0, 1, 0], "p_b": [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.1],
-    })  # fmt: skip
+    table = pd.DataFrame(
+        {
+            "split": ["train"] * 4 + ["test"] * 4 + ["val"] * 2,
+            "a": [1, 0, 1, 0, 1, 1, 0, 0, 1, 1],
+            "p_a": [0.9, 0.1, 0.8, 0.2, 0.4, 0.9, 0.3, 0.8, 0.5, 0.6],
+            "b": [0, 0, 1, 1, 0, 0, 0, 0, 1, 0],
+            "p_b": [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.1],
+        }
+    )
     result = CliRunner().invoke(click_command(lambda: _echo_auroc(table, ["a", "b"])))
     assert result.output.splitlines() == [
         f"  {'AUROC':24s}   train     val    test",

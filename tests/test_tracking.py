@@ -78,19 +78,41 @@ def test_fit_on_server_logs_params_epochs_history_and_registers_onnx(mlflow_serv
     assert logged.info.run_name == run.run_id
     params = logged.data.params
     expected = {
-        "model": "small_cnn", "model_kwargs.width": "8", "epochs": "2", "batch_size": "8", "trainers": "1",
-        "lr": "0.05", "seed": "0", "compression": "none", "store": store, "train_samples": "64", "val_samples": "32",
-        "labels": '["a", "b"]', "normalization.mean": str(DEFAULT_NORMALIZATION["mean"]),
-        "store.images": "96", "store.size": "32", "store.labels": '["a", "b"]', "store.split.train": "64",
-        "store.split.val": "32", "trainer_workers": json.dumps(run.workers),
-    }  # fmt: skip
+        "model": "small_cnn",
+        "model_kwargs.width": "8",
+        "epochs": "2",
+        "batch_size": "8",
+        "trainers": "1",
+        "lr": "0.05",
+        "seed": "0",
+        "compression": "none",
+        "store": store,
+        "train_samples": "64",
+        "val_samples": "32",
+        "labels": '["a", "b"]',
+        "normalization.mean": str(DEFAULT_NORMALIZATION["mean"]),
+        "store.images": "96",
+        "store.size": "32",
+        "store.labels": '["a", "b"]',
+        "store.split.train": "64",
+        "store.split.val": "32",
+        "trainer_workers": json.dumps(run.workers),
+    }
     assert {k: params.get(k) for k in expected} == expected
     assert set(_params(run.options)) <= set(params)  # every option, whatever its group
     assert logged.data.tags["dask_dl.run_id"] == run.run_id
 
     history = run.history
-    for column in ("train_loss", "val_loss", "val_auroc_mean", "val_auroc_a", "val_auroc_b", "images_per_s",
-                   "data_wait_s", "bytes_sent"):  # fmt: skip
+    for column in (
+        "train_loss",
+        "val_loss",
+        "val_auroc_mean",
+        "val_auroc_a",
+        "val_auroc_b",
+        "images_per_s",
+        "data_wait_s",
+        "bytes_sent",
+    ):
         points = client.get_metric_history(logged.info.run_id, column)
         assert [p.step for p in points] == [0, 1], column
         np.testing.assert_allclose([p.value for p in points], history[column].to_numpy(float), rtol=1e-6)
@@ -166,8 +188,13 @@ def test_a_nested_run_whose_fit_failed_ends_failed(store, cluster_client, tmp_pa
     parent = open_tracker(uri, run_name="sweep")
     trial = parent.nested("trial 0")
     with pytest.raises(dask_dl.DatasetError, match="batch"):
-        dask_dl.fit(dask_dl.open_dataset(store), epochs=1, client=cluster_client, tracking=trial,
-                    **{**OPTIONS, "batch_size": 4096})  # fmt: skip
+        dask_dl.fit(
+            dask_dl.open_dataset(store),
+            epochs=1,
+            client=cluster_client,
+            tracking=trial,
+            **{**OPTIONS, "batch_size": 4096},
+        )
     parent.finish("finished")
     assert client_for(uri).get_run(trial.run_id).info.status == "FAILED"
 
@@ -198,8 +225,15 @@ def test_server_down_warns_once_and_training_goes_on(store, cluster_client, capl
 def test_fit_sites_parent_run_with_a_run_per_site_and_round(store, cluster_client, tmp_path):
     root = tmp_path / "B"
     other = str(root / "b.zarr")
-    dask_dl.ingest(squares_collection(root, n_train=32, n_val=16, seed=1), other, size=32, chunk=8, shard=2,
-                   client=cluster_client, progress=False)  # fmt: skip
+    dask_dl.ingest(
+        squares_collection(root, n_train=32, n_val=16, seed=1),
+        other,
+        size=32,
+        chunk=8,
+        shard=2,
+        client=cluster_client,
+        progress=False,
+    )
     uri = f"sqlite:///{tmp_path / 'runs.db'}"
     sites = {"A": dask_dl.open_dataset(store), "B": dask_dl.open_dataset(other)}
     options = {k: v for k, v in OPTIONS.items() if k != "trainers"}
@@ -268,9 +302,14 @@ def test_params_flatten_option_groups_generically():
         options: dict = dataclasses.field(default_factory=dict)
 
     assert _params(Options()) == {
-        "optimisation.lr": 0.1, "optimisation.schedule.name": "cosine", "optimisation.schedule.warmup": 5,
-        "train_samples": 7, "loss": "numpy:mean", "labels": ("a", "b"), "options": {},
-    }  # fmt: skip
+        "optimisation.lr": 0.1,
+        "optimisation.schedule.name": "cosine",
+        "optimisation.schedule.warmup": 5,
+        "train_samples": 7,
+        "loss": "numpy:mean",
+        "labels": ("a", "b"),
+        "options": {},
+    }
 
 
 @pytest.mark.slow

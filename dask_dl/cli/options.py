@@ -58,13 +58,26 @@ def cluster_options(f):
     from dask_dl.cluster.make import KINDS
 
     tls = [
-        ("--tls-key", ("distributed.comm.tls.client.key", "distributed.comm.tls.scheduler.key",
-                       "distributed.comm.tls.worker.key"), "Private key of --tls-cert, when it is a file of its own."),
-        ("--tls-cert", ("distributed.comm.tls.client.cert", "distributed.comm.tls.scheduler.cert",
-                        "distributed.comm.tls.worker.cert"), "Certificate (PEM) of this client, and of the "
-         "scheduler and workers of a cluster dask-dl starts."),
+        (
+            "--tls-key",
+            (
+                "distributed.comm.tls.client.key",
+                "distributed.comm.tls.scheduler.key",
+                "distributed.comm.tls.worker.key",
+            ),
+            "Private key of --tls-cert, when it is a file of its own.",
+        ),
+        (
+            "--tls-cert",
+            (
+                "distributed.comm.tls.client.cert",
+                "distributed.comm.tls.scheduler.cert",
+                "distributed.comm.tls.worker.cert",
+            ),
+            "Certificate (PEM) of this client, and of the scheduler and workers of a cluster dask-dl starts.",
+        ),
         ("--tls-ca", ("distributed.comm.tls.ca-file",), "Certificate authority (PEM) of a TLS cluster."),
-    ]  # fmt: skip
+    ]
     for name, keys, text in tls:
         f = click.option(
             name,

@@ -28,21 +28,31 @@ def train_options(f):
         if opt.name == "model":
             decorate = model_option(*opt.flags, opt.name)
         elif opt.name == "compression":
-            decorate = registry_option(*opt.flags, opt.name, registry=COMPRESSORS, what="Gradient compressor",
-                                       type=click.Choice(list(opt.cli())), more=f" auto: {AUTO_HELP}.")  # fmt: skip
+            decorate = registry_option(
+                *opt.flags,
+                opt.name,
+                registry=COMPRESSORS,
+                what="Gradient compressor",
+                type=click.Choice(list(opt.cli())),
+                more=f" auto: {AUTO_HELP}.",
+            )
         elif opt.name == "lr":
             decorate = click.option(
-                *opt.flags, opt.name, default=DEFAULTS[opt.name], metavar="LR|find",
+                *opt.flags,
+                opt.name,
+                default=DEFAULTS[opt.name],
+                metavar="LR|find",
                 callback=lambda ctx, param, value: _lr(value),
                 help=f"{opt.help} find: run a learning-rate range test first (dask_dl.find_lr) and train with its "
                 "suggestion.",
-            )  # fmt: skip
+            )
         elif opt.cli == "flag":
             decorate = click.option(*opt.flags, opt.name, is_flag=True, default=DEFAULTS[opt.name], help=opt.help)
         else:
             kind = click.Choice(list(opt.cli())) if callable(opt.cli) and opt.cli not in (int, float, str) else opt.cli
-            decorate = click.option(*opt.flags, opt.name, type=kind, default=DEFAULTS[opt.name], help=opt.help,
-                                    metavar=opt.metavar)  # fmt: skip
+            decorate = click.option(
+                *opt.flags, opt.name, type=kind, default=DEFAULTS[opt.name], help=opt.help, metavar=opt.metavar
+            )
         f = decorate(f)
     return f
 
@@ -91,13 +101,17 @@ def train_command(store, upload, tracking, scheduler, workers, quiet, **options)
             click.echo(f"normalization of the train split: mean {normalization['mean']}, std {normalization['std']}")
         if options["lr"] == "find":
             found = ("model", "batch_size", "optimizer", "seed", "augment", "weights", "accumulate")
-            options["lr"] = _found_lr(
-                dataset, client, normalization=normalization, **{k: options[k] for k in found}
-            )  # fmt: skip
+            options["lr"] = _found_lr(dataset, client, normalization=normalization, **{k: options[k] for k in found})
         run = fit(
-            dataset, trainers=n_trainers, normalization=normalization, view="terminal" if interactive else "none",
-            client=client, wait=False, tracking=tracking, **options,
-        )  # fmt: skip
+            dataset,
+            trainers=n_trainers,
+            normalization=normalization,
+            view="terminal" if interactive else "none",
+            client=client,
+            wait=False,
+            tracking=tracking,
+            **options,
+        )
         interrupted = follow(
             run, lambda shown: _echo_training(run, shown, interactive), "stopping the trainers", shown=(0, 0, False)
         )

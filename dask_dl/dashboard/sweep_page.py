@@ -95,8 +95,14 @@ class SweepPanel:
         self.root = column(self.facts, self.error, self.table, styles={"margin": "0 24px 24px 0"})
 
     def _make_figure(self, metric: str) -> None:
-        fig = figure(title=f"{metric} per trial", width=660, height=300, x_axis_label="epochs trained",
-                     y_axis_label=metric, **_FIGURE)  # fmt: skip
+        fig = figure(
+            title=f"{metric} per trial",
+            width=660,
+            height=300,
+            x_axis_label="epochs trained",
+            y_axis_label=metric,
+            **_FIGURE,
+        )
         lines = fig.multi_line(
             "xs", "ys", source=self.curves, line_color="color", line_dash="dash", line_width="width", alpha=0.9
         )

@@ -452,8 +452,9 @@ def _ingest_shard(
     # intermediate images, zstd contexts, the shard's buffers): 0.7 ms of system time against 10 ms of decoding
     with allocator.kept_freed_memory():
         try:
-            return _write_shard(job, url=url, layout=layout, min_size=min_size, max_image_bytes=max_image_bytes,
-                                policy=policy)  # fmt: skip
+            return _write_shard(
+                job, url=url, layout=layout, min_size=min_size, max_image_bytes=max_image_bytes, policy=policy
+            )
         finally:
             release_buffers()  # before the allocator hands the freed memory back to the system
 
@@ -470,9 +471,14 @@ def _write_shard(
         notes: list[str] = []  # the decoder's warnings about pixels it decoded intact: kept in the status file
         try:
             block[i] = load_image(
-                path, size=size, min_size=min_size, max_image_bytes=max_image_bytes, policy=policy,
-                channels=layout_.channels, notes=notes,
-            )  # fmt: skip
+                path,
+                size=size,
+                min_size=min_size,
+                max_image_bytes=max_image_bytes,
+                policy=policy,
+                channels=layout_.channels,
+                notes=notes,
+            )
             status.append((row, image_id, True, "", "; ".join(notes)))
         except ImageRejected as exc:
             status.append((row, image_id, False, exc.reason, exc.detail))

@@ -308,8 +308,9 @@ class ChunkLoader:
         cuts = np.flatnonzero(np.diff(chunk_of)) + 1
         return [(int(rows[0] // self.chunk), rows) for rows in np.split(mine, cuts)]
 
-    def order(self, epoch: int, *, rank: int | None = None, world_size: int | None = None,
-              batch_size: int | None = None) -> np.ndarray:  # fmt: skip
+    def order(
+        self, epoch: int, *, rank: int | None = None, world_size: int | None = None, batch_size: int | None = None
+    ) -> np.ndarray:
         """Return the rows rank ``rank`` of ``world_size`` serves in a fresh ``epoch``, in the order it serves them.
 
         The same rows :meth:`epoch` yields (``drop_last=True``), computed without reading an image; other ranks and

@@ -60,8 +60,12 @@ class _Chest:
         self.dome = rng.uniform(0.15, 0.21)
         self.width = rng.uniform(0.8, 0.88) + 0.03 * self.ap
         # heart: centre x, y and radii; AP magnifies it (the heart is far from the detector)
-        self.heart = [self.midline + rng.uniform(0.05, 0.09), rng.uniform(0.25, 0.29), rng.uniform(0.28, 0.35),
-                      rng.uniform(0.2, 0.23)]  # fmt: skip
+        self.heart = [
+            self.midline + rng.uniform(0.05, 0.09),
+            rng.uniform(0.25, 0.29),
+            rng.uniform(0.28, 0.35),
+            rng.uniform(0.2, 0.23),
+        ]
         if self.ap:
             self.heart[2:] = [r * 1.12 for r in self.heart[2:]]
             self.heart[1] -= 0.03
@@ -437,8 +441,12 @@ def _box(chest: _Chest, mask: np.ndarray) -> tuple[float, float, float, float]:
     rows, cols = np.flatnonzero(mask.any(axis=1)), np.flatnonzero(mask.any(axis=0))
     scale = chest.out / chest.size
     x0, y0 = cols[0] * scale, rows[0] * scale
-    return (round(float(x0), 3), round(float(y0), 3), round(float((cols[-1] + 1) * scale - x0), 3),
-            round(float((rows[-1] + 1) * scale - y0), 3))  # fmt: skip
+    return (
+        round(float(x0), 3),
+        round(float(y0), 3),
+        round(float((cols[-1] + 1) * scale - x0), 3),
+        round(float((rows[-1] + 1) * scale - y0), 3),
+    )
 
 
 def _finding_boxes(chest: _Chest, name: str, change: np.ndarray) -> list[tuple[str, float, float, float, float]]:

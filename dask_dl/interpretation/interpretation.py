@@ -232,9 +232,15 @@ class Interpretation:
         for label in self.labels:
             truth, scores = self._label(label)
             both = 0 < truth.sum() < len(truth)
-            rows.append({"label": label, "images": len(truth), "positives": int(truth.sum()),
-                         "auroc": self.auroc[label],
-                         "average_precision": curves.average_precision(truth, scores) if both else np.nan})  # fmt: skip
+            rows.append(
+                {
+                    "label": label,
+                    "images": len(truth),
+                    "positives": int(truth.sum()),
+                    "auroc": self.auroc[label],
+                    "average_precision": curves.average_precision(truth, scores) if both else np.nan,
+                }
+            )
         return pd.DataFrame(rows).set_index("label")
 
     # ---- figures -----------------------------------------------------------------------------------------

@@ -375,13 +375,22 @@ class SitesRun:
 
         spec = self._co.model
         return {
-            "format": FORMAT, "model_name": spec.name, "model_kwargs": dict(spec.kwargs),
-            "model_source": model_source(spec.name, spec.kwargs).to_dict(), "model": self.state(),
-            "labels": list(spec.labels), "task": spec.task, "input_size": int(spec.input_size),
-            "in_channels": spec.channels, "normalization": dict(spec.normalization), "epoch": self._model_round,
+            "format": FORMAT,
+            "model_name": spec.name,
+            "model_kwargs": dict(spec.kwargs),
+            "model_source": model_source(spec.name, spec.kwargs).to_dict(),
+            "model": self.state(),
+            "labels": list(spec.labels),
+            "task": spec.task,
+            "input_size": int(spec.input_size),
+            "in_channels": spec.channels,
+            "normalization": dict(spec.normalization),
+            "epoch": self._model_round,
             "optimizer": {},
-            "compressor": [], "rng": [], "history": self.history.to_dict("records"),
-        }  # fmt: skip
+            "compressor": [],
+            "rng": [],
+            "history": self.history.to_dict("records"),
+        }
 
     def export_onnx(self, path: Any, **options: Any) -> Any:
         """Write the run's model as ONNX (:func:`dask_dl.export_onnx`); an ensemble as one graph of its members."""
@@ -390,8 +399,12 @@ class SitesRun:
         if self.protocol != "ensemble":
             return export_onnx(self, path, **options)  # itself: a tracked run's export goes to its MLflow run
         spec = self._co.model
-        defaults = {"labels": list(spec.labels), "input_size": int(spec.input_size), "task": spec.task,
-                    "normalization": dict(spec.normalization)}  # fmt: skip
+        defaults = {
+            "labels": list(spec.labels),
+            "input_size": int(spec.input_size),
+            "task": spec.task,
+            "normalization": dict(spec.normalization),
+        }
         return export_onnx(self.model(), path, **{**defaults, **options})
 
     def __repr__(self) -> str:

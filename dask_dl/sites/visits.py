@@ -143,14 +143,26 @@ class Coordinator:
         tracking: Any = False  # an untracked cross-site run has untracked visits, whatever the environment says
         if self.tracker is not None:  # the visits of a site are its rounds, in every protocol
             n = self._visits[site.name] = self._visits.get(site.name, -1) + 1
-            tracking = self.tracker.nested(f"{site.name} round {n}", tags={"dask_dl.site": site.name,
-                                                                            "dask_dl.round": n})  # fmt: skip
+            tracking = self.tracker.nested(
+                f"{site.name} round {n}", tags={"dask_dl.site": site.name, "dask_dl.round": n}
+            )
         try:
             run = fit_visit(
-                dataset, epochs=plan.epochs, lr=plan.lr, seed=plan.seed, trainers=self.trainers,
-                client=site.client, workers=site.workers, start_state=plan.state, proximal_mu=plan.mu,
-                weights_only=True, view="none", wait=False, tracking=tracking, **self.fit_options,
-            )  # fmt: skip
+                dataset,
+                epochs=plan.epochs,
+                lr=plan.lr,
+                seed=plan.seed,
+                trainers=self.trainers,
+                client=site.client,
+                workers=site.workers,
+                start_state=plan.state,
+                proximal_mu=plan.mu,
+                weights_only=True,
+                view="none",
+                wait=False,
+                tracking=tracking,
+                **self.fit_options,
+            )
         except (ConfigurationError, DatasetError) as exc:  # the arguments or the site's data: the user's to fix
             raise type(exc)(f"site {site.name!r}: {exc}") from exc
         except Exception as exc:  # the site's cluster is gone, or refuses the work: reported, not raised

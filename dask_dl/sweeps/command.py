@@ -82,10 +82,21 @@ def sweep_command(
         fixed["checkpoint_dir"] = checkpoint_dir
     with connect(scheduler=scheduler, n_workers=workers) as client:
         running = sweep(
-            open_dataset(store), space, trials=trials, metric=metric, direction=direction, pruner=pruner,
-            sampler=sampler, trainers_per_trial=trainers_per_trial, max_concurrent=max_concurrent, storage=storage,
-            resume=resume, client=client, wait=False, **fixed,
-        )  # fmt: skip
+            open_dataset(store),
+            space,
+            trials=trials,
+            metric=metric,
+            direction=direction,
+            pruner=pruner,
+            sampler=sampler,
+            trainers_per_trial=trainers_per_trial,
+            max_concurrent=max_concurrent,
+            storage=storage,
+            resume=resume,
+            client=client,
+            wait=False,
+            **fixed,
+        )
         shown: set[int] = set()
         try:
             while True:

@@ -173,33 +173,59 @@ def sweep(
         new_trials = grid
     client = get_client(client)
     groups = worker_groups(client, trainers_per_trial, most=max_concurrent)
-    tracker = _open_sweep_tracker(tracking, study=study, trials=trials, metric=metric, direction=direction,
-                                  fixed=fixed, space=space)  # fmt: skip
+    tracker = _open_sweep_tracker(
+        tracking, study=study, trials=trials, metric=metric, direction=direction, fixed=fixed, space=space
+    )
     scheduler = Scheduler(
-        client=client, dataset=dataset, study=study, space=space, fixed={**fixed, "trainers": trainers_per_trial},
-        new_trials=new_trials, continued=continued, metric=metric, groups=groups, root=str(root), tracking=tracker,
-    )  # fmt: skip
+        client=client,
+        dataset=dataset,
+        study=study,
+        space=space,
+        fixed={**fixed, "trainers": trainers_per_trial},
+        new_trials=new_trials,
+        continued=continued,
+        metric=metric,
+        groups=groups,
+        root=str(root),
+        tracking=tracker,
+    )
     result = Sweep(study, scheduler, metric=metric, storage=storage, root=str(root))
     result._publish()  # the sweeps page lists it before its first trial reports
-    logger.info("sweep of %d trials (%d to start, %d to continue) on %d groups of %d workers", trials, new_trials,
-                len(continued), len(groups), trainers_per_trial)  # fmt: skip
+    logger.info(
+        "sweep of %d trials (%d to start, %d to continue) on %d groups of %d workers",
+        trials,
+        new_trials,
+        len(continued),
+        len(groups),
+        trainers_per_trial,
+    )
     scheduler.start()
     if wait:
         result.wait()
     return result
 
 
-def _open_sweep_tracker(tracking: Any, *, study: Any, trials: int, metric: str, direction: str, fixed: dict[str, Any],
-                        space: Any) -> Any:  # fmt: skip
+def _open_sweep_tracker(
+    tracking: Any, *, study: Any, trials: int, metric: str, direction: str, fixed: dict[str, Any], space: Any
+) -> Any:
     """The sweep's MLflow parent run (each trial's fit is a run nested in it), or None when tracking is off."""
     from dask_dl.tracking import open_tracker
 
     tracker = open_tracker(tracking, run_name=f"sweep {study.study_name}", tags={"dask_dl.kind": "sweep"})
     if tracker is not None:
         searched = {f"space.{k}": repr(v) for k, v in space.items()} if isinstance(space, Mapping) else {}
-        tracker.log_params({"study": study.study_name, "trials": trials, "metric": metric, "direction": direction,
-                            "pruner": type(study.pruner).__name__, "sampler": type(study.sampler).__name__,
-                            **searched, **{f"fixed.{k}": v for k, v in fixed.items()}})  # fmt: skip
+        tracker.log_params(
+            {
+                "study": study.study_name,
+                "trials": trials,
+                "metric": metric,
+                "direction": direction,
+                "pruner": type(study.pruner).__name__,
+                "sampler": type(study.sampler).__name__,
+                **searched,
+                **{f"fixed.{k}": v for k, v in fixed.items()},
+            }
+        )
     return tracker
 
 

@@ -153,8 +153,10 @@ class Scheduler(threading.Thread):
         if self.tracking is None:
             return
         try:
-            rows = [{"number": t.number, "state": t.state.name.lower(), "value": t.value, **t.params}
-                    for t in self.study.get_trials(deepcopy=False)]  # fmt: skip
+            rows = [
+                {"number": t.number, "state": t.state.name.lower(), "value": t.value, **t.params}
+                for t in self.study.get_trials(deepcopy=False)
+            ]
             import pandas as pd
 
             self.tracking.log_table(pd.DataFrame(rows), "trials.csv")
@@ -321,8 +323,12 @@ class Scheduler(threading.Thread):
         self._moving_since = time.monotonic()
         self.spare += [a for a in record.group if a not in set(lost)]
         self.continued.insert(0, self.study._storage.get_trial(record.trial._trial_id))
-        logger.warning("trial %d lost %s (%s); it goes on from its newest checkpoint on other workers",
-                       record.number, ", ".join(lost), record.run.error)  # fmt: skip
+        logger.warning(
+            "trial %d lost %s (%s); it goes on from its newest checkpoint on other workers",
+            record.number,
+            ", ".join(lost),
+            record.run.error,
+        )
         self._regroup()
         self._changed()
 

@@ -38,8 +38,12 @@ def describe(*, metric: str, direction: str, store: str, space: Any) -> dict[str
         shape: Any = {k: json.loads(distribution_to_json(v)) for k, v in sorted(space.items())}
     else:
         shape = f"define-by-run {getattr(space, '__qualname__', type(space).__name__)}"
-    return {"metric": metric, "direction": direction, "store": os.path.abspath(store) if "://" not in store
-            else store, "space": shape}  # fmt: skip
+    return {
+        "metric": metric,
+        "direction": direction,
+        "store": os.path.abspath(store) if "://" not in store else store,
+        "space": shape,
+    }
 
 
 def open_study(

@@ -48,8 +48,11 @@ def plot_trials(results: pd.DataFrame, *, metric: str, best: int | None = None) 
         if row["state"] == "pruned":
             ax.plot(epochs[-1], curve[-1], "x", color="black", ms=8)
         ax.annotate(str(row["number"]), (epochs[-1], curve[-1]), fontsize=7, xytext=(3, 0), textcoords="offset points")
-    ax.set(xlabel="epochs trained", ylabel=metric, title=f"{metric} per trial" + (f" (best: {best})" if best is not
-           None else ""))  # fmt: skip
+    ax.set(
+        xlabel="epochs trained",
+        ylabel=metric,
+        title=f"{metric} per trial" + (f" (best: {best})" if best is not None else ""),
+    )
     from matplotlib.ticker import MaxNLocator
 
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # epochs are whole

@@ -102,8 +102,18 @@ def train_small_cnn(
             optimizer.step()
     net.eval()
     return {
-        "format": FORMAT, "model_name": "small_cnn", "model_kwargs": {"width": width}, "model": net.state_dict(),
-        "labels": labels, "task": "multilabel", "input_size": int(x.shape[-1]), "in_channels": 1,
-        "normalization": dict(DEFAULT_NORMALIZATION), "epoch": epochs - 1, "optimizer": {}, "compressor": [],
-        "rng": [], "history": [],
-    }  # fmt: skip
+        "format": FORMAT,
+        "model_name": "small_cnn",
+        "model_kwargs": {"width": width},
+        "model": net.state_dict(),
+        "labels": labels,
+        "task": "multilabel",
+        "input_size": int(x.shape[-1]),
+        "in_channels": 1,
+        "normalization": dict(DEFAULT_NORMALIZATION),
+        "epoch": epochs - 1,
+        "optimizer": {},
+        "compressor": [],
+        "rng": [],
+        "history": [],
+    }

@@ -32,10 +32,20 @@ def mlflow_server(root: str | os.PathLike, *, timeout: float = 180) -> Iterator[
     exe = shutil.which("mlflow") or str(Path(sys.executable).parent / "mlflow")
     port = free_port()
     args = [
-        exe, "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-        "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
-        "--artifacts-destination", str(root / "artifacts"), "--serve-artifacts",
-    ]  # fmt: skip
+        exe,
+        "server",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--workers",
+        "1",
+        "--backend-store-uri",
+        f"sqlite:///{root / 'mlflow.db'}",
+        "--artifacts-destination",
+        str(root / "artifacts"),
+        "--serve-artifacts",
+    ]
     log = root / "server.log"
     with open(log, "wb") as out:
         env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}

@@ -121,8 +121,9 @@ def start_sites(tracker: Tracker, run: Any) -> None:
     co = run._co
     tracker.set_tags({"dask_dl.kind": "fit_sites", "dask_dl.run_id": run.run_id, "dask_dl.model": co.model.name})
     sites = {s.name: {"store": s.store, "train": s.n_train, "val": len(s.val_samples)} for s in co.sites}
-    tracker.log_params({**_params(run.plan), **_params(co.fit_options), "trainers": co.trainers,
-                        **_params({"sites": sites})})  # fmt: skip
+    tracker.log_params(
+        {**_params(run.plan), **_params(co.fit_options), "trainers": co.trainers, **_params({"sites": sites})}
+    )
 
 
 def log_sites_round(tracker: Tracker, rows: list[dict[str, Any]]) -> None:

@@ -201,8 +201,11 @@ class _Writer:
             logger.warning(
                 "MLflow tracking at %s failed while %s (%s: %s); nothing more of this run is sent there. Training "
                 "goes on and run.history keeps every metric",
-                self.uri, what, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "",
-            )  # fmt: skip
+                self.uri,
+                what,
+                type(exc).__name__,
+                str(exc).splitlines()[0] if str(exc) else "",
+            )
 
     def experiment_id(self, client: Any, name: str | None) -> str:
         """The id of experiment ``name``, made when missing (artifacts beside an SQLite database); writer thread."""
@@ -402,8 +405,10 @@ class Tracker:
             logger.warning(
                 "MLflow tracking at %s has not taken the last records of %r within %g s "
                 "(dask-dl.tracking.timeout); they are sent in the background while this process lives",
-                self.uri, self.run_name, self._writer.timeout,
-            )  # fmt: skip
+                self.uri,
+                self.run_name,
+                self._writer.timeout,
+            )
 
     def __repr__(self) -> str:
         state = "active" if self.active else f"off: {self._writer.error}"

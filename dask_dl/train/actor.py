@@ -214,9 +214,15 @@ class TrainingActor:
             self.compressor.register(self.ddp)
             del self.ddp.register_comm_hook  # drop the timing shim: it would keep ddp in a reference cycle
         self._anchor = _proximal_anchor(model, spec)  # the parameters this rank trains, as they start
-        self.tuner = Tuner(model, head=head_name(model) if spec.head_lr is not None or spec.freeze_epochs else None,
-                           lr=spec.lr, head_lr=spec.head_lr, freeze_epochs=spec.freeze_epochs,
-                           schedule=spec.schedule, total_steps=0)  # fmt: skip
+        self.tuner = Tuner(
+            model,
+            head=head_name(model) if spec.head_lr is not None or spec.freeze_epochs else None,
+            lr=spec.lr,
+            head_lr=spec.head_lr,
+            freeze_epochs=spec.freeze_epochs,
+            schedule=spec.schedule,
+            total_steps=0,
+        )
         grouped = spec.head_lr is not None or spec.freeze_epochs > 0  # else one group, as checkpoints before
         self.optimizer = make_optimizer(spec, self.tuner.param_groups() if grouped else model.parameters())
         self.start_epoch, self.global_step, self._resume = 0, 0, None
@@ -224,18 +230,31 @@ class TrainingActor:
             self._load(checkpoint, elastic=True)
         elif checkpoint is not None or spec.resume_from is not None:
             source = checkpoint or spec.resume_from
-            self._load(load_checkpoint(source, map_location=self.device), elastic=checkpoint is not None,
-                       source=source)  # fmt: skip
+            self._load(load_checkpoint(source, map_location=self.device), elastic=checkpoint is not None, source=source)
         data_rank, data_world = data_shard(spec.parallel, spec.stages, rank, world_size)  # a pipeline's stages share
-        common = dict(rank=data_rank, world_size=data_world, seed=spec.seed, window=spec.window,
-                      prefetch=spec.prefetch, cache=spec.cache, normalization=spec.normalization)  # fmt: skip
+        common = dict(
+            rank=data_rank,
+            world_size=data_world,
+            seed=spec.seed,
+            window=spec.window,
+            prefetch=spec.prefetch,
+            cache=spec.cache,
+            normalization=spec.normalization,
+        )
         augment_on = where_to_augment(spec.augment_on, cuda=cuda)
         self.train_loader = ChunkLoader(
-            spec.store, spec.train_samples, batch_size=spec.batch_size, shuffle=True, augment=spec.augment,
-            augment_on=augment_on, pin_memory=cuda, **common,
-        )  # fmt: skip
-        self.feed = DeviceFeed(self.device, normalization=self.train_loader.normalization,
-                               deferred=augment_on == "device")  # fmt: skip
+            spec.store,
+            spec.train_samples,
+            batch_size=spec.batch_size,
+            shuffle=True,
+            augment=spec.augment,
+            augment_on=augment_on,
+            pin_memory=cuda,
+            **common,
+        )
+        self.feed = DeviceFeed(
+            self.device, normalization=self.train_loader.normalization, deferred=augment_on == "device"
+        )
         self.val_loader = ChunkLoader(
             spec.store, spec.val_samples, batch_size=spec.batch_size, shuffle=False, drop_last=False, **common
         )
@@ -308,8 +327,13 @@ class TrainingActor:
             set_rng_state(checkpoint["rng"][self.rank])
         self.global_step = int(checkpoint.get("global_step", 0))
         data_world = data_shard(self.spec.parallel, self.spec.stages, self.rank, self.world_size)[1]
-        self._resume = epoch_resume(checkpoint, rank=self.rank, world_size=self.world_size,
-                                    batch_size=self.spec.batch_size, data_world=data_world)  # fmt: skip
+        self._resume = epoch_resume(
+            checkpoint,
+            rank=self.rank,
+            world_size=self.world_size,
+            batch_size=self.spec.batch_size,
+            data_world=data_world,
+        )
         self.start_epoch = self._resume.position.epoch if self._resume else int(checkpoint["epoch"]) + 1
 
     # ---- one epoch ------------------------------------------------------------------------------------
@@ -370,8 +394,11 @@ class TrainingActor:
                 lrs = self._optimizer_step()
             clock.end()
             self.global_step += 1
-            self._progress.update(step=offset + step + 1, images_per_s=examples * data_world / clock.elapsed(),
-                                  global_step=self.global_step)  # fmt: skip
+            self._progress.update(
+                step=offset + step + 1,
+                images_per_s=examples * data_world / clock.elapsed(),
+                global_step=self.global_step,
+            )
             # step checkpoints at optimizer steps only: an accumulation's partial gradients are not saved
             if self._step_checkpoint_due(agreed) and last_micro and step + 1 < steps and not agreed.stop:
                 partial = dict(loss_acc=loss_acc, examples=before_examples + examples, steps=before_steps + step + 1)
@@ -554,9 +581,16 @@ class TrainingActor:
         watcher = threading.Thread(target=self._watch_release, args=args, name="dask-dl-trainer-watch", daemon=True)
         watcher.start()
         try:
-            result = self._epochs(first_epoch=first_epoch, epochs=epochs, history=history, directory=directory,
-                                  topic=topic, global_batch=global_batch, price=price,
-                                  event="restarted" if restarted else "resumed" if resumed else "")  # fmt: skip
+            result = self._epochs(
+                first_epoch=first_epoch,
+                epochs=epochs,
+                history=history,
+                directory=directory,
+                topic=topic,
+                global_batch=global_batch,
+                price=price,
+                event="restarted" if restarted else "resumed" if resumed else "",
+            )
         except BaseException as exc:
             # leave the group now: the driver's teardown may never come (a client gone, a peer hung), and the
             # worker must be as good as new for the next fit; every rank keeps its last checkpoint for the driver
@@ -581,8 +615,11 @@ class TrainingActor:
         """
         while not end.wait(_WATCH_S):
             if not registered(worker, self):
-                logger.warning("worker %s: trainer %d was released by its client (disconnected?); stopping",
-                               worker.address, self.rank)  # fmt: skip
+                logger.warning(
+                    "worker %s: trainer %d was released by its client (disconnected?); stopping",
+                    worker.address,
+                    self.rank,
+                )
                 with self._release_lock:
                     self._orphaned = True
                     self._stop.set()  # every rank sees its own release; they agree on the step at the next check
@@ -634,8 +671,14 @@ class TrainingActor:
             scored = self._gather_to_root(self.validate(epoch))
             row = None
             if self.rank == 0:
-                row = epoch_row(epoch, trained, scored, seconds=time.perf_counter() - started,
-                                event=event if epoch == first_epoch else "", **common)  # fmt: skip
+                row = epoch_row(
+                    epoch,
+                    trained,
+                    scored,
+                    seconds=time.perf_counter() - started,
+                    event=event if epoch == first_epoch else "",
+                    **common,
+                )
                 row.update({k: trained[0][k] for k in ("samples", "samples_repeated") if k in trained[0]})
                 row.update(report["lrs"])
                 history.append(plain(row))
@@ -674,15 +717,19 @@ class TrainingActor:
         ``position`` (an :class:`~dask_dl.data.position.EpochPosition`) and ``partial`` (this rank's loss
         accumulators) make it a step checkpoint inside epoch ``position.epoch``.
         """
-        return checkpoint_state(self, epoch, history=history, directory=directory, position=position,
-                                partial=partial)  # fmt: skip
+        return checkpoint_state(self, epoch, history=history, directory=directory, position=position, partial=partial)
 
     def _step_checkpoint(self, position: Any, partial: dict[str, Any]) -> None:
         """A checkpoint inside epoch ``position.epoch``, taken by every rank at the same step (collective)."""
         context = self._context or {}
         directory = context.get("directory")
-        checkpoint = self.checkpoint(position.epoch - 1, history=context.get("history", []), directory=directory,
-                                     position=position, partial=partial)  # fmt: skip
+        checkpoint = self.checkpoint(
+            position.epoch - 1,
+            history=context.get("history", []),
+            directory=directory,
+            position=position,
+            partial=partial,
+        )
         if directory is None:
             self._latest_step = checkpoint
 
@@ -705,10 +752,26 @@ class TrainingActor:
         # DDP's reducer, a pipeline's or FSDP's wrapper and a compressor's state hold the process group: they must
         # be gone before the group goes, not at interpreter exit. Dropping them usually frees them; a collection
         # (0.15-0.2 s in a worker that imported torch) runs only when a reference cycle keeps one alive.
-        holders = [weakref.ref(self.__dict__[name]) for name in ("ddp", "parallel", "compressor")
-                   if self.__dict__.get(name) is not None]  # fmt: skip
-        for name in ("ddp", "parallel", "optimizer", "compressor", "train_loader", "val_loader", "feed", "timer",
-                     "tuner", "precision", "loss_fn", "_anchor", "_group_sockets"):  # fmt: skip
+        holders = [
+            weakref.ref(self.__dict__[name])
+            for name in ("ddp", "parallel", "compressor")
+            if self.__dict__.get(name) is not None
+        ]
+        for name in (
+            "ddp",
+            "parallel",
+            "optimizer",
+            "compressor",
+            "train_loader",
+            "val_loader",
+            "feed",
+            "timer",
+            "tuner",
+            "precision",
+            "loss_fn",
+            "_anchor",
+            "_group_sockets",
+        ):
             self.__dict__.pop(name, None)
         if not keep_latest:
             self._latest = self._latest_step = None

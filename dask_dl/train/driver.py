@@ -696,6 +696,9 @@ def _where(checkpoint: dict[str, Any] | None) -> dict[str, int]:
     global_step = int(checkpoint.get("global_step", 0))
     if checkpoint.get("position") is not None:
         position = checkpoint["position"]
-        return {"epoch": int(position["epoch"]), "step": int(position["segments"][-1]["steps"]),
-                "global_step": global_step}  # fmt: skip
+        return {
+            "epoch": int(position["epoch"]),
+            "step": int(position["segments"][-1]["steps"]),
+            "global_step": global_step,
+        }
     return {"epoch": int(checkpoint["epoch"]) + 1, "step": 0, "global_step": global_step}

@@ -30,11 +30,34 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["LRFinder", "find_lr"]
 
 #: ``fit`` options that make no sense for a range test: it trains one trainer for ``steps`` steps, keeps nothing
-_NOT_TAKEN = ("epochs", "trainers", "checkpoint_dir", "resume", "view", "tensorboard", "wait", "workers", "schedule",
-              "compression", "compression_options", "warmup_steps", "max_restarts", "min_trainers",
-              "checkpoint_every_steps", "checkpoint_every_seconds", "parallel", "stages", "microbatches",
-              "freeze_epochs", "head_lr", "proximal_mu", "precision", "channels_last", "activation_checkpointing",
-              "memory_budget")  # fmt: skip
+_NOT_TAKEN = (
+    "epochs",
+    "trainers",
+    "checkpoint_dir",
+    "resume",
+    "view",
+    "tensorboard",
+    "wait",
+    "workers",
+    "schedule",
+    "compression",
+    "compression_options",
+    "warmup_steps",
+    "max_restarts",
+    "min_trainers",
+    "checkpoint_every_steps",
+    "checkpoint_every_seconds",
+    "parallel",
+    "stages",
+    "microbatches",
+    "freeze_epochs",
+    "head_lr",
+    "proximal_mu",
+    "precision",
+    "channels_last",
+    "activation_checkpointing",
+    "memory_budget",
+)
 
 
 @dataclass(frozen=True)
@@ -72,8 +95,13 @@ class LRFinder:
         ax.plot(self.results["lr"], self.results["smoothed_loss"], color="C0", lw=1.5, label="smoothed")
         if self.suggestion is not None:
             at = int(np.argmin(np.abs(self.results["lr"].to_numpy() - self.suggestion)))
-            ax.plot([self.suggestion], [self.results["smoothed_loss"].iloc[at]], "o", color="C3",
-                    label=f"suggestion {self.suggestion:.2g}")  # fmt: skip
+            ax.plot(
+                [self.suggestion],
+                [self.results["smoothed_loss"].iloc[at]],
+                "o",
+                color="C3",
+                label=f"suggestion {self.suggestion:.2g}",
+            )
         ax.set_xscale("log")
         ax.set_xlabel("learning rate")
         ax.set_ylabel("training loss")
@@ -156,17 +184,31 @@ def find_lr(
     from dask_dl.train.placement import place_trainers
     from dask_dl.train.run import _trainer_spec
 
-    ramp = _check_ramp(start_lr=start_lr, end_lr=end_lr, steps=steps, stop_factor=stop_factor, smoothing=smoothing,
-                       skip_start=skip_start)  # fmt: skip
+    ramp = _check_ramp(
+        start_lr=start_lr,
+        end_lr=end_lr,
+        steps=steps,
+        stop_factor=stop_factor,
+        smoothing=smoothing,
+        skip_start=skip_start,
+    )
     _check_kwargs(fit_kwargs, check_run)
     options = check_run(dataset, trainers=1, lr=start_lr, **fit_kwargs)
     spec = _trainer_spec(options, None)
     client_ = get_client(client)
     try:
         worker = place_trainers(client_, 1)[0]
-        future = client_.submit(_range_test, spec, ramp=ramp, stop_factor=stop_factor, smoothing=smoothing,
-                                workers=[worker], allow_other_workers=False, pure=False,
-                                key=f"dask-dl-find-lr-{id(spec):x}")  # fmt: skip
+        future = client_.submit(
+            _range_test,
+            spec,
+            ramp=ramp,
+            stop_factor=stop_factor,
+            smoothing=smoothing,
+            workers=[worker],
+            allow_other_workers=False,
+            pure=False,
+            key=f"dask-dl-find-lr-{id(spec):x}",
+        )
         measured = future.result()
     finally:
         if client is None:
@@ -195,8 +237,9 @@ def _check_ramp(
             f"steps={steps} leaves fewer than 3 steps after skip_start={skip_start} to find the steepest descent "
             f"in; pass steps >= {skip_start + 3} (e.g. steps=100)"
         )
-    if stop_factor is not None and (isinstance(stop_factor, bool) or not isinstance(stop_factor, int | float)
-                                    or not stop_factor > 1):  # fmt: skip
+    if stop_factor is not None and (
+        isinstance(stop_factor, bool) or not isinstance(stop_factor, int | float) or not stop_factor > 1
+    ):
         raise ConfigurationError(f"stop_factor must be a number above 1 or None, got {stop_factor!r}; e.g. 4.0")
     if isinstance(smoothing, bool) or not isinstance(smoothing, int | float) or not 0 <= smoothing < 1:
         raise ConfigurationError(f"smoothing must be in [0, 1), got {smoothing!r}; e.g. smoothing=0.98")
@@ -240,9 +283,17 @@ def _range_test(spec: Any, *, ramp: list[float], stop_factor: float | None, smoo
     model = model.to(device).train()
     loss_fn = loss_function(spec.loss)
     optimizer = make_optimizer(spec, model.parameters())
-    loader = ChunkLoader(spec.store, spec.train_samples, batch_size=spec.batch_size, seed=spec.seed,
-                         window=spec.window, prefetch=spec.prefetch, cache=spec.cache, augment=spec.augment,
-                         normalization=spec.normalization)  # fmt: skip
+    loader = ChunkLoader(
+        spec.store,
+        spec.train_samples,
+        batch_size=spec.batch_size,
+        seed=spec.seed,
+        window=spec.window,
+        prefetch=spec.prefetch,
+        cache=spec.cache,
+        augment=spec.augment,
+        normalization=spec.normalization,
+    )
     rows, average, lowest, stopped, epoch = [], 0.0, math.inf, "end", 0
     batches = loader.epoch(epoch)
     try:

@@ -111,9 +111,15 @@ def check_run(dataset: Any, **given: Any) -> RunOptions:
     o["resume"], o["augment"] = bool(o["resume"]), bool(o["augment"])
     source = _check_model(data, o)
     _check_compression(o["compression"], o["warmup_steps"], o["compression_options"])
-    plan = check_parallel(o["parallel"], trainers=o["trainers"], batch_size=o["batch_size"],
-                          compression=o["compression"], stages=o["stages"], microbatches=o["microbatches"],
-                          schedule=o["pipeline_schedule"])  # fmt: skip
+    plan = check_parallel(
+        o["parallel"],
+        trainers=o["trainers"],
+        batch_size=o["batch_size"],
+        compression=o["compression"],
+        stages=o["stages"],
+        microbatches=o["microbatches"],
+        schedule=o["pipeline_schedule"],
+    )
     plan["pipeline_schedule"] = plan.pop("schedule")
     o.update(plan)
     _check_combination(source, o)
@@ -129,8 +135,13 @@ def check_run(dataset: Any, **given: Any) -> RunOptions:
     if o["parallel"] == "pipeline":  # a model that cannot be cut into the stages fails here, not on a trainer
         from dask_dl.train.parallel.split import check_split
 
-        check_split(o["model"], o["model_kwargs"], num_outputs=len(data["labels"]), in_channels=data["channels"],
-                    stages=o["stages"])  # fmt: skip
+        check_split(
+            o["model"],
+            o["model_kwargs"],
+            num_outputs=len(data["labels"]),
+            in_channels=data["channels"],
+            stages=o["stages"],
+        )
     o["memory_budget"] = _check_memory(o, data)
     _check_recovery(o)
     if n_train // (trainers * batch_size) < accumulate:
@@ -223,8 +234,13 @@ def _check_model(data: dict[str, Any], o: dict[str, Any]) -> Any:
     source = model_source(o["model"], o["model_kwargs"])
     o["loss"], data["task"] = check_loss(o["loss"], data["task"])
     if source.kind == "module":  # built already: a model that does not fit the data fails here, at no cost
-        check_fits(source.target, name=source.name, in_channels=int(data.get("channels", 1)),
-                   input_size=data["input_size"], labels=data["labels"])  # fmt: skip
+        check_fits(
+            source.target,
+            name=source.name,
+            in_channels=int(data.get("channels", 1)),
+            input_size=data["input_size"],
+            labels=data["labels"],
+        )
     data["model_source"] = source
     return source
 
@@ -278,8 +294,16 @@ def _check_memory(o: dict[str, Any], data: dict[str, Any]) -> int | None:
 
     budget = parse_budget(o["memory_budget"])
     if budget is not None:
-        check_memory_budget(o["model"], o["model_kwargs"], num_outputs=len(data["labels"]),
-                            in_channels=data["channels"], budget=budget, parallel=o["parallel"],
-                            trainers=o["trainers"], stages=o["stages"], optimizer=o["optimizer"],
-                            momentum=o["momentum"])  # fmt: skip
+        check_memory_budget(
+            o["model"],
+            o["model_kwargs"],
+            num_outputs=len(data["labels"]),
+            in_channels=data["channels"],
+            budget=budget,
+            parallel=o["parallel"],
+            trainers=o["trainers"],
+            stages=o["stages"],
+            optimizer=o["optimizer"],
+            momentum=o["momentum"],
+        )
     return budget

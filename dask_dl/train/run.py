@@ -319,8 +319,11 @@ def fit_visit(
     given_tracker = tracking if isinstance(tracking, Tracker) else None
     uri = None if given_tracker is not None else tracking_uri(tracking)  # a bad URI fails before any work
     options = check_run(dataset, **given)
-    visit = {"start_state": start_state, "proximal_mu": non_negative_real("proximal_mu", proximal_mu),
-             "weights_only": bool(weights_only)}  # fmt: skip
+    visit = {
+        "start_state": start_state,
+        "proximal_mu": non_negative_real("proximal_mu", proximal_mu),
+        "weights_only": bool(weights_only),
+    }
     total_steps = options.steps_per_epoch // options.accumulate * options.epochs
     compressed = options.compression not in ("none", "auto")  # auto says what it chose, warm-up included
     if compressed and options.parallel == "ddp" and options.warmup_steps >= total_steps:
@@ -347,9 +350,15 @@ def fit_visit(
         check_visible(client, options.store, workers=workers)  # the trainers open the store themselves
         check_importable(client, _modules_needed(options), workers=workers)  # and import the user's modules
         run = TrainingRun(
-            client, options, workers=workers, history=history, resume_from=resume_from, owns_client=owns_client,
-            visit=visit, among=workers_allowed,
-        )  # fmt: skip
+            client,
+            options,
+            workers=workers,
+            history=history,
+            resume_from=resume_from,
+            owns_client=owns_client,
+            visit=visit,
+            among=workers_allowed,
+        )
     except BaseException:
         if lease is not None:
             lease.release()
@@ -620,8 +629,12 @@ class TrainingRun:
         self.info["augment_on"] = infos[0].get("augment_on")
         if infos[0].get("compression"):  # compression="auto": the choice, its reason and the measured figures
             self.info["compression"] = infos[0]["compression"]
-            logger.info("%s: compression=%r: %s", self.run_id, self.info["compression"]["name"],
-                        self.info["compression"]["reason"])  # fmt: skip
+            logger.info(
+                "%s: compression=%r: %s",
+                self.run_id,
+                self.info["compression"]["name"],
+                self.info["compression"]["reason"],
+            )
         self.steps_per_epoch = infos[0]["steps_per_epoch"]
         self._epoch = infos[0]["start_epoch"]
         self.status = "running"
@@ -679,8 +692,9 @@ class TrainingRun:
             if self._owns_client:  # fit started this cluster for the run: nothing is left running
                 close_client(self.client)
         except Exception as exc:  # the run's outcome stands; what failed after it is reported, not raised
-            logger.warning("%s: closing the run's view, history or cluster failed: %s: %s", self.run_id,
-                           type(exc).__name__, exc)  # fmt: skip
+            logger.warning(
+                "%s: closing the run's view, history or cluster failed: %s: %s", self.run_id, type(exc).__name__, exc
+            )
         finally:
             self._finished.set()
 

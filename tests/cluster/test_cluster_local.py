@@ -142,10 +142,27 @@ def test_cli_predict_on_gpu_scores_on_the_tagged_workers(tls_client, story, tmp_
     files = write_tls_files(client.security, tmp_path)
     out = tmp_path / "scores.parquet"
     command = [
-        sys.executable, "-m", "dask_dl.cli", "predict", story.store, story.model, "--out", str(out), "--split",
-        "test", "--on", "gpu", "--scheduler", client.scheduler.address, "--tls-ca", files["ca"], "--tls-cert",
-        files["cert"], "--tls-key", files["key"],
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "dask_dl.cli",
+        "predict",
+        story.store,
+        story.model,
+        "--out",
+        str(out),
+        "--split",
+        "test",
+        "--on",
+        "gpu",
+        "--scheduler",
+        client.scheduler.address,
+        "--tls-ca",
+        files["ca"],
+        "--tls-cert",
+        files["cert"],
+        "--tls-key",
+        files["key"],
+    ]
     with get_task_stream(client) as stream:  # the scheduler records the CLI's tasks too
         done = subprocess.run(command, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -157,8 +174,22 @@ def test_cli_predict_on_gpu_scores_on_the_tagged_workers(tls_client, story, tmp_
 
 def test_cli_predict_on_gpu_without_gpu_workers_says_what_to_start(story, tmp_path):
     out = tmp_path / "scores.parquet"
-    command = [sys.executable, "-m", "dask_dl.cli", "predict", story.store, story.model, "--out", str(out), "--on",
-               "gpu", "--cluster", "local", "--workers", "1"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "dask_dl.cli",
+        "predict",
+        story.store,
+        story.model,
+        "--out",
+        str(out),
+        "--on",
+        "gpu",
+        "--cluster",
+        "local",
+        "--workers",
+        "1",
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=180)
     assert done.returncode == 1
     assert (

@@ -133,8 +133,10 @@ def test_the_ctrl_c_preload_keeps_the_preloads_and_their_arguments_aligned():
     from dask_dl.cluster.sigint import PRELOAD, with_preload
 
     assert with_preload({"preload": "mine", "preload_argv": [["--x"]], "n": 1}) == {
-        "preload": ["mine", PRELOAD], "preload_argv": [["--x"], []], "n": 1,
-    }  # fmt: skip
+        "preload": ["mine", PRELOAD],
+        "preload_argv": [["--x"], []],
+        "n": 1,
+    }
     assert with_preload({"preload": ["a", "b"], "preload_argv": ["--y"]})["preload_argv"] == ["--y"]  # one for all
     with dask.config.set({"distributed.worker.preload": ["cfg"], "distributed.worker.preload-argv": [["--z"]]}):
         assert with_preload({}) == {"preload": ["cfg", PRELOAD], "preload_argv": [["--z"], []]}

@@ -11,8 +11,16 @@ from dask_dl import ConfigurationError, DatasetError
 from dask_dl.data.boxes import attach_boxes, boxes_of, read_boxes
 from dask_dl.data.radiograph import BOX_FINDINGS, draw, draw_with_boxes
 
-NIH_COUNTS = {"Atelectasis": 180, "Cardiomegaly": 146, "Effusion": 153, "Infiltration": 123, "Mass": 85,
-              "Nodule": 79, "Pneumonia": 120, "Pneumothorax": 98}  # fmt: skip
+NIH_COUNTS = {
+    "Atelectasis": 180,
+    "Cardiomegaly": 146,
+    "Effusion": 153,
+    "Infiltration": 123,
+    "Mass": 85,
+    "Nodule": 79,
+    "Pneumonia": 120,
+    "Pneumothorax": 98,
+}
 
 
 def test_real_nih_table_has_the_published_boxes(shared_data):

@@ -93,9 +93,21 @@ def test_nih_columns_labels_paths(tmp_path):
     root = write_nih(tmp_path / "nih")
     catalog = read_nih(root, seed=0)
     assert list(catalog.columns) == [
-        "image_id", "path", "patient_id", "site", "split", *NIH_LABELS,
-        "follow_up", "age", "sex", "view", "orig_width", "orig_height", "spacing_x", "spacing_y",
-    ]  # fmt: skip
+        "image_id",
+        "path",
+        "patient_id",
+        "site",
+        "split",
+        *NIH_LABELS,
+        "follow_up",
+        "age",
+        "sex",
+        "view",
+        "orig_width",
+        "orig_height",
+        "spacing_x",
+        "spacing_y",
+    ]
     assert catalog.attrs == {"labels": list(NIH_LABELS), "task": "multilabel"}
     assert list(catalog["image_id"]) == [r[0] for r in ROWS]
     assert list(catalog["patient_id"]) == ["00000001"] * 2 + ["00000002"] + ["00000003"] * 2 + [

@@ -246,9 +246,18 @@ def run(stores, cluster_client, learning_seed):
     colour, _ = stores
     ds = dask_dl.open_dataset(colour)
     return dask_dl.fit(
-        ds, model="small_cnn", model_kwargs={"width": 8}, epochs=2, batch_size=8, trainers=2, lr=0.05, optimizer="sgd",
-        seed=1 + learning_seed, client=cluster_client, normalization=channel_stats(ds),
-    )  # fmt: skip
+        ds,
+        model="small_cnn",
+        model_kwargs={"width": 8},
+        epochs=2,
+        batch_size=8,
+        trainers=2,
+        lr=0.05,
+        optimizer="sgd",
+        seed=1 + learning_seed,
+        client=cluster_client,
+        normalization=channel_stats(ds),
+    )
 
 
 @pytest.mark.learning

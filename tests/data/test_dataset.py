@@ -79,9 +79,18 @@ def test_open_dataset_contract(ingested):
     np.testing.assert_array_equal(ds.label.values, catalog[LABELS].to_numpy(np.uint8)[valid])
     assert ds.valid.values.all()
     assert ds.attrs["dask_dl"] == {
-        "format": 1, "size": 16, "chunk": 2, "shard": 3, "labels": LABELS, "task": "multilabel", "n": N,
-        "channels": 1, "order": "catalog", "order_seed": 0, "complete": True,
-    }  # fmt: skip
+        "format": 1,
+        "size": 16,
+        "chunk": 2,
+        "shard": 3,
+        "labels": LABELS,
+        "task": "multilabel",
+        "n": N,
+        "channels": 1,
+        "order": "catalog",
+        "order_seed": 0,
+        "complete": True,
+    }
     assert ds.encoding["source"] == str(store)
     # lazy, every variable chunked alike, and no dask chunk straddles two Zarr chunks (of 2 images)
     assert ds.image.chunks is not None and ds.label.chunks is not None

@@ -82,9 +82,18 @@ def test_round_trip(cluster_client, tmp_path):
     # the layout of the contract, read with zarr directly
     group = zarr.open_group(store, mode="r")
     assert group.attrs["dask_dl"] == {
-        "format": 1, "size": SIZE, "chunk": CHUNK, "shard": SHARD, "labels": LABELS, "task": "multilabel",
-        "n": n, "channels": 1, "order": "catalog", "order_seed": 0, "complete": True,
-    }  # fmt: skip
+        "format": 1,
+        "size": SIZE,
+        "chunk": CHUNK,
+        "shard": SHARD,
+        "labels": LABELS,
+        "task": "multilabel",
+        "n": n,
+        "channels": 1,
+        "order": "catalog",
+        "order_seed": 0,
+        "complete": True,
+    }
     image = group["image"]
     assert (image.shape, image.dtype, image.chunks, image.shards) == (
         (n, SIZE, SIZE),
@@ -404,8 +413,13 @@ def test_hostile_rows_are_rejects_and_the_rest_is_ingested(cluster_client, tmp_p
     finally:
         server.close()
     assert result.rejects.set_index("row")["reason"].to_dict() == {
-        1: "unreadable", 4: "unreadable", 6: "refused", 9: "refused", 11: "too_large", 14: "degenerate",
-    }  # fmt: skip
+        1: "unreadable",
+        4: "unreadable",
+        6: "refused",
+        9: "refused",
+        11: "too_large",
+        14: "degenerate",
+    }
     messages = result.rejects.set_index("row")["message"]
     assert "a FIFO (named pipe)" in messages[1] and "a character device" in messages[4]
     assert "NUL byte" in messages[6] and "scheme 'http' is not allowed" in messages[9]
@@ -578,8 +592,22 @@ def test_ctrl_c_in_the_terminal_stops_ingest_after_the_shards_being_written(clus
     store = tmp_path / "stopped.zarr"
     status, output = store / "_dask_dl" / "status", tmp_path / "output.txt"
     env = {**os.environ, "DASK_DASK_DL__INGEST__ALLOWED_SCHEMES": '["file", "http"]'}
-    command = [sys.executable, "-m", "dask_dl.cli", "ingest", str(tmp_path / "catalog.parquet"), str(store),
-               "--size", "32", "--chunk", "2", "--shard", "2", "--workers", "2"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "dask_dl.cli",
+        "ingest",
+        str(tmp_path / "catalog.parquet"),
+        str(store),
+        "--size",
+        "32",
+        "--chunk",
+        "2",
+        "--shard",
+        "2",
+        "--workers",
+        "2",
+    ]
     with output.open("w") as out:
         process = subprocess.Popen(command, start_new_session=True, stdout=out, stderr=subprocess.STDOUT, env=env)
     request.addfinalizer(lambda: process.poll() is None and os.killpg(process.pid, signal.SIGKILL))
@@ -881,8 +909,14 @@ def test_ingest_tasks_reuse_freed_memory_under_the_nannys_trim_threshold(cluster
     for i in range(16):  # noise: the PNG files hardly compress
         paths.append(tmp_path / f"{i}.png")
         Image.fromarray(rng.integers(0, 256, (1024, 1024), dtype=np.uint8)).save(paths[-1], compress_level=1)
-    rows = {"image_id": [p.name for p in paths], "path": list(map(str, paths)), "site": "a", "split": "train",
-            "patient_id": [f"p{i}" for i in range(16)], "Finding": [i % 2 for i in range(16)]}  # fmt: skip
+    rows = {
+        "image_id": [p.name for p in paths],
+        "path": list(map(str, paths)),
+        "site": "a",
+        "split": "train",
+        "patient_id": [f"p{i}" for i in range(16)],
+        "Finding": [i % 2 for i in range(16)],
+    }
     catalog = make_catalog(pd.DataFrame(rows), ["Finding"])
     file_pages = min(p.stat().st_size for p in paths) // 4096
     per_image = []

@@ -59,8 +59,11 @@ def test_ingest_stores_a_seeded_permutation_and_records_it(folders, cluster_clie
 
 def test_a_store_of_another_order_is_refused_and_bad_settings_are_named(folders, cluster_client, tmp_path):
     ingest(folders, tmp_path / "s.zarr", cluster_client, order="catalog")
-    with pytest.raises(StoreError, match=r"sample order \(dask-dl.ingest.order\): store has 'catalog', asked for "
-                       r"'shuffled'\. Pass overwrite=True"):  # fmt: skip
+    with pytest.raises(
+        StoreError,
+        match=r"sample order \(dask-dl.ingest.order\): store has 'catalog', asked for "
+        r"'shuffled'\. Pass overwrite=True",
+    ):
         ingest(folders, tmp_path / "s.zarr", cluster_client)
     ingest(folders, tmp_path / "s.zarr", cluster_client, overwrite=True)
     assert catalog_rows(tmp_path / "s.zarr").tolist() != list(range(48))
@@ -133,14 +136,24 @@ def test_fit_on_class_folders_learns_as_a_full_shuffle(cluster_client, tmp_path,
     catalog = dask_dl.read_folders(write_digits(tmp_path / "digits"))
     store = str(tmp_path / "digits.zarr")
     dask_dl.ingest(catalog, store, size=32, client=cluster_client, progress=False)
-    run = dask_dl.fit(dask_dl.open_dataset(store), model="small_cnn", epochs=6, batch_size=64, trainers=1, lr=0.05,
-                      optimizer="sgd", seed=learning_seed, client=cluster_client)  # fmt: skip
+    run = dask_dl.fit(
+        dask_dl.open_dataset(store),
+        model="small_cnn",
+        epochs=6,
+        batch_size=64,
+        trainers=1,
+        lr=0.05,
+        optimizer="sgd",
+        seed=learning_seed,
+        client=cluster_client,
+    )
     fitted = float(run.history["val_accuracy"].iloc[-1])
     train = dask_dl.open_dataset(store, split="train").sample.values
     steps = ChunkLoader(store, train, batch_size=64).steps_per_epoch
     rng = np.random.default_rng(learning_seed)
-    shuffled = plain_accuracy(store, lambda e: rng.permutation(train), epochs=6, steps=steps, batch_size=64, lr=0.05,
-                              seed=learning_seed)  # fmt: skip
+    shuffled = plain_accuracy(
+        store, lambda e: rng.permutation(train), epochs=6, steps=steps, batch_size=64, lr=0.05, seed=learning_seed
+    )
     print("digits", f"fit {fitted:.3f} plain, full shuffle {shuffled:.3f}")
     assert shuffled > 0.9, shuffled
     assert fitted >= shuffled - 0.02, (fitted, shuffled, run.history[["epoch", "train_loss", "val_accuracy"]])

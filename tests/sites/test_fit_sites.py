@@ -77,14 +77,27 @@ def test_fit_starts_from_start_state_and_pulls_towards_it(squares, cluster3):
     start = build_model("small_cnn", num_outputs=2, width=8).state_dict()
     torch.manual_seed(OPTIONS["seed"])
     seeded = build_model("small_cnn", num_outputs=2, width=8).state_dict()  # what fit starts from without it
-    still = fit_visit(dask_dl.open_dataset(squares["B"]), epochs=1, trainers=1, client=cluster3, start_state=start,
-                      **{**OPTIONS, "lr": 1e-9}).checkpoint()["model"]  # fmt: skip
+    still = fit_visit(
+        dask_dl.open_dataset(squares["B"]),
+        epochs=1,
+        trainers=1,
+        client=cluster3,
+        start_state=start,
+        **{**OPTIONS, "lr": 1e-9},
+    ).checkpoint()["model"]
     torch.testing.assert_close(_params(still), _params(start), rtol=0, atol=1e-6)
     assert float((_params(seeded) - _params(start)).abs().max()) > 0.1  # not the seeded initial weights
 
     def moved(mu: float) -> float:
-        run = fit_visit(dask_dl.open_dataset(squares["B"]), epochs=2, trainers=1, client=cluster3,
-                        start_state=start, proximal_mu=mu, **OPTIONS)  # fmt: skip
+        run = fit_visit(
+            dask_dl.open_dataset(squares["B"]),
+            epochs=2,
+            trainers=1,
+            client=cluster3,
+            start_state=start,
+            proximal_mu=mu,
+            **OPTIONS,
+        )
         return float((_params(run.checkpoint()["model"]) - _params(start)).norm())
 
     free, held = moved(0.0), moved(5.0)
@@ -93,8 +106,15 @@ def test_fit_starts_from_start_state_and_pulls_towards_it(squares, cluster3):
 
 def test_fit_trains_only_on_the_workers_given(squares, cluster3):
     workers = sorted(scheduler_workers(cluster3))
-    run = fit_visit(dask_dl.open_dataset(squares["A"]), epochs=1, trainers=1, client=cluster3,
-                    workers=workers[2:], weights_only=True, **OPTIONS)  # fmt: skip
+    run = fit_visit(
+        dask_dl.open_dataset(squares["A"]),
+        epochs=1,
+        trainers=1,
+        client=cluster3,
+        workers=workers[2:],
+        weights_only=True,
+        **OPTIONS,
+    )
     assert run.workers == workers[2:]
     assert set(run.checkpoint()) == {"model", "epoch", "model_name"}
     with pytest.raises(dask_dl.ClusterError, match="not workers of the cluster"):
@@ -221,8 +241,9 @@ def test_normalization_is_every_sites_and_travels_with_the_model(squares, cluste
     torch.manual_seed(OPTIONS["seed"])
     initial = build_model("small_cnn", num_outputs=2, width=8).state_dict()  # what every protocol starts from
     visit = {**OPTIONS, "seed": OPTIONS["seed"] + 1000, "warmup_steps": 0}
-    alone = fit_visit(ds, epochs=1, trainers=1, client=cluster3, start_state=initial, normalization=norm,
-                      **visit).checkpoint()["model"]  # fmt: skip
+    alone = fit_visit(
+        ds, epochs=1, trainers=1, client=cluster3, start_state=initial, normalization=norm, **visit
+    ).checkpoint()["model"]
     for key, value in alone.items():
         torch.testing.assert_close(run.state()[key], value, rtol=0, atol=1e-6)
     # scored with it, on the site
@@ -259,9 +280,11 @@ def test_a_model_of_your_own_by_its_import_path_trains_across_sites_and_exports(
     assert isinstance(model, TinyNet) and model.conv1.out_channels == 2
     checkpoint = run.checkpoint()
     assert checkpoint["model_source"] == {
-        "kind": "factory", "name": "dask_dl.testing.models:tiny_net", "kwargs": {"width": 2},
+        "kind": "factory",
+        "name": "dask_dl.testing.models:tiny_net",
+        "kwargs": {"width": 2},
         "path": "dask_dl.testing.models:tiny_net",
-    }  # fmt: skip
+    }
     path = dask_dl.export_onnx(checkpoint, tmp_path / "own.onnx")  # rebuilt from the path, without the code
     assert read_model_info(path).labels == ("a", "b")
     same = dask_dl.fit_sites(

@@ -55,7 +55,7 @@ def test_xsite_runs_a_plan(two_sites, tmp_path):
             str(out),
             "--history",
             str(tmp_path / "h.csv"),
-        ],  # fmt: skip
+        ],
     )
     assert result.exit_code == 0, result.output
     assert "round 0: A=" in result.output and "round 1: A=" in result.output

@@ -63,10 +63,16 @@ def test_asha_prunes_losers_keeps_every_trial_and_the_best_exports(long_store, c
     store = long_store
     epochs = 4  # ASHA's rungs are at epochs 1 and 3
     result = dask_dl.sweep(
-        dask_dl.open_dataset(store), {"lr": CategoricalDistribution(LRS)}, trials=len(LRS), sampler="grid",
-        pruner="asha", epochs=epochs, client=cluster_client, storage=tmp_path / "sweep.db",
+        dask_dl.open_dataset(store),
+        {"lr": CategoricalDistribution(LRS)},
+        trials=len(LRS),
+        sampler="grid",
+        pruner="asha",
+        epochs=epochs,
+        client=cluster_client,
+        storage=tmp_path / "sweep.db",
         **{**FIXED, "batch_size": 2},
-    )  # fmt: skip
+    )
     results = result.results
     print(results[["number", "state", "params_lr", "best", "epochs", "seconds"]])
     assert sorted(results["number"]) == list(range(len(LRS)))
@@ -124,9 +130,17 @@ def _check_sweeps_page(result, results) -> None:
 
 def test_a_trial_whose_fit_fails_is_recorded_failed_and_the_others_complete(store, cluster_client):
     result = dask_dl.sweep(
-        dask_dl.open_dataset(store), {"batch_size": CategoricalDistribution([8, 500])}, trials=2, sampler="grid",
-        pruner="none", epochs=1, lr=0.1, model="small_cnn", model_kwargs={"width": 8}, client=cluster_client,
-    )  # fmt: skip
+        dask_dl.open_dataset(store),
+        {"batch_size": CategoricalDistribution([8, 500])},
+        trials=2,
+        sampler="grid",
+        pruner="none",
+        epochs=1,
+        lr=0.1,
+        model="small_cnn",
+        model_kwargs={"width": 8},
+        client=cluster_client,
+    )
     results = result.results.set_index("params_batch_size")
     print(results[["state", "error"]])
     assert results.loc[500, "state"] == "failed"
@@ -142,9 +156,15 @@ def test_define_by_run_space(store, cluster_client):
         return {"optimizer": optimizer, "lr": trial.suggest_float("lr", high / 10, high, log=True)}
 
     result = dask_dl.sweep(
-        dask_dl.open_dataset(store), space, trials=2, sampler="random", pruner="none", epochs=1,
-        client=cluster_client, **FIXED,
-    )  # fmt: skip
+        dask_dl.open_dataset(store),
+        space,
+        trials=2,
+        sampler="random",
+        pruner="none",
+        epochs=1,
+        client=cluster_client,
+        **FIXED,
+    )
     results = result.results
     assert list(results["state"]) == ["complete", "complete"]
     for params in results["params"]:
@@ -157,9 +177,16 @@ def test_a_tracked_sweep_is_a_parent_run_with_a_nested_run_per_trial(store, clus
 
     uri = f"sqlite:///{tmp_path / 'runs.db'}"
     result = dask_dl.sweep(
-        dask_dl.open_dataset(store), {"lr": CategoricalDistribution([0.05, 0.1])}, trials=2, sampler="grid",
-        pruner="none", epochs=2, tracking=uri, client=cluster_client, **FIXED,
-    )  # fmt: skip
+        dask_dl.open_dataset(store),
+        {"lr": CategoricalDistribution([0.05, 0.1])},
+        trials=2,
+        sampler="grid",
+        pruner="none",
+        epochs=2,
+        tracking=uri,
+        client=cluster_client,
+        **FIXED,
+    )
     mlflow = MlflowClient(uri)
     (experiment,) = [e for e in mlflow.search_experiments() if e.name == "dask-dl"]
     runs = mlflow.search_runs([experiment.experiment_id])
@@ -186,13 +213,24 @@ def test_a_trial_whose_worker_is_killed_goes_on_from_its_checkpoint(store, tmp_p
     from distributed import Client, LocalCluster
 
     epochs = 3
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster, \
-            Client(cluster) as client, dask.config.set({"dask-dl.train.restart-wait": 2}):  # fmt: skip
+    with (
+        LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+        dask.config.set({"dask-dl.train.restart-wait": 2}),
+    ):
         result = dask_dl.sweep(
-            dask_dl.open_dataset(store), {"lr": CategoricalDistribution([0.05, 0.1])}, trials=2, sampler="grid",
-            pruner="none", epochs=epochs, batch_size=2, checkpoint_dir=str(tmp_path), client=client, wait=False,
+            dask_dl.open_dataset(store),
+            {"lr": CategoricalDistribution([0.05, 0.1])},
+            trials=2,
+            sampler="grid",
+            pruner="none",
+            epochs=epochs,
+            batch_size=2,
+            checkpoint_dir=str(tmp_path),
+            client=client,
+            wait=False,
             **{k: v for k, v in FIXED.items() if k != "batch_size"},
-        )  # fmt: skip
+        )
         first = tmp_path / "trial-0000" / "epoch-0000.pt"
         deadline = time.monotonic() + 240
         while not first.exists():
@@ -262,14 +300,33 @@ def test_bad_input_is_one_error_before_any_trial(store, cluster_client, tmp_path
 def test_a_storage_that_holds_this_sweep_needs_resume(store, cluster_client, tmp_path):
     storage = tmp_path / "sweep.db"
     space = {"lr": CategoricalDistribution([0.1])}
-    dask_dl.sweep(dask_dl.open_dataset(store), space, trials=1, epochs=1, storage=storage, client=cluster_client,
-                  pruner="none", **FIXED)  # fmt: skip
+    dask_dl.sweep(
+        dask_dl.open_dataset(store),
+        space,
+        trials=1,
+        epochs=1,
+        storage=storage,
+        client=cluster_client,
+        pruner="none",
+        **FIXED,
+    )
     with pytest.raises(ConfigurationError, match="holds this sweep already .1 trials.; pass resume=True"):
-        dask_dl.sweep(dask_dl.open_dataset(store), space, trials=2, epochs=1, storage=storage, client=cluster_client,
-                      **FIXED)  # fmt: skip
+        dask_dl.sweep(
+            dask_dl.open_dataset(store), space, trials=2, epochs=1, storage=storage, client=cluster_client, **FIXED
+        )
     with pytest.raises(ConfigurationError, match="holds another sweep .metric: stored 'val_auroc_mean', asked"):
-        dask_dl.sweep(dask_dl.open_dataset(store), space, trials=2, epochs=1, storage=storage, client=cluster_client,
-                      metric="val_loss", direction="minimize", resume=True, **FIXED)  # fmt: skip
+        dask_dl.sweep(
+            dask_dl.open_dataset(store),
+            space,
+            trials=2,
+            epochs=1,
+            storage=storage,
+            client=cluster_client,
+            metric="val_loss",
+            direction="minimize",
+            resume=True,
+            **FIXED,
+        )
 
 
 # ---- resume after the client was killed ----------------------------------------------------------------------
@@ -340,9 +397,17 @@ def test_resume_after_sigkill_trains_no_complete_trial_again(long_store, cluster
     print({n: (t.state.name, sorted(t.intermediate_values)) for n, t in killed.items()}, files)
 
     result = dask_dl.sweep(
-        dask_dl.open_dataset(store), {"lr": CategoricalDistribution([0.05, 0.1, 0.2, 0.15])}, trials=4,
-        sampler="grid", pruner="none", epochs=epochs, storage=storage, resume=True, client=cluster_client, **FIXED,
-    )  # fmt: skip
+        dask_dl.open_dataset(store),
+        {"lr": CategoricalDistribution([0.05, 0.1, 0.2, 0.15])},
+        trials=4,
+        sampler="grid",
+        pruner="none",
+        epochs=epochs,
+        storage=storage,
+        resume=True,
+        client=cluster_client,
+        **FIXED,
+    )
     after = {t.number: t for t in result.study.trials}
     assert len(after) == 4  # exactly the trials asked for
     assert sorted(t.params["lr"] for t in after.values()) == [0.05, 0.1, 0.15, 0.2]
@@ -389,8 +454,22 @@ def test_sweep_command_end_to_end_and_resumed(store, cluster_client, tmp_path):
 
     space = tmp_path / "space.yaml"
     space.write_text("lr: [0.1, 1e-5]\nepochs: 1\nbatch_size: 8\nmodel: small_cnn\nmodel_kwargs: {width: 8}\n")
-    args = ["sweep", store, "--space", str(space), "--trials", "2", "--sampler", "grid", "--pruner", "none",
-            "--storage", str(tmp_path / "sweep.db"), "--scheduler", cluster_client.scheduler.address]  # fmt: skip
+    args = [
+        "sweep",
+        store,
+        "--space",
+        str(space),
+        "--trials",
+        "2",
+        "--sampler",
+        "grid",
+        "--pruner",
+        "none",
+        "--storage",
+        str(tmp_path / "sweep.db"),
+        "--scheduler",
+        cluster_client.scheduler.address,
+    ]
     result = CliRunner().invoke(cli, args)
     print(result.output)
     assert result.exit_code == 0, result.output
@@ -415,8 +494,15 @@ def test_stop_leaves_running_trials_for_resume(long_store, cluster_client, tmp_p
     # the stop must reach the trials before their last epoch ends: small_cnn paced to 5 ms a step (the same
     # weights), 1.3 s more an epoch, so that it does on a machine busy with other tests too
     paced = {"model": "dask_dl.testing.train:paced_small_cnn", "model_kwargs": {"width": 8, "seconds": 0.005}}
-    options = dict(trials=2, sampler="grid", pruner="none", epochs=3, storage=storage, client=cluster_client,
-                   **{**FIXED, "batch_size": 2, **paced})  # fmt: skip
+    options = dict(
+        trials=2,
+        sampler="grid",
+        pruner="none",
+        epochs=3,
+        storage=storage,
+        client=cluster_client,
+        **{**FIXED, "batch_size": 2, **paced},
+    )
     running = dask_dl.sweep(dask_dl.open_dataset(store), space, wait=False, **options)
     deadline = time.monotonic() + 120
     while not any(len(c) for c in running.results["val_auroc_mean"]):  # an epoch is done and checkpointed

@@ -66,8 +66,9 @@ def _spec(store: str, **kwargs) -> TrainerSpec:
     from dask_dl.train.options import check_run
     from dask_dl.train.run import _trainer_spec
 
-    options = check_run(dask_dl.open_dataset(store), model="small_cnn", model_kwargs={"width": 4}, batch_size=1,
-                        lr=0.01, trainers=2)  # fmt: skip
+    options = check_run(
+        dask_dl.open_dataset(store), model="small_cnn", model_kwargs={"width": 4}, batch_size=1, lr=0.01, trainers=2
+    )
     return replace(_trainer_spec(options, None), **kwargs)
 
 

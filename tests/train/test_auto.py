@@ -131,8 +131,14 @@ def test_auto_fit_records_its_choice_and_trains_like_it(store, cluster_client):
     # the choice is the model's for the figures measured
     model = dask_dl.build_model("small_cnn", num_outputs=2, in_channels=1, width=8)
     shapes = [tuple(p.shape) for p in model.parameters()]
-    predicted = choose(shapes, world=2, link=Link.from_dict(figures), compute_s=figures["compute_s"],
-                       kernels=Kernels(**figures["kernels"]), candidates=CPU_CANDIDATES)  # fmt: skip
+    predicted = choose(
+        shapes,
+        world=2,
+        link=Link.from_dict(figures),
+        compute_s=figures["compute_s"],
+        kernels=Kernels(**figures["kernels"]),
+        candidates=CPU_CANDIDATES,
+    )
     assert made["name"] == predicted.name and made["reason"] == predicted.reason
     assert set(made["predicted_s"]) == {"none", "onebit2", "onebit"}  # CPU trainers: bf16 is left out
     # every epoch's history row says which compressor and why

@@ -41,8 +41,11 @@ def test_auto_augments_on_the_device_of_a_gpu_trainer_and_on_the_cpu_elsewhere()
     assert where_to_augment("auto", cuda=True) == "device"
     assert where_to_augment("auto", cuda=False) == "cpu"
     assert [where_to_augment(v, cuda=c) for v in ("cpu", "device") for c in (True, False)] == [
-        "cpu", "cpu", "device", "device"
-    ]  # fmt: skip
+        "cpu",
+        "cpu",
+        "device",
+        "device",
+    ]
 
 
 def test_a_cpu_feed_hands_cpu_batches_through_and_finishes_deferred_ones(store):
@@ -70,8 +73,10 @@ def reference_weights(store, *, augment_on: str | None) -> dict[str, torch.Tenso
     elif augment_on == "cpu":
         batches = loader(store).epoch(0)
     else:
-        batches = ((finish_batch(p, d, normalization=DEFAULT_NORMALIZATION), y)
-                   for p, y, d in loader(store, augment_on="device").epoch(0))  # fmt: skip
+        batches = (
+            (finish_batch(p, d, normalization=DEFAULT_NORMALIZATION), y)
+            for p, y, d in loader(store, augment_on="device").epoch(0)
+        )
     for x, y in batches:
         opt.zero_grad()
         F.binary_cross_entropy_with_logits(model(x), y).backward()

@@ -215,9 +215,29 @@ def test_cli_fine_tunes_from_a_weights_file(store, cluster_client, pretrained, t
     from dask_dl.cli import cli
 
     torch.save(build_model("small_cnn", num_outputs=5, in_channels=3).state_dict(), tmp_path / "w16.pt")
-    args = ["train", store, "-m", "small_cnn", "-e", "1", "-b", "8", "-t", "2", "--freeze-epochs", "1", "--head-lr",
-            "0.1", "--schedule", "cosine", "--precision", "bf16", "--quiet", "--scheduler",
-            cluster_client.scheduler.address]  # fmt: skip
+    args = [
+        "train",
+        store,
+        "-m",
+        "small_cnn",
+        "-e",
+        "1",
+        "-b",
+        "8",
+        "-t",
+        "2",
+        "--freeze-epochs",
+        "1",
+        "--head-lr",
+        "0.1",
+        "--schedule",
+        "cosine",
+        "--precision",
+        "bf16",
+        "--quiet",
+        "--scheduler",
+        cluster_client.scheduler.address,
+    ]
     result = CliRunner().invoke(cli, [*args, "--weights", str(tmp_path / "w16.pt")])
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()

@@ -680,9 +680,26 @@ def test_train_command_output_is_clean_on_a_busy_machine(store, cpu_hog, tmp_pat
     import subprocess
     import sys
 
-    cmd = [sys.executable, "-m", "dask_dl.cli", "train", store, "--epochs", "1", "--batch-size", "8",
-           "--trainers", "2", "--workers", "2", "--compression", "fp16", "--checkpoint-dir", str(tmp_path / "ck"),
-           "--quiet"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "dask_dl.cli",
+        "train",
+        store,
+        "--epochs",
+        "1",
+        "--batch-size",
+        "8",
+        "--trainers",
+        "2",
+        "--workers",
+        "2",
+        "--compression",
+        "fp16",
+        "--checkpoint-dir",
+        str(tmp_path / "ck"),
+        "--quiet",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output

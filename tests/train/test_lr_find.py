@@ -94,8 +94,23 @@ def test_a_batch_larger_than_the_data_is_a_dataset_error(store):
 
 @pytest.mark.slow
 def test_cli_lr_find_trains_with_the_suggestion(store, cluster_client):
-    args = ["train", store, "--lr", "find", "-m", "small_cnn", "-e", "1", "-b", "16", "-t", "1", "-q",
-            "--scheduler", cluster_client.scheduler.address]  # fmt: skip
+    args = [
+        "train",
+        store,
+        "--lr",
+        "find",
+        "-m",
+        "small_cnn",
+        "-e",
+        "1",
+        "-b",
+        "16",
+        "-t",
+        "1",
+        "-q",
+        "--scheduler",
+        cluster_client.scheduler.address,
+    ]
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 0, result.output
     line = next(line for line in result.output.splitlines() if line.startswith("learning-rate range test:"))

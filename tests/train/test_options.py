@@ -99,11 +99,37 @@ def test_the_train_command_has_an_option_per_flagged_option_and_its_own_few():
     # the flags of before the definitions are all there: scripts that call dask-dl train keep working
     flags = {f for p in _train_params().values() for f in p.opts if p.name not in own}
     assert flags >= {
-        "--model", "-m", "--epochs", "-e", "--batch-size", "-b", "--trainers", "-t", "--compression", "-c", "--lr",
-        "--optimizer", "--checkpoint-dir", "--resume", "--seed", "--augment", "--parallel", "--stages",
-        "--microbatches", "--memory-budget", "--max-restarts", "--min-trainers", "--checkpoint-every", "--weights",
-        "--freeze-epochs", "--head-lr", "--schedule", "--precision", "--accumulate", "--normalization",
-    }  # fmt: skip
+        "--model",
+        "-m",
+        "--epochs",
+        "-e",
+        "--batch-size",
+        "-b",
+        "--trainers",
+        "-t",
+        "--compression",
+        "-c",
+        "--lr",
+        "--optimizer",
+        "--checkpoint-dir",
+        "--resume",
+        "--seed",
+        "--augment",
+        "--parallel",
+        "--stages",
+        "--microbatches",
+        "--memory-budget",
+        "--max-restarts",
+        "--min-trainers",
+        "--checkpoint-every",
+        "--weights",
+        "--freeze-epochs",
+        "--head-lr",
+        "--schedule",
+        "--precision",
+        "--accumulate",
+        "--normalization",
+    }
 
 
 def test_every_config_key_of_train_is_an_option_or_a_setting():
@@ -117,8 +143,14 @@ def test_every_config_key_of_train_is_an_option_or_a_setting():
 
 @pytest.fixture(scope="module")
 def ds(tmp_path_factory):
-    path = kit.write_store(tmp_path_factory.mktemp("options") / "s.zarr", n=32, size=8, chunk=4, labels=["a"],
-                           split_of=lambda i: "train" if i < 24 else "val")  # fmt: skip
+    path = kit.write_store(
+        tmp_path_factory.mktemp("options") / "s.zarr",
+        n=32,
+        size=8,
+        chunk=4,
+        labels=["a"],
+        split_of=lambda i: "train" if i < 24 else "val",
+    )
     return dask_dl.open_dataset(path)
 
 
@@ -137,8 +169,12 @@ def test_the_trainers_spec_is_the_run_options_and_what_only_trainers_need(ds):
 
 def test_groups_and_flat_keywords_make_the_same_run(ds):
     flat = check_run(ds, trainers=2, batch_size=2, max_restarts=5, min_trainers=1)
-    grouped = check_run(ds, scale_out=ScaleOut(trainers=2), training=Training(batch_size=2),
-                        recovery=Recovery(max_restarts=5, min_trainers=1))  # fmt: skip
+    grouped = check_run(
+        ds,
+        scale_out=ScaleOut(trainers=2),
+        training=Training(batch_size=2),
+        recovery=Recovery(max_restarts=5, min_trainers=1),
+    )
     mixed = check_run(ds, trainers=2, batch_size=2, min_trainers=1, recovery=Recovery(max_restarts=5))
     for options in (grouped, mixed):
         assert options.to_dict() == flat.to_dict()

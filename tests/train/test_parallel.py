@@ -150,8 +150,10 @@ def test_fsdp_matches_one_process_and_resumes_from_its_shards(store, cluster_cli
     assert run.status == "finished"
     # the epoch's shards, one file per rank, and the consolidated checkpoint written after them
     assert sorted(p.name for p in (directory / "epoch-0000.dcp").iterdir()) == [
-        ".metadata", "__0_0.distcp", "__1_0.distcp"
-    ]  # fmt: skip
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+    ]
     ck = run.checkpoint()
     assert ck["parallel"] == {"kind": "fsdp", "trainers": 2, "sharded": "epoch-0000.dcp"}
     assert ck["optimizer"] == {}  # the optimizer state lives in the shards only
@@ -210,8 +212,10 @@ def test_step_checkpoints_resume_inside_an_epoch_bit_for_bit(store, cluster_clie
     if parallel == "fsdp":  # with its shards, and no others
         assert sorted(p.name for p in ck.glob("step-*.dcp")) == [f"{saved.stem}.dcp"]
         assert sorted(p.name for p in (ck / f"{saved.stem}.dcp").iterdir()) == [
-            ".metadata", "__0_0.distcp", "__1_0.distcp"
-        ]  # fmt: skip
+            ".metadata",
+            "__0_0.distcp",
+            "__1_0.distcp",
+        ]
         assert step["parallel"] == {"kind": "fsdp", "trainers": 2, "sharded": f"{saved.stem}.dcp"}
         assert step["optimizer"] == {}
     else:  # consolidated; both stages read the same batches: one position in the data
@@ -520,9 +524,12 @@ def test_a_model_that_cannot_be_split_says_how():
 
 @pytest.mark.parametrize(
     ("parallel", "compression", "applies"),
-    [("fsdp", "onebit", "'none' or 'fp16' or 'bf16'"), ("fsdp", "powersgd", "'none' or 'fp16' or 'bf16'"),
-     ("pipeline", "bf16", "'none'")],
-)  # fmt: skip
+    [
+        ("fsdp", "onebit", "'none' or 'fp16' or 'bf16'"),
+        ("fsdp", "powersgd", "'none' or 'fp16' or 'bf16'"),
+        ("pipeline", "bf16", "'none'"),
+    ],
+)
 def test_compressors_that_do_not_apply_fail_before_any_actor(store, cluster_client, parallel, compression, applies):
     message = rf"compression='{compression}' does not apply to parallel='{parallel}'"
     message += rf".*only compression={applies} applies"

@@ -153,8 +153,9 @@ def decide(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: An
     box: list[Any] = [None]
     if dist.get_rank() == 0:
         candidates = AUTO_CANDIDATES if x.is_cuda else CPU_CANDIDATES
-        choice = choose(shapes, world=world, link=link, compute_s=float(compute), kernels=kernels,
-                        candidates=candidates)  # fmt: skip
+        choice = choose(
+            shapes, world=world, link=link, compute_s=float(compute), kernels=kernels, candidates=candidates
+        )
         figures = {"world_size": world, **link.to_dict(), "compute_s": float(compute), "kernels": kernels.to_dict()}
         box[0] = (choice.to_dict(), figures)
     dist.broadcast_object_list(box, src=0)

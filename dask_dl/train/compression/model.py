@@ -88,8 +88,12 @@ class Link:
         return cls(alpha=alpha, bandwidth=gbit_per_s * 1e9 / 8)
 
     def to_dict(self) -> dict[str, float | None]:
-        return {"alpha_s": self.alpha, "bandwidth_bytes_per_s": self.bandwidth, "add16_s": self.add16,
-                "gather_bytes_per_s": self.gather}  # fmt: skip
+        return {
+            "alpha_s": self.alpha,
+            "bandwidth_bytes_per_s": self.bandwidth,
+            "add16_s": self.add16,
+            "gather_bytes_per_s": self.gather,
+        }
 
     @classmethod
     def from_dict(cls, figures: Mapping[str, float]) -> Link:
@@ -99,8 +103,12 @@ class Link:
             value = figures.get(key)
             return None if value is None else float(value)
 
-        return cls(alpha=float(figures["alpha_s"]), bandwidth=float(figures["bandwidth_bytes_per_s"]),
-                   add16=optional("add16_s"), gather=optional("gather_bytes_per_s"))  # fmt: skip
+        return cls(
+            alpha=float(figures["alpha_s"]),
+            bandwidth=float(figures["bandwidth_bytes_per_s"]),
+            add16=optional("add16_s"),
+            gather=optional("gather_bytes_per_s"),
+        )
 
     @property
     def small(self) -> float:
@@ -137,15 +145,19 @@ class Kernels:
 
 #: this project's 2-core CPU machine, one thread, measured alone (``python bench/projection.py --check`` prints them);
 #: gloo's 16-bit sums are the probe's to measure (:class:`Link`)
-CPU_KERNELS = Kernels(add=0.3e-9, add16=0.31e-9, div=0.2e-9, cast=0.9e-9, quantize=0.7e-9, decode=0.2e-9,
-                      lowrank=12e-9)  # fmt: skip
+CPU_KERNELS = Kernels(add=0.3e-9, add16=0.31e-9, div=0.2e-9, cast=0.9e-9, quantize=0.7e-9, decode=0.2e-9, lowrank=12e-9)
 
 #: an H200 (4.8 TB/s of HBM3e): each kernel as the bytes it moves at half that bandwidth (they are memory bound;
 #: PowerSGD's work as ten such sweeps)
 H200_KERNELS = Kernels(
-    add=12 / 2.4e12, add16=6 / 2.4e12, div=8 / 2.4e12, cast=12 / 2.4e12, quantize=16.25 / 2.4e12,
-    decode=4.25 / 2.4e12, lowrank=80 / 2.4e12,
-)  # fmt: skip
+    add=12 / 2.4e12,
+    add16=6 / 2.4e12,
+    div=8 / 2.4e12,
+    cast=12 / 2.4e12,
+    quantize=16.25 / 2.4e12,
+    decode=4.25 / 2.4e12,
+    lowrank=80 / 2.4e12,
+)
 
 
 def buckets(shapes: Sequence[Sequence[int]], cap_bytes: int = BUCKET_BYTES) -> list[list[tuple[int, ...]]]:
@@ -207,8 +219,14 @@ def bucket_times(
     n = sum(math.prod(s) for s in bucket)
     k = kernels.per_value
     if world == 1:  # no collectives: the hooks do what the algorithm defines for one rank
-        alone = {"none": 0.0, "fp16": k("cast"), "bf16": k("cast"), "powersgd": k("lowrank"),
-                 "onebit": k("quantize") + k("decode"), "onebit2": 2 * k("quantize") + 2 * k("decode")}  # fmt: skip
+        alone = {
+            "none": 0.0,
+            "fp16": k("cast"),
+            "bf16": k("cast"),
+            "powersgd": k("lowrank"),
+            "onebit": k("quantize") + k("decode"),
+            "onebit2": 2 * k("quantize") + 2 * k("decode"),
+        }
         return alone[name] * n, 0.0, 0
     if name == "none":
         return n * k("div"), _allreduce(4 * n, n, world, link, k("add")), 4 * n

@@ -117,8 +117,11 @@ def _make_sums(add: bool):
             grad = _base(context, builder, sig.args[2], args[2], _int(context, builder, args[3], sig.args[3]))
         count = _int(context, builder, args[-1], sig.args[-1])
         zero = ir.Constant(_I64, 0)
-        slots = [cgutils.alloca_once_value(builder, _ZERO_D), cgutils.alloca_once_value(builder, _ZERO_D),
-                 cgutils.alloca_once_value(builder, zero)]  # fmt: skip
+        slots = [
+            cgutils.alloca_once_value(builder, _ZERO_D),
+            cgutils.alloca_once_value(builder, _ZERO_D),
+            cgutils.alloca_once_value(builder, zero),
+        ]
         with _steps(builder, count) as loop:
             at = builder.mul(loop.index, ir.Constant(_I64, W))
             x = _load(builder, src, at, _VF, 4)

@@ -187,8 +187,11 @@ class PipelineModel:
         for part in gathered[: self.stages]:
             model.update(part["model"])
         parallel = {"kind": self.kind, "trainers": self.world_size, "stages": self.stages}
-        return {"model": model, "optimizer": {"stages": [p["optimizer"] for p in gathered[: self.stages]]},
-                "parallel": parallel}  # fmt: skip
+        return {
+            "model": model,
+            "optimizer": {"stages": [p["optimizer"] for p in gathered[: self.stages]]},
+            "parallel": parallel,
+        }
 
     def load(self, checkpoint: dict[str, Any], optimizer: Optimizer, *, source: str | None) -> None:
         """Load this stage's parameters and optimizer state from a consolidated pipeline checkpoint."""

@@ -26,6 +26,15 @@ def wrap_model(spec: Any, model: nn.Module, *, device: torch.device, rank: int, 
         )
     from dask_dl.train.parallel.pipeline import PipelineModel
 
-    return PipelineModel(model, name=spec.model_name, device=device, rank=rank, world_size=world_size,
-                         stages=spec.stages, microbatches=spec.microbatches, schedule=spec.pipeline_schedule,
-                         microbatch=spec.batch_size // spec.microbatches, input_shape=shape)  # fmt: skip
+    return PipelineModel(
+        model,
+        name=spec.model_name,
+        device=device,
+        rank=rank,
+        world_size=world_size,
+        stages=spec.stages,
+        microbatches=spec.microbatches,
+        schedule=spec.pipeline_schedule,
+        microbatch=spec.batch_size // spec.microbatches,
+        input_shape=shape,
+    )
