@@ -6,8 +6,11 @@ back to back as in ``bench/compression.py``) timed on 2, 3 and 4 gloo ranks over
 ``tc`` (bench/compression.py's namespaces), beside the model's prediction from the link that ``auto``'s probe
 (all-reduces and a 1 MB all-gather, its rate under ``gather``) measures in the same group. It prints the model's
 error at each point and, last, ``max error X%`` over them.
-The ranks share this machine's cores: every rank measures the kernels again, all at once, before the exchanges,
-and the model is given the slowest rank's figures (its time per value under that world's contention).
+The ranks share this machine's cores: every rank measures the kernels again, all in step, before the exchanges,
+and the model is given the slowest rank's figures (its time per value under that world's contention). Beside
+each point it prints the CPU seconds all ranks spent in that step (every thread, system time included) and
+``busy``, that CPU over what the machine's cores could give in the step's time: near 100%, the exchange is bound
+by the cores the ranks share, which the model (ranks with cores of their own) leaves out.
 
 ``--auto`` answers the default question: real DDP training steps of dask_dl's alexnet (64 px, 4 images a rank)
 on 2 ranks, with each fixed compressor and with ``auto`` (which measures and chooses as ``fit`` does), on loopback
@@ -67,19 +70,23 @@ WORLDS = (8, 16, 32, 64, 128, 256)
 # ---- the kernels, measured here -----------------------------------------------------------------------------
 
 
-def _best(f, repeats: int = 3) -> float:
+def _best(f, repeats: int = 3, sync=None) -> float:
     f()
     times = []
     for _ in range(repeats):
+        if sync:
+            sync()
         start = time.perf_counter()
         f()
         times.append(time.perf_counter() - start)
     return min(times)
 
 
-def measure_kernels(n: int = 2**23, *, lowrank: float | None = None) -> Kernels:
+def measure_kernels(n: int = 2**23, *, lowrank: float | None = None, sync=None) -> Kernels:
     """Seconds per value of each kernel the model uses, one thread: the sums, division and cast on ``n`` values,
-    the 1-bit kernels and PowerSGD on the AlexNet-shaped buckets (their per-value cost depends on the shapes)."""
+    the 1-bit kernels and PowerSGD on the AlexNet-shaped buckets (their per-value cost depends on the shapes).
+    ``sync`` is called before each timed run: ranks that pass a barrier measure their kernels in step, so that
+    every run meets the contention of all the others."""
     import torch
 
     from dask_dl.train.compression import kernels
@@ -109,12 +116,12 @@ def measure_kernels(n: int = 2**23, *, lowrank: float | None = None) -> Kernels:
             kernels.decode(plan.tasks, four, plan.columns.repeat(4), grad, average=True)
 
     return Kernels(
-        add=_best(lambda: a.add_(b)) / n,
-        add16=_best(lambda: a16.add_(b16)) / n,
-        div=_best(lambda: a.div_(1.0)) / n,
-        cast=_best(lambda: a.copy_(a.to(torch.bfloat16).div_(2.0))) / n,  # as torch's bf16 hook: a new tensor
-        quantize=_best(quantize) / values,
-        decode=_best(decode) / (4 * values),
+        add=_best(lambda: a.add_(b), sync=sync) / n,
+        add16=_best(lambda: a16.add_(b16), sync=sync) / n,
+        div=_best(lambda: a.div_(1.0), sync=sync) / n,
+        cast=_best(lambda: a.copy_(a.to(torch.bfloat16).div_(2.0)), sync=sync) / n,  # as torch's bf16 hook
+        quantize=_best(quantize, sync=sync) / values,
+        decode=_best(decode, sync=sync) / (4 * values),
         lowrank=_lowrank() if lowrank is None else lowrank,
     )
 
@@ -154,8 +161,13 @@ def _join(args) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://{args.master}:{args.port}", rank=args.rank,
-                            world_size=args.world, timeout=timedelta(seconds=300))  # fmt: skip
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://{args.master}:{args.port}",
+        rank=args.rank,
+        world_size=args.world,
+        timeout=timedelta(seconds=300),
+    )
 
 
 def exchange_worker(args) -> dict:
@@ -167,10 +179,10 @@ def exchange_worker(args) -> dict:
     from dask_dl.train.compression.auto import probe_link
 
     link = probe_link()
-    # the kernels on every rank at once: their time per value under this world's own contention for the cores
+    # the kernels on every rank at once, in step: their time per value under this world's contention for the cores
     # (PowerSGD's, which needs a group of its own, scaled from the one-rank figure as the quantize sweep is)
     alone = Kernels(**args.kernels)
-    here = measure_kernels(lowrank=alone.lowrank)
+    here = measure_kernels(lowrank=alone.lowrank, sync=dist.barrier)
     slowest = torch.tensor(list(here.to_dict().values()), dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     here = Kernels(**dict(zip(here.to_dict(), slowest.tolist(), strict=True)))
@@ -178,15 +190,19 @@ def exchange_worker(args) -> dict:
     buckets = ddp_buckets(ALEXNET)
     gen = torch.Generator().manual_seed(args.rank)
     grads = [torch.randn(sum(math.prod(s) for s in b), generator=gen) * 1e-3 for b in buckets]
-    results = {}
+    results, cpus = {}, {}
     for name in args.compressors.split(","):
         options, warm = _options(name)
         compressor = make_compressor(name, **options)
         run_steps(compressor, buckets, grads, warm + 1, dist.barrier)
-        times = torch.tensor([s[0] for s in run_steps(compressor, buckets, grads, args.steps, dist.barrier)])
+        steps = run_steps(compressor, buckets, grads, args.steps, dist.barrier)
+        times = torch.tensor([s[0] for s in steps])
         dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a step lasts until the slowest rank is done
-        results[name] = float(times.min())  # the step least disturbed by the machine's other work
-    return {"link": link.to_dict(), "kernels": here.to_dict(), "seconds": results}
+        cpu = torch.tensor([s[3] for s in steps], dtype=torch.float64)
+        dist.all_reduce(cpu, op=dist.ReduceOp.SUM)  # every rank's CPU: they share this machine's cores
+        best = int(times.argmin())  # the step least disturbed by the machine's other work
+        results[name], cpus[name] = float(times[best]), float(cpu[best])
+    return {"link": link.to_dict(), "kernels": here.to_dict(), "seconds": results, "cpu_s": cpus}
 
 
 def training_worker(args) -> dict:
@@ -256,8 +272,9 @@ def check(args) -> None:
     kernels = measure_kernels()
     figures = ", ".join(f"{k} {v * 1e9:.2f} ns" for k, v in kernels.to_dict().items() if k != "share")
     print(f"kernels, seconds per value (one thread): {figures}")
-    print(f"{'network':8} {'N':>2} {'probe Gbit/s':>12} {'gather':>6} {'alpha us':>8} {'compressor':10} "
-          f"{'measured s':>10} {'model s':>8} {'error':>7}")  # fmt: skip
+    cores = len(os.sched_getaffinity(0))
+    header = f"{'network':8} {'N':>2} {'probe Gbit/s':>12} {'gather':>6} {'alpha us':>8} {'compressor':10} "
+    print(header + f"{'measured s':>10} {'model s':>8} {'error':>7} {'CPU s':>6} {'busy':>5}")
     errors: list[tuple[int, float]] = []
     os.environ["DDL_PROJECTION_KERNELS"] = json.dumps(kernels.to_dict())  # the ranks' one-rank PowerSGD figure
     try:
@@ -270,15 +287,18 @@ def check(args) -> None:
                     print(f"{network:8} {world:>2} failed: {exc}", flush=True)
                     continue
                 link, here = Link.from_dict(out["link"]), Kernels(**out["kernels"])
-                print(f"{network:8} {world:>2} kernels on the ranks: quantize {here.quantize * 1e9:.2f} ns, decode "
-                      f"{here.decode * 1e9:.2f} ns ({here.quantize / kernels.quantize:.2f}x alone)")  # fmt: skip
+                print(
+                    f"{network:8} {world:>2} kernels on the ranks: quantize {here.quantize * 1e9:.2f} ns, decode "
+                    f"{here.decode * 1e9:.2f} ns ({here.quantize / kernels.quantize:.2f}x alone)"
+                )
                 for name, measured in out["seconds"].items():
                     model = exchange_time(name, ALEXNET, world=world, link=link, kernels=here)
                     error = model / measured - 1
                     errors.append((world, error))
-                    print(f"{network:8} {world:>2} {link.bandwidth * 8 / 1e9:12.3f} {link.small * 8 / 1e9:6.3f} "
-                          f"{link.alpha * 1e6:8.0f} {name:10} {measured:10.3f} {model:8.3f} {error:+7.1%}",
-                          flush=True)  # fmt: skip
+                    cpu = out["cpu_s"][name]
+                    point = f"{network:8} {world:>2} {link.bandwidth * 8 / 1e9:12.3f} {link.small * 8 / 1e9:6.3f} "
+                    point += f"{link.alpha * 1e6:8.0f} {name:10} {measured:10.3f} {model:8.3f} {error:+7.1%} "
+                    print(point + f"{cpu:6.3f} {cpu / (cores * measured):5.0%}", flush=True)
     finally:
         teardown()
     at4 = [abs(e) for w, e in errors if w == 4]
@@ -307,9 +327,12 @@ def auto(args) -> None:
                 loss, choice = s["auto"] / best - 1, s[chosen] / best - 1
                 worst = loss if worst is None else max(worst, loss)
                 worst_choice = choice if worst_choice is None else max(worst_choice, choice)
-                print(f"{network:8} {world:>2} " + " ".join(f"{s[n]:8.3f}" for n in names)
-                      + f"  {chosen:10} {loss:+6.1%} {choice:+6.1%}   (probe {out['auto']['probe_s']:.1f} s)",
-                      flush=True)  # fmt: skip
+                print(
+                    f"{network:8} {world:>2} "
+                    + " ".join(f"{s[n]:8.3f}" for n in names)
+                    + f"  {chosen:10} {loss:+6.1%} {choice:+6.1%}   (probe {out['auto']['probe_s']:.1f} s)",
+                    flush=True,
+                )
                 print(f"    {out['auto']['reason']}")
     finally:
         teardown()
@@ -335,8 +358,11 @@ def project(args) -> None:
 
     models = ("small_cnn", "resnet18", "resnet50", "alexnet")
     fig, axes = plt.subplots(len(models), len(LINKS), figsize=(9, 9), sharex=True, sharey=True)
-    print(f"{'model':9} {'M values':>8} {'compute ms':>10} {'Gbit/s':>6} {'N':>4}  " +
-          " ".join(f"{n:>8}" for n in PROJECTED) + "  fastest   x none")  # fmt: skip
+    print(
+        f"{'model':9} {'M values':>8} {'compute ms':>10} {'Gbit/s':>6} {'N':>4}  "
+        + " ".join(f"{n:>8}" for n in PROJECTED)
+        + "  fastest   x none"
+    )
     for row, name in enumerate(models):
         shapes = model_shapes(name)
         values = sum(math.prod(s) for s in shapes)
@@ -345,14 +371,18 @@ def project(args) -> None:
             ax = axes[row, col]
             curves = {c: [] for c in PROJECTED}
             for world in WORLDS:
-                t = {c: step_time(c, shapes, world=world, link=link, compute_s=compute, kernels=H200_KERNELS)
-                     for c in PROJECTED}  # fmt: skip
+                t = {
+                    c: step_time(c, shapes, world=world, link=link, compute_s=compute, kernels=H200_KERNELS)
+                    for c in PROJECTED
+                }
                 for c in PROJECTED:
                     curves[c].append(compute / t[c])
                 fastest = min(t, key=t.get)
-                print(f"{name:9} {values / 1e6:8.1f} {compute * 1e3:10.1f} {gbit:6} {world:4}  "
-                      + " ".join(f"{t[c] * 1e3:8.1f}" for c in PROJECTED)
-                      + f"  {fastest:8} {t['none'] / t[fastest]:6.2f}")  # fmt: skip
+                print(
+                    f"{name:9} {values / 1e6:8.1f} {compute * 1e3:10.1f} {gbit:6} {world:4}  "
+                    + " ".join(f"{t[c] * 1e3:8.1f}" for c in PROJECTED)
+                    + f"  {fastest:8} {t['none'] / t[fastest]:6.2f}"
+                )
             for c in PROJECTED:
                 ax.plot(WORLDS, curves[c], marker="o", markersize=3, label=c)
             ax.set_xscale("log", base=2)
@@ -381,8 +411,9 @@ def main() -> None:
     parser.add_argument("--worlds", default=None, help="default: 2,3,4 (--check), 2 (--auto)")
     parser.add_argument("--steps", type=int, default=2, help="timed steps per compressor")
     parser.add_argument("--timeout", type=float, default=420, help="seconds allowed for one network and world")
-    parser.add_argument("--plot", default=os.path.join(os.path.dirname(__file__), "..", "docs", "img",
-                                                       "projection.png"))  # fmt: skip
+    parser.add_argument(
+        "--plot", default=os.path.join(os.path.dirname(__file__), "..", "docs", "img", "projection.png")
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--compressors", help=argparse.SUPPRESS)
     for hidden in ("--rank", "--world", "--port"):
