@@ -77,6 +77,8 @@ class DemoReport:
         }
 
     def __str__(self) -> str:
+        from dask_dl.metrics import NO_AUROC_NOTE, auroc_text
+
         lines = [
             "dask_dl demo report",
             "===================",
@@ -91,8 +93,9 @@ class DemoReport:
             f"cost      {self.cost:.4f} {self.currency} (prices: dask-dl.cost in config)",
             f"test AUROC (mean {np.nanmean(self.test_auroc.to_numpy()):.3f}):",
         ]
-        for label, value in self.test_auroc.items():
-            lines.append(f"  {label:20s} {value:.3f}" if value == value else f"  {label:20s} n/a (one class only)")
+        lines += [f"  {label:20s} {auroc_text(value)}" for label, value in self.test_auroc.items()]
+        if self.test_auroc.isna().any():
+            lines.append(f"  {NO_AUROC_NOTE}")
         lines.append("files:")
         lines += [f"  {k:12s} {v}" for k, v in self.files.items()]
         lines.append(f"total {self.seconds:.1f} s")

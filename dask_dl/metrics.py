@@ -12,7 +12,19 @@ from scipy.stats import rankdata
 
 from dask_dl.errors import DatasetError
 
-__all__ = ["auroc"]
+__all__ = ["NO_AUROC_NOTE", "auroc", "auroc_text"]
+
+#: the line a text report prints under a table where :func:`auroc_text` wrote ``-``
+NO_AUROC_NOTE = "-: no AUROC, the split's images all have that label or all lack it"
+
+
+def auroc_text(value: float, digits: int = 3) -> str:
+    """An AUROC as a report prints it: ``digits`` decimals, or ``-`` where it is undefined (NaN: one class only).
+
+    >>> auroc_text(0.81234), auroc_text(float("nan"))
+    ('0.812', '-')
+    """
+    return f"{value:.{digits}f}" if np.isfinite(value) else "-"
 
 
 def auroc(y_true, scores) -> np.ndarray | float:

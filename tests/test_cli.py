@@ -311,6 +311,7 @@ def test_upload_sends_your_model_to_workers_that_cannot_import_it(store, cluster
 def test_the_final_table_of_train_fits_100_columns_with_every_label():
     from dask_dl.cli.train import _final_table
     from dask_dl.data.schema import NIH_LABELS
+    from dask_dl.metrics import NO_AUROC_NOTE
 
     per_label = {f"val_auroc_{label}": 0.5 + 0.01 * i for i, label in enumerate(NIH_LABELS)}
     rows = [
@@ -346,3 +347,10 @@ def test_the_final_table_of_train_fits_100_columns_with_every_label():
     assert dict(zip(pairs[::2], pairs[1::2], strict=True)) == {
         label: f"{0.5 + 0.01 * i:.3f}" for i, label in enumerate(NIH_LABELS)
     }
+
+    # a label without a positive validation image has no AUROC: "-" and the line that says why, not "nan"
+    rows[-1]["val_auroc_Hernia"] = float("nan")
+    lines = _final_table(pd.DataFrame(rows)).splitlines()
+    pairs = " ".join(lines[8:-1]).split()
+    assert dict(zip(pairs[::2], pairs[1::2], strict=True))["Hernia"] == "-"
+    assert lines[-1] == NO_AUROC_NOTE

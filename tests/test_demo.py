@@ -54,3 +54,26 @@ def test_demo_command_end_to_end(tmp_path, cpu_hog):
     scores = pd.read_parquet(out / "scores.parquet")
     test = dask_dl.open_dataset(out / "cxr.zarr", split="test")
     assert list(scores["image_id"]) == list(test.image_id.values)  # every test image scored once, in order
+
+
+def test_the_report_prints_a_dash_and_says_why_for_a_label_without_auroc():
+    """A test split where a rare label has no positive image (small demos) has no AUROC for it: the report prints
+    ``-`` and the line that says why, as ``dask-dl evaluate`` and ``dask-dl train`` do, not ``nan``."""
+    from pathlib import Path
+
+    from dask_dl.demo import DemoReport
+    from dask_dl.metrics import NO_AUROC_NOTE
+
+    figures = dict(n_images=400, n_rejected=0, image_size=32, store_bytes=1, ingest_images_per_s=1.0)
+    figures |= dict(train_images_per_s=1.0, compute_s=1.0, comm_s=0.1, data_wait_s=0.0, bytes_sent=1)
+    figures |= dict(bytes_uncompressed=32, steps=1, compression="onebit", trainers=2, cost=0.0, currency="USD")
+    auroc = pd.Series({"Effusion": 0.8125, "Hernia": float("nan")})
+    report = DemoReport(out=Path("demo"), test_auroc=auroc, history=pd.DataFrame(), **figures)
+    lines = str(report).splitlines()
+    assert "  Effusion             0.812" in lines
+    assert "  Hernia               -" in lines
+    assert lines[lines.index("  Hernia               -") + 1] == f"  {NO_AUROC_NOTE}"
+    assert "test AUROC (mean 0.812):" in lines  # the mean of the labels that have one
+    assert NO_AUROC_NOTE not in str(
+        DemoReport(out=Path("demo"), test_auroc=auroc.dropna(), history=pd.DataFrame(), **figures)
+    )

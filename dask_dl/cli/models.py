@@ -93,6 +93,7 @@ def _echo_auroc(table: Any, labels: list[str]) -> None:
     import numpy as np
 
     from dask_dl.inference import evaluate
+    from dask_dl.metrics import NO_AUROC_NOTE, auroc_text
 
     order = ("train", "val", "test")
     present = list(dict.fromkeys(table["split"].dropna()))
@@ -101,14 +102,14 @@ def _echo_auroc(table: Any, labels: list[str]) -> None:
     width = max(8, *(len(s) + 2 for s in columns))
 
     def line(name: str, values: list[float]) -> str:
-        return f"  {name:24s}" + "".join(f"{v:{width}.4f}" if np.isfinite(v) else f"{'-':>{width}s}" for v in values)
+        return f"  {name:24s}" + "".join(f"{auroc_text(v, 4):>{width}s}" for v in values)
 
     click.echo(f"  {'AUROC':24s}" + "".join(f"{s:>{width}s}" for s in columns))
     for row, label in enumerate(labels):
         click.echo(line(label, [v[row] for v in columns.values()]))
     click.echo(line("mean", [v[np.isfinite(v)].mean() if np.isfinite(v).any() else np.nan for v in columns.values()]))
     if any(not np.isfinite(v).all() for v in columns.values()):
-        click.echo("  -: no AUROC, the split's images all have that label or all lack it")
+        click.echo(f"  {NO_AUROC_NOTE}")
     if len(columns) > 1:
         click.echo("  train and val: images the model learned from or was chosen on; test measures it")
 

@@ -209,6 +209,8 @@ def _final_table(history: Any, width: int = 100) -> str:
     """What ``dask-dl train`` prints last, within ``width`` columns: the settings that stayed the same over the run
     on one line, the mean metrics of every epoch, then the last epoch's validation AUROC of each label, as many
     ``label value`` pairs to a line as fit (14 labels as columns made a table 250 characters wide)."""
+    from dask_dl.metrics import NO_AUROC_NOTE, auroc_text
+
     columns = [c for c in _TRAIN_COLUMNS if c in history]
     fixed = [c for c in ("global_batch", "lr", "head_lr") if c in columns and history[c].nunique(dropna=False) == 1]
     lines = ["  ".join(f"{c} {history[c].iloc[0]:.4g}" for c in fixed)] if fixed else []
@@ -217,13 +219,15 @@ def _final_table(history: Any, width: int = 100) -> str:
     labels = [c for c in history if c.startswith("val_auroc_") and c != "val_auroc_mean"]
     if labels:
         last = history.iloc[-1]
-        pairs = [f"{c.removeprefix('val_auroc_')} {last[c]:.3f}" for c in labels]
+        pairs = [f"{c.removeprefix('val_auroc_')} {auroc_text(last[c])}" for c in labels]
         cell = max(len(p) for p in pairs) + 2
         per_line = max(1, (width + 2) // cell)
         lines.append(f"validation AUROC per label, epoch {int(last['epoch'])}:")
         lines += [
             "".join(p.ljust(cell) for p in pairs[i : i + per_line]).rstrip() for i in range(0, len(pairs), per_line)
         ]
+        if any(auroc_text(last[c]) == "-" for c in labels):
+            lines.append(NO_AUROC_NOTE)
     return "\n".join(lines)
 
 
