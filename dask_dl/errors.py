@@ -7,6 +7,9 @@ show the fix.
 
 from __future__ import annotations
 
+import importlib
+from types import ModuleType
+
 
 class DaskDLError(Exception):
     """Base class of every error dask_dl raises on purpose."""
@@ -82,3 +85,15 @@ def missing_dependency(package: str, extra: str, purpose: str) -> MissingDepende
         f"{purpose} needs the '{package}' package, which is not installed; "
         f"install it with: pip install 'dask-dl[{extra}]'"
     )
+
+
+def import_optional(module: str, *, extra: str, purpose: str, package: str | None = None) -> ModuleType:
+    """Import ``module`` of an optional dependency, or raise :func:`missing_dependency`'s error for ``purpose``.
+
+    >>> import_optional("json", extra="none", purpose="a doctest").__name__
+    'json'
+    """
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise missing_dependency(package or module.partition(".")[0], extra, purpose) from exc

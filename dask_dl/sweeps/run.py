@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 
 from dask_dl.checks import one_of, positive_int
-from dask_dl.errors import ConfigurationError, DaskDLError, TrainingError, missing_dependency
+from dask_dl.errors import ConfigurationError, DaskDLError, TrainingError, import_optional
 from dask_dl.interrupt import wait_for
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -117,10 +117,7 @@ def sweep(
     >>> s.results  # doctest: +SKIP
     >>> dask_dl.export_onnx(s.wait().best, "best.onnx")  # doctest: +SKIP
     """
-    try:
-        import optuna
-    except ImportError as exc:
-        raise missing_dependency("optuna", "sweep", "dask_dl.sweep") from exc
+    optuna = import_optional("optuna", extra="sweep", purpose="dask_dl.sweep")
     from dask_dl.cluster import get_client
     from dask_dl.sweeps.choices import grid_size, make_pruner, make_sampler
     from dask_dl.sweeps.scheduler import Scheduler, worker_groups

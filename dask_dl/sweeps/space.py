@@ -19,7 +19,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from dask_dl.errors import ConfigurationError
+from dask_dl.errors import ConfigurationError, import_optional
 
 __all__ = ["SWEEP_SET", "check_fixed", "check_space", "fit_options", "space_from_yaml"]
 
@@ -73,6 +73,7 @@ def check_space(space: Any) -> dict[str, Any] | Callable[[Any], dict[str, Any]]:
         value that is no Optuna distribution, or a number range on an option that takes no number (or a float
         range on one that takes only integers).
     """
+    import_optional("optuna", extra="sweep", purpose="a sweep's space")
     from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution, IntDistribution
 
     if callable(space) and not isinstance(space, Mapping):
@@ -155,6 +156,7 @@ def space_from_yaml(mapping: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     ConfigurationError
         Not a mapping, a range without ``low`` and ``high`` or with unknown fields, bounds that are no numbers.
     """
+    import_optional("optuna", extra="sweep", purpose="dask-dl sweep --space")
     from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
     if not isinstance(mapping, Mapping):

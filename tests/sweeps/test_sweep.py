@@ -446,6 +446,30 @@ def test_space_from_yaml_maps_onto_optuna_distributions():
     assert space_from_yaml({"model_kwargs": {"width": 8}}) == ({}, {"model_kwargs": {"width": 8}})
 
 
+def test_without_optuna_the_command_and_the_function_name_the_extra(tmp_path, monkeypatch):
+    """The README's first install leaves the extras out: a sweep then says which extra to install, in one line,
+    before it starts a cluster or opens the store (the command printed a ModuleNotFoundError traceback)."""
+    from click.testing import CliRunner
+
+    from dask_dl.cli import cli
+    from dask_dl.errors import MissingDependencyError
+    from dask_dl.sweeps.space import check_space
+
+    space = tmp_path / "space.yaml"
+    space.write_text("lr: {low: 0.001, high: 0.1, log: true}\nepochs: 2\n")
+    monkeypatch.setitem(sys.modules, "optuna", None)  # import optuna now raises ImportError
+    result = CliRunner().invoke(cli, ["sweep", str(tmp_path / "absent.zarr"), "--space", str(space)])
+    assert result.exit_code == 1, result.output
+    assert result.output.strip() == (
+        "error: dask-dl sweep --space needs the 'optuna' package, which is not installed; "
+        "install it with: pip install 'dask-dl[sweep]'"
+    )
+    with pytest.raises(MissingDependencyError, match=r"^dask_dl.sweep needs the 'optuna' package.*\[sweep\]'$"):
+        dask_dl.sweep(None, {"lr": [0.1]}, trials=1)
+    with pytest.raises(MissingDependencyError, match=r"^a sweep's space needs the 'optuna' package.*\[sweep\]'$"):
+        check_space({"lr": [0.1]})
+
+
 @pytest.mark.slow
 def test_sweep_command_end_to_end_and_resumed(store, cluster_client, tmp_path):
     from click.testing import CliRunner
