@@ -78,6 +78,9 @@ def sweep_command(
 
     with open(space_file, encoding="utf-8") as f:
         space, fixed = space_from_yaml(yaml.safe_load(f))
+    import optuna  # installed: space_from_yaml checked
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # a line per trial is the command's own output
     if checkpoint_dir is not None:
         fixed["checkpoint_dir"] = checkpoint_dir
     with connect(scheduler=scheduler, n_workers=workers) as client:
@@ -125,7 +128,9 @@ def _echo_finished(running: Any, shown: set[int], metric: str) -> set[int]:
     for _, row in results.iterrows():
         if row["number"] in shown or row["state"] not in ("complete", "pruned", "failed"):
             continue
-        line = f"trial {row['number']} {row['state']} after {row['epochs']} epochs: {_params(row['params'])}"
+        epochs = int(row["epochs"])
+        line = f"trial {row['number']} {row['state']} after {epochs} epoch{'' if epochs == 1 else 's'}: "
+        line += _params(row["params"])
         if row["state"] == "failed":
             line += f" ({row['error']})"
         else:

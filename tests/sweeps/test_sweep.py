@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
 import signal
@@ -471,10 +472,17 @@ def test_without_optuna_the_command_and_the_function_name_the_extra(tmp_path, mo
 
 
 @pytest.mark.slow
-def test_sweep_command_end_to_end_and_resumed(store, cluster_client, tmp_path):
+def test_sweep_command_end_to_end_and_resumed(store, cluster_client, tmp_path, request):
     from click.testing import CliRunner
 
     from dask_dl.cli import cli
+
+    optuna_logger, optuna_records = logging.getLogger("optuna"), []
+    handler = logging.Handler()
+    handler.emit = optuna_records.append
+    optuna_logger.addHandler(handler)
+    level = optuna_logger.level  # the command quiets Optuna's log in this process: as it was for the next tests
+    request.addfinalizer(lambda: (optuna_logger.removeHandler(handler), optuna_logger.setLevel(level)))
 
     space = tmp_path / "space.yaml"
     space.write_text("lr: [0.1, 1e-5]\nepochs: 1\nbatch_size: 8\nmodel: small_cnn\nmodel_kwargs: {width: 8}\n")
@@ -499,6 +507,9 @@ def test_sweep_command_end_to_end_and_resumed(store, cluster_client, tmp_path):
     assert result.exit_code == 0, result.output
     lines = result.output.strip().splitlines()
     assert sorted(line.split(" after ")[0] for line in lines[:2]) == ["trial 0 complete", "trial 1 complete"]
+    assert all(" after 1 epoch: " in line for line in lines[:2])
+    # Optuna's own log lines ("A new study created ...") stay out of the command's output
+    assert [r.getMessage() for r in optuna_records if r.levelno < logging.WARNING] == []
     assert lines[-2].startswith("best: trial ") and "lr=0.1 " in lines[-2] + " "
     assert lines[-1] == f"checkpoint: {tmp_path}/sweep.db-trials/trial-{lines[-2].split()[2]}/epoch-0000.pt".replace(
         f"trial-{lines[-2].split()[2]}", f"trial-{int(lines[-2].split()[2]):04d}"
