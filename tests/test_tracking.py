@@ -340,3 +340,18 @@ def test_a_relative_sqlite_database_keeps_its_artifacts_beside_it(tmp_path, monk
     assert client.get_experiment_by_name("dask-dl").artifact_location == f"file://{tmp_path / 'mlartifacts'}"
     assert client.get_run(tracker.run_id).info.status == "KILLED"
     assert (tmp_path / "mlartifacts" / tracker.run_id / "artifacts" / "notes" / "hello.txt").read_text() == "hello"
+
+
+def test_a_new_sqlite_store_gets_its_tables_without_mlflows_info_lines(tmp_path, request):
+    """MLflow says at INFO that it creates a new store's tables ('Creating initial MLflow database tables...'):
+    two log lines at the top of a first `dask-dl train --tracking FOLDER` that tell the user nothing."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("mlflow").addHandler(handler)
+    request.addfinalizer(lambda: logging.getLogger("mlflow").removeHandler(handler))
+    tracker = open_tracker(tmp_path / "runs", run_name="first")
+    tracker.finish("finished")
+    client = client_for(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
+    assert client.get_run(tracker.run_id).info.status == "FINISHED"  # the tables were made
+    assert [r.getMessage() for r in records if r.name == "mlflow.store.db.utils" and r.levelno < logging.WARNING] == []

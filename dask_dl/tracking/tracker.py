@@ -187,6 +187,9 @@ class _Writer:
                 answer.read()
         from mlflow import MlflowClient
 
+        quiet = logging.getLogger("mlflow.store.db.utils")
+        if quiet.level == logging.NOTSET:  # unless set by the user: MLflow says at INFO that a new store gets tables
+            quiet.setLevel(logging.WARNING)
         return MlflowClient(tracking_uri=self.uri)
 
     def _fail(self, exc: BaseException, what: str) -> None:
