@@ -78,9 +78,6 @@ def sweep_command(
 
     with open(space_file, encoding="utf-8") as f:
         space, fixed = space_from_yaml(yaml.safe_load(f))
-    import optuna  # installed: space_from_yaml checked
-
-    optuna.logging.set_verbosity(optuna.logging.WARNING)  # a line per trial is the command's own output
     if checkpoint_dir is not None:
         fixed["checkpoint_dir"] = checkpoint_dir
     with connect(scheduler=scheduler, n_workers=workers) as client:

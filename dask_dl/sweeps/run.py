@@ -122,7 +122,7 @@ def sweep(
     from dask_dl.sweeps.choices import grid_size, make_pruner, make_sampler
     from dask_dl.sweeps.scheduler import Scheduler, worker_groups
     from dask_dl.sweeps.space import check_fixed, check_key, check_space, fit_options
-    from dask_dl.sweeps.study import describe, open_study
+    from dask_dl.sweeps.study import describe, open_study, quiet_optuna
     from dask_dl.train.options import check_dataset
 
     root = fit_kwargs.pop("checkpoint_dir", None)
@@ -146,7 +146,8 @@ def sweep(
             f"pick one of {', '.join(metrics)}"
         )
     if not isinstance(space, Mapping):  # a define-by-run space: one dry call, on a throwaway trial, checks its keys
-        dry = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0)).ask()
+        with quiet_optuna():
+            dry = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0)).ask()
         options = fit_options()
         for key in space(dry):
             check_key(key, options, where="the space function's result")

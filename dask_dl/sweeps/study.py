@@ -10,14 +10,30 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 from dask_dl.errors import ConfigurationError
 
-__all__ = ["STUDY_NAME", "open_study", "storage_url"]
+__all__ = ["STUDY_NAME", "open_study", "quiet_optuna", "storage_url"]
 
 STUDY_NAME = "dask-dl-sweep"
+
+
+@contextmanager
+def quiet_optuna() -> Iterator[None]:
+    """Leave out Optuna's INFO lines while a sweep opens its studies ("A new study created in memory with name:
+    no-name-...", "Using an existing study ..."): the sweep's table and the command's lines say what happened.
+    Optuna's verbosity is set back after, for the user's own studies."""
+    import optuna
+
+    verbosity = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(max(verbosity, optuna.logging.WARNING))
+    try:
+        yield
+    finally:
+        optuna.logging.set_verbosity(verbosity)
 
 
 def storage_url(storage: str | os.PathLike | None) -> str | None:
@@ -68,7 +84,9 @@ def open_study(
     if url is None:
         if resume:
             raise ConfigurationError("resume=True continues a sweep kept in a storage; pass storage='sweep.db'")
-        return _created(optuna.create_study(sampler=sampler, pruner=pruner, direction=identity["direction"]), identity)
+        with quiet_optuna():
+            study = optuna.create_study(sampler=sampler, pruner=pruner, direction=identity["direction"])
+        return _created(study, identity)
     names = [s.study_name for s in optuna.study.get_all_study_summaries(url, include_best_trial=False)]
     others = [n for n in names if n != STUDY_NAME]
     if others:
@@ -77,11 +95,13 @@ def open_study(
             "a new storage path"
         )
     if not names:
-        study = optuna.create_study(
-            storage=url, study_name=STUDY_NAME, sampler=sampler, pruner=pruner, direction=identity["direction"]
-        )
+        with quiet_optuna():
+            study = optuna.create_study(
+                storage=url, study_name=STUDY_NAME, sampler=sampler, pruner=pruner, direction=identity["direction"]
+            )
         return _created(study, identity)
-    study = optuna.load_study(study_name=STUDY_NAME, storage=url, sampler=sampler, pruner=pruner)
+    with quiet_optuna():
+        study = optuna.load_study(study_name=STUDY_NAME, storage=url, sampler=sampler, pruner=pruner)
     recorded = {key: study.user_attrs.get(key) for key in identity}
     differ = [key for key in identity if recorded[key] != identity[key]]
     if differ:

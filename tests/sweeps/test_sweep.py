@@ -481,8 +481,7 @@ def test_sweep_command_end_to_end_and_resumed(store, cluster_client, tmp_path, r
     handler = logging.Handler()
     handler.emit = optuna_records.append
     optuna_logger.addHandler(handler)
-    level = optuna_logger.level  # the command quiets Optuna's log in this process: as it was for the next tests
-    request.addfinalizer(lambda: (optuna_logger.removeHandler(handler), optuna_logger.setLevel(level)))
+    request.addfinalizer(lambda: optuna_logger.removeHandler(handler))
 
     space = tmp_path / "space.yaml"
     space.write_text("lr: [0.1, 1e-5]\nepochs: 1\nbatch_size: 8\nmodel: small_cnn\nmodel_kwargs: {width: 8}\n")
@@ -508,8 +507,9 @@ def test_sweep_command_end_to_end_and_resumed(store, cluster_client, tmp_path, r
     lines = result.output.strip().splitlines()
     assert sorted(line.split(" after ")[0] for line in lines[:2]) == ["trial 0 complete", "trial 1 complete"]
     assert all(" after 1 epoch: " in line for line in lines[:2])
-    # Optuna's own log lines ("A new study created ...") stay out of the command's output
+    # Optuna's own log lines ("A new study created ...") stay out of the command's output; its verbosity is back
     assert [r.getMessage() for r in optuna_records if r.levelno < logging.WARNING] == []
+    assert optuna.logging.get_verbosity() == optuna.logging.INFO
     assert lines[-2].startswith("best: trial ") and "lr=0.1 " in lines[-2] + " "
     assert lines[-1] == f"checkpoint: {tmp_path}/sweep.db-trials/trial-{lines[-2].split()[2]}/epoch-0000.pt".replace(
         f"trial-{lines[-2].split()[2]}", f"trial-{int(lines[-2].split()[2]):04d}"
