@@ -6,7 +6,7 @@ without downloading 45 GB. The images are drawn, not sampled from real ones: a c
 mediastinum, spine, heart, ribs, clavicles, soft tissue, exposure and noise) with one visual signature per NIH
 finding, at a strength that varies per image, so a model can learn the labels but not trivially.
 
-Labels follow NIH's own statistics: combinations are drawn from :data:`_NIH_COMBINATIONS` (the real table's
+Labels follow NIH's own statistics: combinations are drawn from :func:`_nih_combinations` (the real table's
 most frequent label combinations), raked so that each label keeps its real frequency, or taken straight from a
 real table (``label_source=``). Everything is a function of ``seed``: images are drawn in blocks of
 :data:`_BLOCK` rows, each block from its own ``numpy.random.SeedSequence(seed, spawn_key=(1, block))``, so the
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.resources
 import io
 import os
 import string
@@ -45,162 +46,6 @@ __all__ = ["make_collection", "synthesize"]
 _BLOCK = 64  # images per task; fixed, so that seeds (and files) do not depend on how the work is spread
 _CORRUPT_KINDS = ("truncated", "empty", "garbage")
 
-# The 150 most frequent label combinations of the real NIH table (Data_Entry_2017_v2020.csv, 112,120 rows),
-# labels in NIH order, with their image counts. They cover 109,706 rows (97.8%); the rest are rarer
-# combinations that would leave the rarest labels (Hernia, Pneumonia) under-represented, which
-# :func:`_combination_table` corrects by raking the weights to the real label and No Finding shares below.
-_NIH_COMBINATIONS: tuple[tuple[str, int], ...] = (
-    ("No Finding", 60361),
-    ("Infiltration", 9547),
-    ("Atelectasis", 4215),
-    ("Effusion", 3955),
-    ("Nodule", 2705),
-    ("Pneumothorax", 2194),
-    ("Mass", 2139),
-    ("Effusion|Infiltration", 1604),
-    ("Atelectasis|Infiltration", 1350),
-    ("Consolidation", 1310),
-    ("Atelectasis|Effusion", 1167),
-    ("Pleural_Thickening", 1126),
-    ("Cardiomegaly", 1093),
-    ("Emphysema", 892),
-    ("Infiltration|Nodule", 829),
-    ("Atelectasis|Effusion|Infiltration", 739),
-    ("Fibrosis", 727),
-    ("Edema", 628),
-    ("Cardiomegaly|Effusion", 484),
-    ("Infiltration|Consolidation", 441),
-    ("Infiltration|Mass", 420),
-    ("Effusion|Pneumothorax", 403),
-    ("Effusion|Mass", 402),
-    ("Atelectasis|Consolidation", 398),
-    ("Mass|Nodule", 396),
-    ("Infiltration|Edema", 392),
-    ("Infiltration|Pneumothorax", 347),
-    ("Pneumothorax|Emphysema", 337),
-    ("Effusion|Consolidation", 337),
-    ("Pneumonia", 322),
-    ("Effusion|Pleural_Thickening", 251),
-    ("Effusion|Nodule", 250),
-    ("Atelectasis|Pneumothorax", 241),
-    ("Infiltration|Pleural_Thickening", 210),
-    ("Cardiomegaly|Infiltration", 201),
-    ("Atelectasis|Nodule", 201),
-    ("Atelectasis|Effusion|Consolidation", 200),
-    ("Infiltration|Pneumonia", 199),
-    ("Effusion|Edema", 189),
-    ("Infiltration|Fibrosis", 185),
-    ("Mass|Pneumothorax", 179),
-    ("Atelectasis|Mass", 178),
-    ("Mass|Consolidation", 151),
-    ("Nodule|Pleural_Thickening", 141),
-    ("Infiltration|Pneumonia|Edema", 138),
-    ("Effusion|Infiltration|Consolidation", 134),
-    ("Mass|Pleural_Thickening", 132),
-    ("Nodule|Pneumothorax", 130),
-    ("Nodule|Consolidation", 128),
-    ("Effusion|Infiltration|Edema", 127),
-    ("Infiltration|Emphysema", 126),
-    ("Cardiomegaly|Effusion|Infiltration", 120),
-    ("Atelectasis|Emphysema", 117),
-    ("Atelectasis|Pleural_Thickening", 117),
-    ("Hernia", 110),
-    ("Atelectasis|Pneumonia", 108),
-    ("Effusion|Infiltration|Nodule", 106),
-    ("Atelectasis|Fibrosis", 104),
-    ("Atelectasis|Infiltration|Consolidation", 104),
-    ("Effusion|Infiltration|Mass", 99),
-    ("Atelectasis|Effusion|Pneumothorax", 99),
-    ("Effusion|Emphysema", 96),
-    ("Effusion|Infiltration|Pneumothorax", 88),
-    ("Atelectasis|Cardiomegaly", 88),
-    ("Pneumonia|Edema", 83),
-    ("Atelectasis|Effusion|Infiltration|Consolidation", 81),
-    ("Pneumothorax|Pleural_Thickening", 79),
-    ("Atelectasis|Effusion|Mass", 72),
-    ("Atelectasis|Infiltration|Pneumothorax", 72),
-    ("Infiltration|Pneumothorax|Emphysema", 72),
-    ("Effusion|Infiltration|Pleural_Thickening", 71),
-    ("Fibrosis|Pleural_Thickening", 70),
-    ("Atelectasis|Cardiomegaly|Effusion", 68),
-    ("Infiltration|Mass|Nodule", 67),
-    ("Atelectasis|Infiltration|Mass", 67),
-    ("Mass|Emphysema", 66),
-    ("Nodule|Fibrosis", 66),
-    ("Effusion|Mass|Consolidation", 65),
-    ("Effusion|Mass|Nodule", 65),
-    ("Effusion|Fibrosis", 59),
-    ("Atelectasis|Infiltration|Nodule", 57),
-    ("Atelectasis|Pneumothorax|Emphysema", 54),
-    ("Atelectasis|Cardiomegaly|Effusion|Infiltration", 54),
-    ("Effusion|Pneumonia", 54),
-    ("Consolidation|Edema", 49),
-    ("Pneumothorax|Consolidation", 49),
-    ("Atelectasis|Edema", 48),
-    ("Atelectasis|Effusion|Pleural_Thickening", 47),
-    ("Infiltration|Nodule|Consolidation", 47),
-    ("Effusion|Pneumothorax|Emphysema", 47),
-    ("Consolidation|Pleural_Thickening", 46),
-    ("Emphysema|Pleural_Thickening", 46),
-    ("Atelectasis|Infiltration|Pleural_Thickening", 45),
-    ("Atelectasis|Effusion|Infiltration|Pneumothorax", 44),
-    ("Atelectasis|Effusion|Nodule", 43),
-    ("Infiltration|Mass|Consolidation", 42),
-    ("Effusion|Infiltration|Pneumonia", 42),
-    ("Atelectasis|Effusion|Infiltration|Pleural_Thickening", 41),
-    ("Cardiomegaly|Consolidation", 40),
-    ("Atelectasis|Infiltration|Emphysema", 40),
-    ("Atelectasis|Effusion|Infiltration|Mass", 38),
-    ("Effusion|Mass|Pleural_Thickening", 38),
-    ("Atelectasis|Effusion|Mass|Consolidation", 37),
-    ("Pneumonia|Consolidation", 36),
-    ("Cardiomegaly|Edema", 35),
-    ("Atelectasis|Infiltration|Edema", 35),
-    ("Cardiomegaly|Effusion|Pleural_Thickening", 34),
-    ("Atelectasis|Infiltration|Pneumonia", 34),
-    ("Mass|Fibrosis", 34),
-    ("Effusion|Pneumothorax|Pleural_Thickening", 34),
-    ("Atelectasis|Mass|Consolidation", 34),
-    ("Effusion|Nodule|Pleural_Thickening", 31),
-    ("Infiltration|Nodule|Edema", 31),
-    ("Infiltration|Nodule|Pneumothorax", 31),
-    ("Atelectasis|Cardiomegaly|Infiltration", 31),
-    ("Mass|Pneumothorax|Emphysema", 30),
-    ("Mass|Nodule|Pleural_Thickening", 30),
-    ("Infiltration|Nodule|Pleural_Thickening", 29),
-    ("Nodule|Emphysema", 29),
-    ("Effusion|Nodule|Consolidation", 28),
-    ("Nodule|Edema", 28),
-    ("Atelectasis|Infiltration|Pneumothorax|Emphysema", 27),
-    ("Atelectasis|Effusion|Emphysema", 26),
-    ("Infiltration|Mass|Pleural_Thickening", 25),
-    ("Infiltration|Consolidation|Edema", 25),
-    ("Atelectasis|Effusion|Infiltration|Edema", 24),
-    ("Effusion|Infiltration|Emphysema", 24),
-    ("Consolidation|Fibrosis", 24),
-    ("Effusion|Mass|Pneumothorax", 24),
-    ("Mass|Nodule|Consolidation", 24),
-    ("Atelectasis|Mass|Nodule", 24),
-    ("Atelectasis|Pneumothorax|Consolidation", 23),
-    ("Infiltration|Mass|Edema", 23),
-    ("Atelectasis|Effusion|Pneumonia", 23),
-    ("Pneumothorax|Fibrosis", 23),
-    ("Cardiomegaly|Nodule", 22),
-    ("Infiltration|Pneumothorax|Pleural_Thickening", 22),
-    ("Effusion|Pneumothorax|Consolidation", 22),
-    ("Cardiomegaly|Effusion|Consolidation", 22),
-    ("Atelectasis|Effusion|Edema", 22),
-    ("Effusion|Infiltration|Mass|Nodule", 22),
-    ("Atelectasis|Effusion|Infiltration|Nodule", 21),
-    ("Effusion|Infiltration|Pneumonia|Edema", 21),
-    ("Atelectasis|Hernia", 21),
-    ("Atelectasis|Infiltration|Fibrosis", 21),
-    ("Infiltration|Pneumothorax|Consolidation", 20),
-    ("Infiltration|Consolidation|Pleural_Thickening", 20),
-    ("Nodule|Pneumothorax|Emphysema", 20),
-    ("Consolidation|Emphysema", 20),
-    ("Cardiomegaly|Emphysema", 19),
-)
 
 #: Share of the real NIH images carrying each label, in the order of NIH_LABELS (all 112,120 rows).
 _NIH_FREQUENCIES = (
@@ -295,14 +140,29 @@ _TEST_FRACTION = 0.2  # share of patients in test_list.txt, as in NIH
 
 
 @functools.cache
+def _nih_combinations() -> dict[str, int]:
+    """The 150 most frequent label combinations of the real NIH table (Data_Entry_2017_v2020.csv, 112,120 rows)
+    and their image counts, labels in NIH order (``nih_combinations.csv`` beside this module).
+
+    They cover 109,706 rows (97.8%); the rest are rarer combinations that would leave the rarest labels (Hernia,
+    Pneumonia) under-represented, which :func:`_combination_table` corrects by raking the weights to the real
+    label and No Finding shares.
+    """
+    with importlib.resources.files(__package__).joinpath("nih_combinations.csv").open(encoding="utf-8") as f:
+        table = pd.read_csv(f, dtype={"finding_labels": str, "images": np.int64})
+    return dict(zip(table["finding_labels"], table["images"].tolist(), strict=True))
+
+
+@functools.cache
 def _combination_table() -> tuple[np.ndarray, np.ndarray]:
     """The embedded combinations as a ``(k, 14)`` bool matrix and their probabilities ``(k,)``.
 
     Iterative proportional fitting (one label at a time, scaling the combinations with and without it) moves
     the truncated table's label frequencies to the real ones while keeping which labels occur together.
     """
-    masks = np.array([[name in combo.split("|") for name in NIH_LABELS] for combo, _ in _NIH_COMBINATIONS])
-    p = np.array([count for _, count in _NIH_COMBINATIONS], dtype=np.float64)
+    combinations = _nih_combinations()
+    masks = np.array([[name in combo.split("|") for name in NIH_LABELS] for combo in combinations])
+    p = np.array(list(combinations.values()), dtype=np.float64)
     p /= p.sum()
     margins = np.column_stack([masks, ~masks.any(axis=1)])  # the 14 labels and No Finding
     target = np.array([*_NIH_FREQUENCIES, _NIH_NO_FINDING])

@@ -21,8 +21,8 @@ from dask_dl.data.radiograph import draw as _draw
 from dask_dl.data.schema import NIH_LABELS
 from dask_dl.data.synthetic import (
     _IMAGES_PER_PATIENT,
-    _NIH_COMBINATIONS,
     _NIH_FREQUENCIES,
+    _nih_combinations,
     _plan,
     _sample_labels,
     _site_profile,
@@ -241,7 +241,7 @@ def test_embedded_statistics_are_the_real_ones(real_table, real_labels):
     combos = pd.Series(
         ["|".join(n for n, v in zip(NIH_LABELS, row, strict=True) if v) or "No Finding" for row in real]
     ).value_counts()
-    assert dict(_NIH_COMBINATIONS) == combos.iloc[:150].to_dict()
+    assert _nih_combinations() == combos.iloc[:150].to_dict()
     patients = real_table["Patient ID"].value_counts()
     assert list(_IMAGES_PER_PATIENT) == [int((patients == k).sum()) for k in range(1, 31)]
 
