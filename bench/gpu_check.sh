@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check (issues 9 and 29), one prepared script for a machine with NVIDIA GPUs, about 9 minutes:
-#   1. an environment with a CUDA build of torch, dask-cuda, cudf/dask-cudf and onnxruntime-gpu (installs them
-#      into a fresh venv when an index is reachable),
+#   1. an environment with a CUDA build of torch, dask-cuda, cudf/dask-cudf and onnxruntime-gpu: the wheels of
+#      bench/gpu_wheels.sh when .whl/ was carried (this workplace's GPU machines reach no index), else installed
+#      into a fresh venv when an index is reachable,
 #   2. the gpu-marked tests (make("cuda"), NCCL training, scoring on the GPU workers with onnxruntime's CUDA
 #      provider, catalogs and score tables as cudf-backed Dask DataFrames, pinned batches fed ahead and augmented
 #      on the GPU),
@@ -26,7 +27,13 @@ nproc; free -g | head -2
 
 PYTHON=${PYTHON:-python3}
 cuda_ok() { "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; }
-if ! cuda_ok || ! "$PYTHON" -c "import dask_cuda, dask_dl" 2>/dev/null; then
+if [ -d .whl ]; then
+    # wheels carried from bench/gpu_wheels.sh, onto the image's own Python and torch (no index reachable there)
+    step "installing the carried wheels (.whl) beside the image's packages; dask_dl from this tree"
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || echo "the carried wheels could not be installed"
+    export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+elif ! cuda_ok || ! "$PYTHON" -c "import dask_cuda, dask_dl" 2>/dev/null; then
     step "installing: a venv with torch (CUDA build) and dask-dl[gpu,dev]"
     "$PYTHON" -m venv /tmp/gpu-venv && PYTHON=/tmp/gpu-venv/bin/python
     "$PYTHON" -m pip install -q --upgrade pip
@@ -47,7 +54,8 @@ cuda_ok || { echo "torch in $PYTHON has no CUDA: set PYTHON to an environment wi
 export DASK_CONFIG=${DASK_CONFIG:-$(mktemp -d)}
 
 step "gpu tests"
-timeout 180 "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu tests \
+# the files that hold gpu tests: the others import extras (optuna, pydicom, ...) a GPU machine's image may lack
+timeout 180 "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu $(grep -rl "mark.gpu" tests) \
     -o addopts="--strict-markers -ra" || echo "gpu tests failed (exit $?)"
 
 step "loader: device augmentation and pinned prefetch"
