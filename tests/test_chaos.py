@@ -33,7 +33,7 @@ from dask_dl.testing.chaos import (
     store_differences,
     worker_states,
 )
-from dask_dl.testing.train import squares_collection
+from dask_dl.testing.train import RECOVERY_RUN, squares_collection
 
 # Workers killed, paused and restarted under real work: minutes, for the full run only.
 pytestmark = pytest.mark.slow
@@ -171,19 +171,8 @@ def test_predict_under_chaos_equals_a_calm_one(calm, model, client):
 
 # ---- fit: a trainer's worker killed once per epoch ------------------------------------------------------------
 
-#: tests/train/test_recovery.py's run, one epoch shorter: 32 steps per epoch
-OPTIONS = dict(
-    model="small_cnn",
-    model_kwargs={"width": 8},
-    epochs=3,
-    batch_size=1,
-    trainers=2,
-    lr=0.05,
-    optimizer="sgd",
-    compression="onebit",
-    warmup_steps=2,
-    seed=5,
-)
+#: the recovery tests' run, one epoch shorter: 32 steps per epoch
+OPTIONS = {**RECOVERY_RUN, "epochs": 3}
 
 
 #: the killed run: the same, with small_cnn sleeping 80 ms a step (same weights), about 3 s an epoch

@@ -15,13 +15,17 @@ import pandas as pd
 
 from dask_dl.data.schema import make_catalog
 
-__all__ = ["SQUARES_RUN", "fit_squares", "one_rank_group", "paced_small_cnn", "squares_collection"]
+__all__ = ["RECOVERY_RUN", "SQUARES_RUN", "fit_squares", "one_rank_group", "paced_small_cnn", "squares_collection"]
 
 #: The training tests' run on the squares store: a small CNN of width 8, one epoch, 2 trainers of 8 images a step,
 #: plain SGD (the learning rate and the references in the tests are SGD's)
 SQUARES_RUN = dict(
     model="small_cnn", model_kwargs={"width": 8}, epochs=1, batch_size=8, trainers=2, lr=0.05, optimizer="sgd"
 )
+
+#: The recovery and chaos tests' run: :data:`SQUARES_RUN` one image a step for 4 epochs (32 steps each on the
+#: squares store), 1-bit compressed from the third step, seeded
+RECOVERY_RUN = {**SQUARES_RUN, "epochs": 4, "batch_size": 1, "compression": "onebit", "warmup_steps": 2, "seed": 5}
 
 
 def squares_collection(root: Path, *, n_train: int = 64, n_val: int = 32, seed: int = 0) -> pd.DataFrame:

@@ -32,19 +32,9 @@ from dask_dl.data.loader import ChunkLoader
 from dask_dl.data.position import EpochPosition
 from dask_dl.errors import CheckpointError
 from dask_dl.testing import data as kit
+from dask_dl.testing.train import RECOVERY_RUN
 
-OPTIONS = dict(
-    model="small_cnn",
-    model_kwargs={"width": 8},
-    epochs=4,
-    batch_size=1,
-    trainers=2,
-    lr=0.05,
-    optimizer="sgd",
-    compression="onebit",
-    warmup_steps=2,
-    seed=5,
-)
+OPTIONS = RECOVERY_RUN
 STEPS = 32  # per epoch: 64 images / (2 trainers x 1)
 
 
