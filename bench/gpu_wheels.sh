@@ -4,8 +4,9 @@
 # Those machines reach no package index. Their image (/work/.library/device/KINDS.md) holds Python 3.12 with a
 # CUDA build of torch, numpy, pandas, pyarrow, numba, scipy, scikit-image, onnx, onnxruntime, onnxscript, xarray,
 # matplotlib, pytest, pytest-timeout and hypothesis, but not Dask, Zarr or the rest below: these travel with the
-# working tree as wheels for CPython 3.12 on x86-64 Linux (about 47 MB; the working tree and these must stay under the tool's 64 MiB), pinned to what pip resolved for dask-cuda
-# and to .ci/constraints.txt for the others. Then, with the device tool:
+# working tree as wheels for CPython 3.12 on x86-64 Linux (about 47 MB: with the tree, under the device tool's
+# 64 MiB), pinned to what pip resolved for dask-cuda and to .ci/constraints.txt for the others. Then, with the
+# device tool:
 #   bash bench/gpu_wheels.sh
 #   run(carry=[".whl"], command="bash bench/gpu_check.sh", timeout_s=600)
 set -euo pipefail
