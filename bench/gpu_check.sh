@@ -30,8 +30,8 @@ cuda_ok() { "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_availab
 if [ -d .whl ]; then
     # wheels carried from bench/gpu_wheels.sh, onto the image's own Python and torch (no index reachable there)
     step "installing the carried wheels (.whl) beside the image's packages; dask_dl from this tree"
-    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        || echo "the carried wheels could not be installed"
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl || echo "the carried wheels could not be installed"
     export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 elif ! cuda_ok || ! "$PYTHON" -c "import dask_cuda, dask_dl" 2>/dev/null; then
     step "installing: a venv with torch (CUDA build) and dask-dl[gpu,dev]"
