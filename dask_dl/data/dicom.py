@@ -26,7 +26,7 @@ from dask_dl.checks import one_of
 from dask_dl.data import dicom_gdcm
 from dask_dl.data.labels import NO_FINDING, parse_findings
 from dask_dl.data.layouts import LAYOUTS
-from dask_dl.data.schema import NIH_LABELS
+from dask_dl.data.schema import METADATA_COLUMNS, NIH_LABELS, REQUIRED_COLUMNS
 from dask_dl.data.splits import split_by_patient
 from dask_dl.errors import CatalogError, ConfigurationError, DatasetError, StoreNotFoundError, missing_dependency
 
@@ -592,9 +592,9 @@ def read_dicom(
     label_frame, label_names = (
         _labels_from_csv(Path(labels_csv), frame, labels) if labels_csv is not None else (pd.DataFrame(), [])
     )
-    meta = ["age", "sex", "view", "orig_width", "orig_height", "spacing_x", "spacing_y"]
+    meta = [c for c in METADATA_COLUMNS if c != "follow_up"]  # a DICOM file has no follow-up number
     catalog = pd.concat(
-        [frame[["image_id", "path", "patient_id", "site", "split"]], label_frame.set_axis(frame.index), frame[meta]],
+        [frame[list(REQUIRED_COLUMNS)], label_frame.set_axis(frame.index), frame[meta]],
         axis=1,
     )
     catalog.attrs = {"labels": label_names, "task": "multilabel", **({"skipped": skipped} if skipped else {})}

@@ -49,6 +49,17 @@ NIH_LABELS: tuple[str, ...] = (
 )
 
 REQUIRED_COLUMNS: tuple[str, ...] = ("image_id", "path", "patient_id", "site", "split")
+#: the metadata columns a reader writes where its source has them, in this order after the labels
+METADATA_COLUMNS: tuple[str, ...] = (
+    "follow_up",
+    "age",
+    "sex",
+    "view",
+    "orig_width",
+    "orig_height",
+    "spacing_x",
+    "spacing_y",
+)
 SPLITS: tuple[str, ...] = ("train", "val", "test")
 TASKS: tuple[str, ...] = ("multilabel", "multiclass")
 _META_KEY = b"dask_dl"

@@ -32,7 +32,7 @@ from dask_dl.checks import positive_int
 from dask_dl.data.labels import NO_FINDING
 from dask_dl.data.nih import NIH_HEADER
 from dask_dl.data.radiograph import draw_with_boxes
-from dask_dl.data.schema import NIH_LABELS
+from dask_dl.data.schema import METADATA_COLUMNS, NIH_LABELS, REQUIRED_COLUMNS
 from dask_dl.data.store import write_whole
 from dask_dl.data.swatches import make_collection
 from dask_dl.errors import CatalogError, ConfigurationError, StoreNotFoundError
@@ -669,26 +669,7 @@ def _run_blocks(blocks: list[pd.DataFrame], *, size: int, seed: int, client, pro
 def _result(table: pd.DataFrame) -> pd.DataFrame:
     out = table.rename(columns={"patient": "patient_id"})
     out["patient_id"] = [f"{p:08d}" for p in out["patient_id"]]  # as read_nih spells them
-    columns = [
-        "image_id",
-        "path",
-        "patient_id",
-        "site",
-        "split",
-        "follow_up",
-        "age",
-        "sex",
-        "view",
-        "orig_width",
-        "orig_height",
-        "spacing_x",
-        "spacing_y",
-        "finding_labels",
-        *NIH_LABELS,
-        "rgba",
-        "corrupt",
-        "corrupt_kind",
-    ]
+    columns = [*REQUIRED_COLUMNS, *METADATA_COLUMNS, "finding_labels", *NIH_LABELS, "rgba", "corrupt", "corrupt_kind"]
     out = out[columns].reset_index(drop=True)
     out.attrs = {"labels": list(NIH_LABELS), "task": "multilabel"}
     return out
