@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dask_dl.errors import missing_dependency
+from dask_dl.errors import import_optional
 
 if TYPE_CHECKING:  # pragma: no cover
     from matplotlib.figure import Figure
@@ -14,11 +14,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 def pyplot(purpose: str) -> Any:
     """``matplotlib.pyplot``, or the error naming the extras that bring it."""
-    try:
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise missing_dependency("matplotlib", "notebook", purpose) from exc
-    return plt
+    return import_optional("matplotlib.pyplot", extra="notebook", purpose=purpose)
 
 
 def image_grid(images: np.ndarray, titles: list[str], *, columns: int, purpose: str) -> Figure:

@@ -30,7 +30,7 @@ import inspect
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from dask_dl.errors import ConfigurationError, TrainingError, missing_dependency
+from dask_dl.errors import ConfigurationError, TrainingError, import_optional, missing_dependency
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch import nn
@@ -86,7 +86,7 @@ class ModelSource:
         if self.kind == "torchvision":
             return _torchvision(self.name.partition(":")[2], num_outputs, in_channels, self.kwargs)
         if self.kind == "timm":
-            timm = _import("timm", "timm", f"model={self.name!r}")
+            timm = import_optional("timm", extra="timm", purpose=f"model={self.name!r}")
             return timm.create_model(
                 self.name.partition(":")[2],
                 pretrained=False,
@@ -331,7 +331,7 @@ def adapt_first_conv(model: nn.Module, in_channels: int) -> nn.Module:
 
 
 def _torchvision(name: str, num_outputs: int, in_channels: int, kwargs: dict[str, Any]) -> nn.Module:
-    models = _import("torchvision.models", "torchvision", f"model='torchvision:{name}'")
+    models = import_optional("torchvision.models", extra="torchvision", purpose=f"model='torchvision:{name}'")
     if name not in models.list_models():
         raise ConfigurationError(
             f"torchvision has no model {name!r}; its classification models include "
@@ -344,13 +344,6 @@ def _torchvision(name: str, num_outputs: int, in_channels: int, kwargs: dict[str
         )
     net = models.get_model(name, **{**kwargs, "weights": None, "num_classes": num_outputs})
     return adapt_first_conv(net, in_channels)
-
-
-def _import(module: str, extra: str, purpose: str) -> Any:
-    try:
-        return importlib.import_module(module)
-    except ImportError as exc:
-        raise missing_dependency(extra, extra, purpose) from exc
 
 
 def _factory_arguments(factory: Any, num_outputs: int, in_channels: int) -> dict[str, int]:
