@@ -226,7 +226,7 @@ def _final_table(history: Any, width: int = 100) -> str:
         lines += [
             "".join(p.ljust(cell) for p in pairs[i : i + per_line]).rstrip() for i in range(0, len(pairs), per_line)
         ]
-        if any(auroc_text(last[c]) == "-" for c in labels):
+        if last[labels].isna().any():
             lines.append(NO_AUROC_NOTE)
     return "\n".join(lines)
 
