@@ -126,29 +126,36 @@ def measure_kernels(n: int = 2**23, *, lowrank: float | None = None, sync=None) 
     )
 
 
-def _lowrank() -> float:
-    """PowerSGD's work per value: its hook on the AlexNet-shaped buckets on one rank (a one-rank gloo group)."""
-    import socket
-
+def powersgd_work(group=None, sync=None) -> float:
+    """PowerSGD's work per value: its hook on the AlexNet-shaped buckets on a one-rank ``group`` (None: the default
+    group, of one rank), best of two steps; ``sync`` is called before each step, as in :func:`measure_kernels`."""
     import torch
-    import torch.distributed as dist
 
     from dask_dl.train.compression import make_compressor
+
+    buckets = ddp_buckets(ALEXNET)
+    grads = [torch.randn(sum(math.prod(s) for s in b)) for b in buckets]
+    options, warm = _options("powersgd")
+    compressor = make_compressor("powersgd", process_group=group, **options)
+    run_steps(compressor, buckets, grads, warm + 1, sync)
+    seconds = min(s[0] for s in run_steps(compressor, buckets, grads, 2, sync))
+    return seconds / sum(g.numel() for g in grads)
+
+
+def _lowrank() -> float:
+    """:func:`powersgd_work` alone: in a one-rank gloo group of its own."""
+    import socket
+
+    import torch.distributed as dist
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     try:
-        buckets = ddp_buckets(ALEXNET)
-        grads = [torch.randn(sum(math.prod(s) for s in b)) for b in buckets]
-        options, warm = _options("powersgd")
-        compressor = make_compressor("powersgd", **options)
-        run_steps(compressor, buckets, grads, warm + 1)
-        seconds = min(s[0] for s in run_steps(compressor, buckets, grads, 2))
+        return powersgd_work()
     finally:
         dist.destroy_process_group()
-    return seconds / sum(g.numel() for g in grads)
 
 
 # ---- the ranks ------------------------------------------------------------------------------------------------
@@ -180,13 +187,12 @@ def exchange_worker(args) -> dict:
 
     link = probe_link()
     # the kernels on every rank at once, in step: their time per value under this world's contention for the cores
-    # (PowerSGD's, which needs a group of its own, scaled from the one-rank figure as the quantize sweep is)
-    alone = Kernels(**args.kernels)
-    here = measure_kernels(lowrank=alone.lowrank, sync=dist.barrier)
+    # (PowerSGD's on a one-rank group of each rank's own: new_group is called by every rank for every group)
+    own = [dist.new_group([r]) for r in range(args.world)][args.rank]
+    here = measure_kernels(lowrank=powersgd_work(own, dist.barrier), sync=dist.barrier)
     slowest = torch.tensor(list(here.to_dict().values()), dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     here = Kernels(**dict(zip(here.to_dict(), slowest.tolist(), strict=True)))
-    here = Kernels(**{**here.to_dict(), "lowrank": alone.lowrank * here.quantize / alone.quantize})
     buckets = ddp_buckets(ALEXNET)
     gen = torch.Generator().manual_seed(args.rank)
     grads = [torch.randn(sum(math.prod(s) for s in b), generator=gen) * 1e-3 for b in buckets]
@@ -257,7 +263,6 @@ def worker(args) -> None:
     import torch.distributed as dist
 
     _join(args)
-    args.kernels = json.loads(os.environ.get("DDL_PROJECTION_KERNELS", "{}")) or None
     out = training_worker(args) if "auto" in args.compressors.split(",") else exchange_worker(args)
     if args.rank == 0:
         with open(args.out, "w") as f:
@@ -276,7 +281,6 @@ def check(args) -> None:
     header = f"{'network':8} {'N':>2} {'probe Gbit/s':>12} {'gather':>6} {'alpha us':>8} {'compressor':10} "
     print(header + f"{'measured s':>10} {'model s':>8} {'error':>7} {'CPU s':>6} {'busy':>5}")
     errors: list[tuple[int, float]] = []
-    os.environ["DDL_PROJECTION_KERNELS"] = json.dumps(kernels.to_dict())  # the ranks' one-rank PowerSGD figure
     try:
         for network in args.networks.split(","):
             for world in (int(w) for w in args.worlds.split(",")):
@@ -289,7 +293,8 @@ def check(args) -> None:
                 link, here = Link.from_dict(out["link"]), Kernels(**out["kernels"])
                 print(
                     f"{network:8} {world:>2} kernels on the ranks: quantize {here.quantize * 1e9:.2f} ns, decode "
-                    f"{here.decode * 1e9:.2f} ns ({here.quantize / kernels.quantize:.2f}x alone)"
+                    f"{here.decode * 1e9:.2f} ns ({here.quantize / kernels.quantize:.2f}x alone), PowerSGD "
+                    f"{here.lowrank * 1e9:.2f} ns ({here.lowrank / kernels.lowrank:.2f}x alone)"
                 )
                 for name, measured in out["seconds"].items():
                     model = exchange_time(name, ALEXNET, world=world, link=link, kernels=here)
