@@ -21,35 +21,46 @@ from typing import Any
 
 import dask.config
 
-__all__ = ["PRELOAD", "dask_setup", "with_preload"]
+__all__ = ["EXPECTED_AT_CLOSE", "PRELOAD", "ExpectedAtClose", "dask_setup", "with_preload"]
 
 PRELOAD = __name__
+
+
+#: what distributed logs from a worker that closes about what the close itself ends: (logger, end of the message)
+EXPECTED_AT_CLOSE = (
+    # a task still running (e.g. a read from a hung network mount) is cancelled
+    ("distributed.worker.state_machine", "ended with CancelledError"),
+    # the scheduler closed first: a heartbeat due before the worker's own close stops its heartbeats finds it gone
+    ("distributed.worker", "Failed to communicate with scheduler during heartbeat."),
+)
 
 
 def dask_setup(worker: Any) -> None:
     """Ignore SIGINT in this worker process (only in a process of its own: never in a driver's thread)."""
     if threading.current_thread() is threading.main_thread():  # a worker in its own process runs its loop there
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        logging.getLogger("distributed.worker.state_machine").addFilter(_CancelledAtClose(worker))
+        for name, ending in EXPECTED_AT_CLOSE:
+            logging.getLogger(name).addFilter(ExpectedAtClose(worker, ending))
 
 
-class _CancelledAtClose(logging.Filter):
-    """Drops the warning of a task cancelled because its worker closes: after Ctrl-C, the driver told the user.
+class ExpectedAtClose(logging.Filter):
+    """Drops a record ending with ``ending`` while ``worker`` closes: after Ctrl-C, the driver told the user.
 
-    A second Ctrl-C leaves tasks still running (e.g. a read from a hung network mount), and closing the cluster then
-    cancels them; distributed logs each one ("Async instruction for <Task ...> ended with CancelledError"), which
-    it says happens only while a worker closes. Any other record, and this one from a worker not closing, passes.
+    A second Ctrl-C leaves tasks still running, and closing the cluster then cancels them (distributed logs each
+    one, "Async instruction for <Task ...> ended with CancelledError") while the scheduler, closed first, is gone
+    for the heartbeats the worker sends until its close stops them (logged with a traceback). Any other record,
+    and these from a worker not closing, pass.
     """
 
-    def __init__(self, worker: Any) -> None:
+    def __init__(self, worker: Any, ending: str) -> None:
         super().__init__()
-        self.worker = worker
+        self.worker, self.ending = worker, ending
 
     def filter(self, record: logging.LogRecord) -> bool:
         from distributed.core import Status
 
         closing = getattr(self.worker, "status", None) in (Status.closing, Status.closed)
-        return not (closing and record.getMessage().endswith("ended with CancelledError"))
+        return not (closing and record.getMessage().endswith(self.ending))
 
 
 def with_preload(options: dict[str, Any]) -> dict[str, Any]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import dask.config
 import pytest
 from distributed import Client
@@ -20,6 +22,7 @@ from dask_dl.cluster import (
     workers_for,
 )
 from dask_dl.cluster.cuda import gpu_count
+from dask_dl.cluster.sigint import EXPECTED_AT_CLOSE
 from dask_dl.cluster.workers import scheduler_workers
 
 
@@ -97,6 +100,18 @@ def dask_setup(worker):
 """
 
 
+def _close_filters():
+    """In a worker: the (logger, ending) of every :class:`ExpectedAtClose` filter its preload installed."""
+    import logging
+
+    from dask_dl.cluster.sigint import EXPECTED_AT_CLOSE, ExpectedAtClose
+
+    loggers = {name for name, _ in EXPECTED_AT_CLOSE}
+    return sorted(
+        (name, f.ending) for name in loggers for f in logging.getLogger(name).filters if isinstance(f, ExpectedAtClose)
+    )
+
+
 def test_local_worker_processes_leave_ctrl_c_to_the_driver(tmp_path):
     """A terminal's Ctrl-C reaches the worker processes of the local cluster too: they ignore it, and live on."""
     import os
@@ -117,6 +132,7 @@ def test_local_worker_processes_leave_ctrl_c_to_the_driver(tmp_path):
             lambda dask_worker: (signal.getsignal(signal.SIGINT) == signal.SIG_IGN, dask_worker.user_preload_ran)
         )
         assert seen == {address: (True, True) for address in pids}
+        assert client.run(_close_filters) == {address: sorted(EXPECTED_AT_CLOSE) for address in pids}
         for pid in pids.values():
             os.kill(pid, signal.SIGINT)  # what Ctrl-C in the terminal sends to the whole job
         time.sleep(1.0)
@@ -127,6 +143,31 @@ def test_local_worker_processes_leave_ctrl_c_to_the_driver(tmp_path):
     in_a_thread.start()
     in_a_thread.join()
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_closing_worker_drops_only_what_its_close_ends():
+    """After Ctrl-C the driver closes the cluster: a task it cancels and a heartbeat to the scheduler it closed first
+    are expected then, and dropped; the same records from a worker that is not closing, and others, pass."""
+    from types import SimpleNamespace
+
+    from distributed.core import Status
+
+    from dask_dl.cluster.sigint import ExpectedAtClose
+
+    def passes(status, logger, message):
+        name, ending = next((n, e) for n, e in EXPECTED_AT_CLOSE if n == logger)
+        record = logging.LogRecord(logger, logging.ERROR, __file__, 1, message, None, None)
+        return ExpectedAtClose(SimpleNamespace(status=status), ending).filter(record)
+
+    heartbeat = "Failed to communicate with scheduler during heartbeat."
+    cancelled = "Async instruction for <Task cancelled name='execute(x)'> ended with CancelledError"
+    for status in (Status.closing, Status.closed):
+        assert not passes(status, "distributed.worker", heartbeat)
+        assert not passes(status, "distributed.worker.state_machine", cancelled)
+        assert passes(status, "distributed.worker", "Unexpected exception during heartbeat. Closing worker.")
+    for status in (Status.running, Status.paused, None):
+        assert passes(status, "distributed.worker", heartbeat)
+        assert passes(status, "distributed.worker.state_machine", cancelled)
 
 
 def test_the_ctrl_c_preload_keeps_the_preloads_and_their_arguments_aligned():
