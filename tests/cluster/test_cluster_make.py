@@ -155,9 +155,8 @@ def test_a_closing_worker_drops_only_what_its_close_ends():
     from dask_dl.cluster.sigint import ExpectedAtClose
 
     def passes(status, logger, message):
-        name, ending = next((n, e) for n, e in EXPECTED_AT_CLOSE if n == logger)
         record = logging.LogRecord(logger, logging.ERROR, __file__, 1, message, None, None)
-        return ExpectedAtClose(SimpleNamespace(status=status), ending).filter(record)
+        return ExpectedAtClose(SimpleNamespace(status=status), dict(EXPECTED_AT_CLOSE)[logger]).filter(record)
 
     heartbeat = "Failed to communicate with scheduler during heartbeat."
     cancelled = "Async instruction for <Task cancelled name='execute(x)'> ended with CancelledError"
