@@ -216,8 +216,9 @@ def setup_network(world: int, rate: str | None) -> list[str]:
     return [f"ddlb{r}" for r in range(world)]
 
 
-def run_world(world: int, network: str, args, *, script: str = __file__) -> dict:
-    """Run ``script --worker`` on ``world`` ranks over ``network``; return what rank 0 wrote."""
+def run_world(world: int, network: str, args, *, script: str = __file__, extra: tuple[str, ...] = ()) -> dict:
+    """Run ``script --worker`` on ``world`` ranks over ``network`` (``extra``: more arguments for the ranks);
+    return what rank 0 wrote."""
     namespaces = setup_network(world, RATES.get(network)) if network != "loopback" else None
     master = "10.77.0.1" if namespaces else "127.0.0.1"
     fd, out = tempfile.mkstemp(suffix=".json")
@@ -230,7 +231,7 @@ def run_world(world: int, network: str, args, *, script: str = __file__) -> dict
         for r in range(world):
             cmd = [sys.executable, script, "--worker", "--rank", str(r), "--world", str(world)]
             cmd += ["--master", master, "--port", str(port), "--out", out, "--steps", str(args.steps)]
-            cmd += ["--compressors", args.compressors]
+            cmd += ["--compressors", args.compressors, *extra]
             env = dict(os.environ, GLOO_SOCKET_IFNAME=f"ddlb{r}n" if namespaces else "lo", OMP_NUM_THREADS="1")
             # c10d warns at every connection that a namespace's peer has no host name: errors only
             env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")

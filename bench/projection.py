@@ -12,10 +12,10 @@ each point it prints the CPU seconds all ranks spent in that step (every thread,
 ``busy``, that CPU over what the machine's cores could give in the step's time: near 100%, the exchange is bound
 by the cores the ranks share, which the model (ranks with cores of their own) leaves out.
 
-``--auto`` answers the default question: real DDP training steps of dask_dl's alexnet (64 px, 4 images a rank)
-on 2 ranks, with each fixed compressor and with ``auto`` (which measures and chooses as ``fit`` does), on loopback
-and the veth links; it prints each choice's step time, auto's loss against the best fixed choice, and, last,
-``worst auto loss X%``.
+``--auto`` answers the default question: real DDP training steps of dask_dl's alexnet (``--model``; 64 px, 4
+images a rank) on 2 ranks, with each fixed compressor and with ``auto`` (which measures and chooses as ``fit``
+does), on loopback and the veth links; it prints each choice's step time, auto's loss against the best fixed
+choice, and, last, ``worst auto loss X%``.
 
 Without either, it projects N = 8 to 256 trainers on 10, 25 and 100 Gbit/s links for small_cnn, resnet18,
 resnet50 and alexnet with an H200's step time (published figures, see ``H200_IMAGES_PER_S``), prints the table
@@ -212,7 +212,7 @@ def exchange_worker(args) -> dict:
 
 
 def training_worker(args) -> dict:
-    """Real DDP steps of alexnet with each fixed compressor and with auto, all models built first and stepped in
+    """Real DDP steps of ``args.model`` with each fixed compressor and with auto, all models built first and stepped in
     turns (the machine's load drifts alike for all): the slowest rank's time of each, best of the steps."""
     import torch
     import torch.distributed as dist
@@ -232,7 +232,7 @@ def training_worker(args) -> dict:
     trainers, auto = {}, None
     for name in args.compressors.split(","):
         torch.manual_seed(0)
-        model = build_model("alexnet", num_outputs=14, in_channels=1)
+        model = build_model(args.model, num_outputs=14, in_channels=1)
         ddp = make_ddp(model, device_ids=None)
         chosen = name
         if name == "auto":
@@ -317,13 +317,14 @@ def auto(args) -> None:
     runs the chosen hook, so the two differ by the machine's noise between identical steps)."""
     worst, worst_choice = None, None
     names = (*FIXED, "auto")
+    print(f"ms a step, best of {args.steps}")
     print(f"{'network':8} {'N':>2} " + " ".join(f"{n:>8}" for n in names) + "  auto chose  loss  choice loss")
     try:
         for network in args.networks.split(","):
             for world in (int(w) for w in args.worlds.split(",")):
                 args.compressors = ",".join(names)
                 try:
-                    out = run_world(world, network, args, script=__file__)
+                    out = run_world(world, network, args, script=__file__, extra=("--model", args.model))
                 except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
                     print(f"{network:8} {world:>2} failed: {exc}", flush=True)
                     continue
@@ -334,7 +335,7 @@ def auto(args) -> None:
                 worst_choice = choice if worst_choice is None else max(worst_choice, choice)
                 print(
                     f"{network:8} {world:>2} "
-                    + " ".join(f"{s[n]:8.3f}" for n in names)
+                    + " ".join(f"{s[n] * 1e3:8.1f}" for n in names)
                     + f"  {chosen:10} {loss:+6.1%} {choice:+6.1%}   (probe {out['auto']['probe_s']:.1f} s)",
                     flush=True,
                 )
@@ -415,6 +416,7 @@ def main() -> None:
     parser.add_argument("--networks", default=None, help="default: 10gbit,1gbit (--check), +loopback (--auto)")
     parser.add_argument("--worlds", default=None, help="default: 2,3,4 (--check), 2 (--auto)")
     parser.add_argument("--steps", type=int, default=2, help="timed steps per compressor")
+    parser.add_argument("--model", default="alexnet", help="--auto: the model trained (a dask_dl model name)")
     parser.add_argument("--timeout", type=float, default=420, help="seconds allowed for one network and world")
     parser.add_argument(
         "--plot", default=os.path.join(os.path.dirname(__file__), "..", "docs", "img", "projection.png")
