@@ -78,6 +78,29 @@ def test_buckets_overlap_the_backward_pass():
     assert step_time("none", shapes, world=1, link=link, compute_s=compute, kernels=FREE) == pytest.approx(0.3)
 
 
+def test_the_link_carries_one_collective_at_a_time():
+    # two buckets of onebit2, no kernels' work: the second bucket's all-to-all (on the trainer's thread) waits for
+    # the first bucket's all-gather (on the communication stream) to leave the link
+    fc = [(1000, 1000), (1000, 1000)]
+    cap = 4_000_000  # one matrix a bucket
+    assert [len(b) for b in buckets(fc, cap)] == [1, 1]
+    all_to_all = 3 * 1e-4 + 0.75 * 4 * 33250 / 1e8
+    all_gather = 3 * (1e-4 + 33250 / 1e8)
+    both = step_time("onebit2", fc, world=4, link=LINK, compute_s=0.0, kernels=FREE, cap_bytes=cap)
+    assert both == pytest.approx(2 * (all_to_all + all_gather))  # overlapped, it would be 2 all_to_all + 1 gather
+    # it waits for the all-gather only, not for the decode that follows it on the communication stream
+    decode = Kernels(add=0, add16=0, div=0, cast=0, quantize=0, decode=1e-9, lowrank=0)
+    work = 1e6 * 1e-9  # one decode sweep of a bucket: the stripe's (trainer's thread), then the assembly (stream)
+    # bucket 1: all-to-all, stripe decode; all-gather, assembly. bucket 2: all-to-all from the end of the first
+    # all-gather (before the first assembly ends), stripe decode; all-gather after the first assembly, assembly
+    timed = step_time("onebit2", fc, world=4, link=LINK, compute_s=0.0, kernels=decode, cap_bytes=cap)
+    assert timed == pytest.approx(2 * (all_to_all + all_gather) + 3 * work)
+    # one collective per bucket on the stream (onebit) is unchanged: the stream is the link's order already
+    assert step_time("onebit", fc, world=4, link=LINK, compute_s=0.0, kernels=FREE, cap_bytes=cap) == pytest.approx(
+        2 * 3 * (1e-4 + 1.33e-3)
+    )
+
+
 def test_choose_for_given_figures():
     kw = dict(compute_s=0.3, kernels=CPU_KERNELS)
     # an AlexNet-sized gradient: 1-bit pays on 1 Gbit/s (two-stage at 16 ranks, where onebit decodes 16 messages)

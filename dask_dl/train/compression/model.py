@@ -5,9 +5,16 @@ in reverse parameter order) to the compressor's comm hook as they become ready. 
 run on the trainer's own thread (it delays the rest of the backward pass), and an asynchronous part, run on the
 one communication stream in bucket order (it overlaps the backward pass). The step ends when both are done::
 
-    t = forward;  free = 0
-    for each bucket b:  t += backward * share(b) + sync(b);  free = max(t, free) + async(b)
+    t = forward;  free = 0;  link = 0
+    for each bucket b:
+        t += backward * share(b) + sync(b)
+        (onebit2: t = max(t, link) + all_to_all(b);  link = t;  t += its stripe's work)
+        link = max(t, free) + collective(b);  free = link + async work(b)
     step = max(t, free)
+
+The link carries one collective at a time: a collective that the trainer's thread waits for (``onebit2``'s
+all-to-all) starts when the one before it on the communication stream (the last bucket's all-gather) has left
+the link, as on NCCL's one stream per group, and as on gloo, where the two would share the link's bandwidth.
 
 The collectives cost what the usual algorithms cost on ``N`` ranks with a latency ``alpha`` per message and a
 bandwidth ``B`` per rank and direction: ring all-reduce ``2 (N-1) alpha + 2 (N-1)/N bytes / B`` (or a tree's
@@ -38,6 +45,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 __all__ = [
     "AUTO_CANDIDATES",
@@ -189,6 +197,20 @@ def _allreduce(nbytes: float, n_values: int, world: int, link: Link, add: float)
     return min(ring, tree) + (world - 1) / world * n_values * add
 
 
+class HookTimes(NamedTuple):
+    """Seconds of one bucket's hook, in the order they run: ``sync`` on the trainer's thread, ``blocking`` (a
+    collective the trainer's thread waits for: ``onebit2``'s all-to-all), ``after`` (the trainer's thread's work
+    after it), ``exchange`` (the collective on the communication stream), ``then`` (the work that follows it
+    there); and ``nbytes``, the bytes handed to collectives."""
+
+    sync: float
+    exchange: float
+    nbytes: int
+    then: float = 0.0
+    blocking: float = 0.0
+    after: float = 0.0
+
+
 def _all_gather(nbytes: float, world: int, link: Link) -> float:
     return (world - 1) * (link.alpha + nbytes / link.small) if world > 1 else 0.0
 
@@ -212,10 +234,8 @@ def _powersgd(bucket: list[tuple[int, ...]], rank: int = 1, min_rate: float = 2.
     return rest, low, big
 
 
-def bucket_times(
-    name: str, bucket: list[tuple[int, ...]], *, world: int, link: Link, kernels: Kernels
-) -> tuple[float, float, int]:
-    """``(sync s, async s, bytes handed to collectives)`` of compressor ``name``'s hook on one bucket."""
+def bucket_times(name: str, bucket: list[tuple[int, ...]], *, world: int, link: Link, kernels: Kernels) -> HookTimes:
+    """The :class:`HookTimes` of compressor ``name``'s hook on one bucket."""
     n = sum(math.prod(s) for s in bucket)
     k = kernels.per_value
     if world == 1:  # no collectives: the hooks do what the algorithm defines for one rank
@@ -227,23 +247,29 @@ def bucket_times(
             "onebit": k("quantize") + k("decode"),
             "onebit2": 2 * k("quantize") + 2 * k("decode"),
         }
-        return alone[name] * n, 0.0, 0
+        return HookTimes(alone[name] * n, 0.0, 0)
     if name == "none":
-        return n * k("div"), _allreduce(4 * n, n, world, link, k("add")), 4 * n
+        return HookTimes(n * k("div"), _allreduce(4 * n, n, world, link, k("add")), 4 * n)
     if name in ("fp16", "bf16"):  # torch's hook: a new 16-bit copy divided by N (3/4 of it), copied back after
         add16 = k("add16") if link.add16 is None else link.add16 / kernels.share
-        return 0.75 * n * k("cast"), _allreduce(2 * n, n, world, link, add16) + 0.25 * n * k("cast"), 2 * n
+        return HookTimes(0.75 * n * k("cast"), _allreduce(2 * n, n, world, link, add16), 2 * n, 0.25 * n * k("cast"))
     if name == "powersgd":
         rest, low, _ = _powersgd(bucket)
         exchange = sum(_allreduce(4 * v, v, world, link, k("add")) for v in (rest, low // 2 or 1, low // 2 or 1))
-        return n * k("lowrank") / 3, exchange + 2 * n * k("lowrank") / 3, 4 * (rest + low)
+        return HookTimes(n * k("lowrank") / 3, exchange, 4 * (rest + low), 2 * n * k("lowrank") / 3)
     message = sum((math.prod(s) + 7) // 8 + 8 * _columns(s) for s in bucket)
     if name == "onebit":
-        return n * k("quantize"), _all_gather(message, world, link) + world * n * k("decode"), message
+        return HookTimes(n * k("quantize"), _all_gather(message, world, link), message, world * n * k("decode"))
     if name == "onebit2":
         stripe = math.ceil(message / world)
-        sync = n * k("quantize") + _all_to_all(world * stripe, world, link) + n * (k("decode") + k("quantize") / world)
-        return sync, _all_gather(stripe, world, link) + n * k("decode"), world * stripe + stripe
+        return HookTimes(
+            sync=n * k("quantize"),
+            blocking=_all_to_all(world * stripe, world, link),
+            after=n * (k("decode") + k("quantize") / world),
+            exchange=_all_gather(stripe, world, link),
+            then=n * k("decode"),
+            nbytes=world * stripe + stripe,
+        )
     raise ValueError(f"the scale-out model has no compressor {name!r}")
 
 
@@ -285,13 +311,17 @@ def step_time(
     groups = buckets(shapes, cap_bytes)
     total = sum(math.prod(s) for b in groups for s in b) or 1
     backward = BACKWARD_SHARE * compute_s
-    t, free = compute_s - backward, 0.0
+    t, free, busy = compute_s - backward, 0.0, 0.0  # busy: until when the link carries the last collective
     for bucket in groups:
-        sync, exchange, _ = bucket_times(name, bucket, world=world, link=link, kernels=kernels)
+        hook = bucket_times(name, bucket, world=world, link=link, kernels=kernels)
         if name == "powersgd":  # its hook waits for the bucket before (dask_dl.train.compression.powersgd)
             t = max(t, free)
-        t += backward * sum(math.prod(s) for s in bucket) / total + sync
-        free = max(t, free) + exchange
+        t += backward * sum(math.prod(s) for s in bucket) / total + hook.sync
+        if hook.blocking:
+            t = busy = max(t, busy) + hook.blocking
+        t += hook.after
+        busy = max(t, free) + hook.exchange
+        free = busy + hook.then
     return max(t, free)
 
 
