@@ -190,7 +190,10 @@ def setup_network(world: int, rate: str | None) -> list[str]:
         _ip("-n", ns, "link", "set", "lo", "up")
         if rate:
             bits = {"1gbit": 1e9, "10gbit": 1e10}[rate]
-            burst = f"{max(int(bits / 8 / 100), 2**20)}b"  # >= rate / HZ, or tbf cannot reach the rate
+            # a millisecond of the rate: tbf lets a full bucket through at the veth's own speed, so the 10 ms it was
+            # given before let a 1 MB message that followed a pause cross the 1 Gbit/s link at 6.6 Gbit/s; half a
+            # millisecond and tbf falls short of the rate (0.74 Gbit/s)
+            burst = f"{max(int(bits / 8 / 1000), 2**17)}b"
             for dev, where in ((inner, ["ip", "netns", "exec", ns]), (host, [])):
                 subprocess.run(
                     [

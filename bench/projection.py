@@ -4,8 +4,8 @@
 then every compressor's exchange of an AlexNet-shaped gradient (45.5M values in DDP-like buckets, hooks called
 back to back as in ``bench/compression.py``) timed on 2, 3 and 4 gloo ranks over veth links rate-limited with
 ``tc`` (bench/compression.py's namespaces), beside the model's prediction from the link that ``auto``'s probe
-(all-reduces and a 1 MB all-gather, its rate under ``gather``) measures in the same group. It prints the model's
-error at each point and, last, ``max error X%`` over them.
+(all-reduces, and a 1 MB all-gather and all-to-all, their rates under ``gather`` and ``a2a``) measures in the
+same group. It prints the model's error at each point and, last, ``max error X%`` over them.
 The ranks share this machine's cores: every rank measures the kernels again, all in step, before the exchanges,
 and the model is given the slowest rank's figures (its time per value under that world's contention). Beside
 each point it prints the CPU seconds all ranks spent in that step (every thread, system time included) and
@@ -278,7 +278,7 @@ def check(args) -> None:
     figures = ", ".join(f"{k} {v * 1e9:.2f} ns" for k, v in kernels.to_dict().items() if k != "share")
     print(f"kernels, seconds per value (one thread): {figures}")
     cores = len(os.sched_getaffinity(0))
-    header = f"{'network':8} {'N':>2} {'probe Gbit/s':>12} {'gather':>6} {'alpha us':>8} {'compressor':10} "
+    header = f"{'network':8} {'N':>2} {'probe Gbit/s':>12} {'gather':>6} {'a2a':>6} {'alpha us':>8} {'compressor':10} "
     print(header + f"{'measured s':>10} {'model s':>8} {'error':>7} {'CPU s':>6} {'busy':>5}")
     errors: list[tuple[int, float]] = []
     try:
@@ -302,6 +302,7 @@ def check(args) -> None:
                     errors.append((world, error))
                     cpu = out["cpu_s"][name]
                     point = f"{network:8} {world:>2} {link.bandwidth * 8 / 1e9:12.3f} {link.small * 8 / 1e9:6.3f} "
+                    point += f"{link.spread * 8 / 1e9:6.3f} "
                     point += f"{link.alpha * 1e6:8.0f} {name:10} {measured:10.3f} {model:8.3f} {error:+7.1%} "
                     print(point + f"{cpu:6.3f} {cpu / (cores * measured):5.0%}", flush=True)
     finally:

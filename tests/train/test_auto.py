@@ -51,7 +51,12 @@ def test_exchange_times_are_the_collectives_cost_formulas():
     assert exchange_time("onebit", fc, world=4, link=gathered, kernels=FREE) == pytest.approx(3 * (1e-4 + 2.66e-3))
     two_stage = 3 * 1e-4 + 0.75 * 4 * 33250 / 5e7 + 3 * (1e-4 + 33250 / 5e7)
     assert exchange_time("onebit2", fc, world=4, link=gathered, kernels=FREE) == pytest.approx(two_stage)
-    assert Link.from_dict(gathered.to_dict()) == gathered
+    # and the all-to-alls' own rate, when measured (onebit2's first stage)
+    spread = Link(alpha=1e-4, bandwidth=1e8, gather=5e7, all_to_all=2.5e7)
+    two_stage = 3 * 1e-4 + 0.75 * 4 * 33250 / 2.5e7 + 3 * (1e-4 + 33250 / 5e7)
+    assert exchange_time("onebit2", fc, world=4, link=spread, kernels=FREE) == pytest.approx(two_stage)
+    assert exchange_time("onebit", fc, world=4, link=spread, kernels=FREE) == pytest.approx(3 * (1e-4 + 2.66e-3))
+    assert Link.from_dict(gathered.to_dict()) == gathered and Link.from_dict(spread.to_dict()) == spread
     assert Link.from_dict({"alpha_s": 1e-4, "bandwidth_bytes_per_s": 1e8}) == LINK  # figures of an older run
     # the kernels: onebit quantizes every value once and decodes N messages of every value
     work = Kernels(add=0, add16=0, div=0, cast=0, quantize=2e-9, decode=1e-9, lowrank=0)
@@ -125,6 +130,9 @@ def test_choose_for_given_figures():
     assert fastest.reason.endswith("; 4 trainers, 0.8 Gbit/s and 100 us per message measured, compute 0.0 ms a step)")
     gathered = choose(fc, world=4, link=Link(alpha=1e-4, bandwidth=1e8, gather=5e7), compute_s=0.0, kernels=slow)
     assert "0.8 Gbit/s (0.4 on 1 MB all-gathers) and 100 us per message" in gathered.reason
+    spread = Link(alpha=1e-4, bandwidth=1e8, gather=5e7, all_to_all=2.5e7)
+    both = choose(fc, world=4, link=spread, compute_s=0.0, kernels=slow)
+    assert "0.8 Gbit/s (0.4 on 1 MB all-gathers, 0.2 on 1 MB all-to-alls) and 100 us per message" in both.reason
 
 
 def test_model_imports_without_torch():
@@ -150,7 +158,7 @@ def test_auto_fit_records_its_choice_and_trains_like_it(store, cluster_client):
     made = run.info["compression"]
     figures = made["figures"]
     assert figures["world_size"] == 2 and figures["compute_s"] > 0 and figures["bandwidth_bytes_per_s"] > 0
-    assert figures["gather_bytes_per_s"] > 0
+    assert figures["gather_bytes_per_s"] > 0 and figures["all_to_all_bytes_per_s"] > 0
     # the choice is the model's for the figures measured
     model = dask_dl.build_model("small_cnn", num_outputs=2, in_channels=1, width=8)
     shapes = [tuple(p.shape) for p in model.parameters()]
@@ -215,4 +223,9 @@ def test_the_train_command_says_what_auto_chose_once(store, cluster_client):
     run_id, _, choice = said[0].partition(": compression auto chose ")
     name, _, reason = choice.partition(": ")
     assert run_id.startswith("fit-") and name in CPU_CANDIDATES
-    assert reason.startswith(f"{name} is predicted") and "2 trainers" in reason and " on 1 MB all-gathers)" in reason
+    assert (
+        reason.startswith(f"{name} is predicted")
+        and "2 trainers" in reason
+        and " on 1 MB all-gathers, " in reason
+        and " on 1 MB all-to-alls)" in reason
+    )

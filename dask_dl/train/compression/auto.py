@@ -1,8 +1,8 @@
 """``compression="auto"``: the compressor the scale-out model predicts fastest, from figures measured at run start.
 
 Every rank measures the group's link with a short probe (:func:`probe_link`: a one-value all-reduce for the latency,
-a 32 MB one for the bandwidth, a bfloat16 one for gloo's 16-bit sums, a 1 MB all-gather for the 1-bit compressors'
-messages) and the compute time of its
+a 32 MB one for the bandwidth, a bfloat16 one for gloo's 16-bit sums, a 1 MB all-gather and all-to-all for the
+1-bit compressors' messages) and the compute time of its
 model on a batch of the run's shape (:func:`probe_compute`: forward and backward, no exchange). Rank 0 takes the
 slowest rank's figures (a step waits for it), lets :func:`dask_dl.train.compression.model.choose` decide, and
 broadcasts the choice, so that every rank registers the same hook. DDP takes one comm hook, before its first step:
@@ -37,27 +37,15 @@ PROBE_BYTES = 32 * 2**20  # past a switch's (and tc's) burst allowance: the rate
 GATHER_BYTES = 2**20
 
 
-def _timed_allreduce(tensor: torch.Tensor, repeats: int) -> float:
-    """The shortest of ``repeats`` all-reduces of ``tensor``: the link's capability, not a pause of the machine."""
+def _shortest(collective: Any, tensor: torch.Tensor, repeats: int) -> float:
+    """The shortest of ``repeats`` runs of ``collective()`` on ``tensor``'s device: the link's capability, not a
+    pause of the machine."""
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        dist.all_reduce(tensor)
+        collective()
         if tensor.is_cuda:
             torch.cuda.synchronize(tensor.device)
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
-def _timed_all_gather(message: torch.Tensor, repeats: int) -> float:
-    """The shortest of ``repeats`` all-gathers of ``message`` from every rank (as the 1-bit hooks gather)."""
-    gathered = message.new_empty(dist.get_world_size() * message.numel())
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        dist.all_gather_single(gathered, message)
-        if message.is_cuda:
-            torch.cuda.synchronize(message.device)
         times.append(time.perf_counter() - start)
     return min(times)
 
@@ -71,13 +59,14 @@ def probe_link(
     kernels: Kernels | None = None,
 ) -> Link:
     """The default group's latency and bandwidth per rank, from all-reduces of one value and of ``nbytes``, the
-    time per value of a bfloat16 all-reduce's sums, and the bandwidth of an all-gather of ``gather_bytes`` a rank.
+    time per value of a bfloat16 all-reduce's sums, and the bandwidths of an all-gather and of an all-to-all of
+    ``gather_bytes`` a rank.
 
     A ring all-reduce of ``b`` bytes (``v`` values) on ``N`` ranks takes ``2 (N-1) alpha + 2 (N-1)/N b / B`` plus
     ``(N-1)/N v`` sums: the one-value all-reduce gives ``alpha``, the float32 one ``B`` (its sums, at the kernels'
     ``add`` per value, taken out), the bfloat16 one of as many values the 16-bit sums' time. An all-gather of ``m``
-    bytes a rank takes ``(N-1) (alpha + m / B_gather)``: the 1-bit compressors' messages are that size. Every rank
-    returns the slowest rank's figures.
+    bytes a rank takes ``(N-1) (alpha + m / B_gather)``, an all-to-all of ``m`` ``(N-1) alpha + (N-1)/N m /
+    B_all_to_all``: the 1-bit compressors' messages are that size. Every rank returns the slowest rank's figures.
     """
     device = device or torch.device("cpu")
     kernels = kernels or (H200_KERNELS if device.type == "cuda" else CPU_KERNELS)
@@ -86,25 +75,29 @@ def probe_link(
     big = torch.zeros(values, device=device)
     half = torch.zeros(values, dtype=torch.bfloat16, device=device)
     message = torch.zeros(gather_bytes, dtype=torch.uint8, device=device)
-    _timed_allreduce(big, 1)  # connections and first touch
-    _timed_allreduce(half, 1)
-    _timed_all_gather(message, 1)
-    times = [
-        _timed_allreduce(small, 2 * repeats),
-        _timed_allreduce(big, repeats),
-        _timed_allreduce(half, repeats),
-        _timed_all_gather(message, 2 * repeats),
+    spread = torch.zeros(gather_bytes - gather_bytes % n, dtype=torch.uint8, device=device)  # N equal chunks
+    gathered, received = message.new_empty(n * message.numel()), torch.empty_like(spread)
+    probes = [  # (collective, its tensor, repeats: the small messages are noisier)
+        (lambda: dist.all_reduce(small), small, 2 * repeats),
+        (lambda: dist.all_reduce(big), big, repeats),
+        (lambda: dist.all_reduce(half), half, repeats),
+        (lambda: dist.all_gather_single(gathered, message), message, 2 * repeats),  # as the 1-bit hooks gather
+        (lambda: dist.all_to_all_single(received, spread), spread, 2 * repeats),  # 1/N to each: onebit2's stage 1
     ]
+    for collective, tensor, _ in probes[1:]:
+        _shortest(collective, tensor, 1)  # connections and first touch
+    times = [_shortest(collective, tensor, count) for collective, tensor, count in probes]
     slowest = torch.tensor(times, dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    t_small, t_big, t_half, t_gather = (float(v) for v in slowest.cpu())
+    t_small, t_big, t_half, t_gather, t_spread = (float(v) for v in slowest.cpu())
     share = (n - 1) / n
     alpha = t_small / (2 * (n - 1))
     transfer = max(t_big - t_small - share * values * kernels.add, 1e-9)
     bandwidth = 2 * share * nbytes / transfer
     add16 = max(t_half - t_small - share * nbytes / bandwidth, 0.0) / (share * values)
     gather = (n - 1) * gather_bytes / max(t_gather - (n - 1) * alpha, 1e-9)
-    return Link(alpha=alpha, bandwidth=bandwidth, add16=add16, gather=gather)
+    all_to_all = share * spread.numel() / max(t_spread - (n - 1) * alpha, 1e-9)
+    return Link(alpha=alpha, bandwidth=bandwidth, add16=add16, gather=gather, all_to_all=all_to_all)
 
 
 def probe_compute(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Any, *, repeats: int = 2) -> float:

@@ -19,10 +19,10 @@ the link, as on NCCL's one stream per group, and as on gloo, where the two would
 The collectives cost what the usual algorithms cost on ``N`` ranks with a latency ``alpha`` per message and a
 bandwidth ``B`` per rank and direction: ring all-reduce ``2 (N-1) alpha + 2 (N-1)/N bytes / B`` (or a tree's
 ``2 log2(N) (alpha + bytes / B)`` when shorter), all-gather ``(N-1) (alpha + input / B)``, all-to-all
-``(N-1) alpha + (N-1)/N input / B``, with the all-gathers' and all-to-alls' ``B`` measured on messages of the
-1-bit compressors' size (:attr:`Link.gather`). The compressors' own work is a time per value of each kernel
-(:class:`Kernels`): the 1-bit quantize sweep, the decode of one message, the casts, the sums inside an
-all-reduce, PowerSGD's work. What each compressor sends and does:
+``(N-1) alpha + (N-1)/N input / B``, with the all-gathers' and all-to-alls' ``B`` each measured on messages of
+the 1-bit compressors' size (:attr:`Link.gather`, :attr:`Link.all_to_all`). The compressors' own work is a time
+per value of each kernel (:class:`Kernels`): the 1-bit quantize sweep, the decode of one message, the casts, the
+sums inside an all-reduce, PowerSGD's work. What each compressor sends and does:
 
 ========== ================================== ================================================ ======================
 name       synchronous (trainer's thread)     asynchronous (communication stream)              bytes per rank
@@ -83,12 +83,15 @@ class Link:
     rank, :data:`dask_dl.train.compression.auto.GATHER_BYTES`), when the probe measured it; None: ``bandwidth``.
     Messages that small get less of a link than a 32 MB all-reduce does (on loopback gloo, about half), and the
     all-gathers and all-to-alls of ``onebit`` and ``onebit2`` are made of them.
+    ``all_to_all``: the same for an all-to-all of that size a rank, when measured; None: the all-gathers' rate
+    (gloo's all-to-all got 80% of its all-gather's rate on a 1 Gbit/s link here).
     """
 
     alpha: float
     bandwidth: float
     add16: float | None = None
     gather: float | None = None
+    all_to_all: float | None = None
 
     @classmethod
     def gbit(cls, gbit_per_s: float, *, alpha: float = 20e-6) -> Link:
@@ -101,6 +104,7 @@ class Link:
             "bandwidth_bytes_per_s": self.bandwidth,
             "add16_s": self.add16,
             "gather_bytes_per_s": self.gather,
+            "all_to_all_bytes_per_s": self.all_to_all,
         }
 
     @classmethod
@@ -116,12 +120,18 @@ class Link:
             bandwidth=float(figures["bandwidth_bytes_per_s"]),
             add16=optional("add16_s"),
             gather=optional("gather_bytes_per_s"),
+            all_to_all=optional("all_to_all_bytes_per_s"),
         )
 
     @property
     def small(self) -> float:
         """Bytes/s per rank of the compressed collectives' messages: ``gather`` when measured, else ``bandwidth``."""
         return self.bandwidth if self.gather is None else self.gather
+
+    @property
+    def spread(self) -> float:
+        """Bytes/s per rank of the compressed all-to-alls: ``all_to_all`` when measured, else :attr:`small`."""
+        return self.small if self.all_to_all is None else self.all_to_all
 
 
 @dataclass(frozen=True)
@@ -216,7 +226,7 @@ def _all_gather(nbytes: float, world: int, link: Link) -> float:
 
 
 def _all_to_all(nbytes: float, world: int, link: Link) -> float:
-    return (world - 1) * link.alpha + (world - 1) / world * nbytes / link.small if world > 1 else 0.0
+    return (world - 1) * link.alpha + (world - 1) / world * nbytes / link.spread if world > 1 else 0.0
 
 
 def _powersgd(bucket: list[tuple[int, ...]], rank: int = 1, min_rate: float = 2.0) -> tuple[int, int, int]:
@@ -375,7 +385,12 @@ def choose(
     best = min(predicted.values())
     name = next(c for c in candidates if predicted[c] <= best * (1 + margin))
     fastest = min(predicted, key=predicted.get)
-    gather = "" if link.gather is None else f" ({link.gather * 8 / 1e9:.3g} on 1 MB all-gathers)"
+    small = [
+        f"{v * 8 / 1e9:.3g} on 1 MB {what}"
+        for v, what in ((link.gather, "all-gathers"), (link.all_to_all, "all-to-alls"))
+        if v
+    ]
+    gather = f" ({', '.join(small)})" if small else ""
     figures = (
         f"{world} trainers, {link.bandwidth * 8 / 1e9:.3g} Gbit/s{gather} and {link.alpha * 1e6:.0f} us per "
         f"message measured, compute {compute_s * 1e3:.1f} ms a step"
