@@ -5,11 +5,11 @@ in reverse parameter order) to the compressor's comm hook as they become ready. 
 run on the trainer's own thread (it delays the rest of the backward pass), and an asynchronous part, run on the
 one communication stream in bucket order (it overlaps the backward pass). The step ends when both are done::
 
-    t = forward;  free = 0;  link = 0
+    t = forward;  free = 0;  busy = 0      # busy: until when the link carries the last collective
     for each bucket b:
         t += backward * share(b) + sync(b)
-        (onebit2: t = max(t, link) + all_to_all(b);  link = t;  t += its stripe's work)
-        link = max(t, free) + collective(b);  free = link + async work(b)
+        (onebit2: t = busy = max(t, busy) + all_to_all(b);  t += its stripe's work)
+        busy = max(t, free) + collective(b);  free = busy + async work(b)
     step = max(t, free)
 
 The link carries one collective at a time: a collective that the trainer's thread waits for (``onebit2``'s
