@@ -190,9 +190,9 @@ def setup_network(world: int, rate: str | None) -> list[str]:
         _ip("-n", ns, "link", "set", "lo", "up")
         if rate:
             bits = {"1gbit": 1e9, "10gbit": 1e10}[rate]
-            # a millisecond of the rate: tbf lets a full bucket through at the veth's own speed, so the 10 ms it was
-            # given before let a 1 MB message that followed a pause cross the 1 Gbit/s link at 6.6 Gbit/s; half a
-            # millisecond and tbf falls short of the rate (0.74 Gbit/s)
+            # a millisecond of the rate: tbf lets a full bucket through at the veth's own speed, so a bigger one lets
+            # a message that follows a pause cross faster than the rate (10 ms: 1 MB at 6.6 Gbit/s on the 1 Gbit/s
+            # link); with half a millisecond tbf falls short of the rate (0.74 Gbit/s)
             burst = f"{max(int(bits / 8 / 1000), 2**17)}b"
             for dev, where in ((inner, ["ip", "netns", "exec", ns]), (host, [])):
                 subprocess.run(

@@ -211,11 +211,10 @@ class HookTimes(NamedTuple):
     """Seconds of one bucket's hook, in the order they run: ``sync`` on the trainer's thread, ``blocking`` (a
     collective the trainer's thread waits for: ``onebit2``'s all-to-all), ``after`` (the trainer's thread's work
     after it), ``exchange`` (the collective on the communication stream), ``then`` (the work that follows it
-    there); and ``nbytes``, the bytes handed to collectives."""
+    there)."""
 
     sync: float
     exchange: float
-    nbytes: int
     then: float = 0.0
     blocking: float = 0.0
     after: float = 0.0
@@ -257,19 +256,19 @@ def bucket_times(name: str, bucket: list[tuple[int, ...]], *, world: int, link: 
             "onebit": k("quantize") + k("decode"),
             "onebit2": 2 * k("quantize") + 2 * k("decode"),
         }
-        return HookTimes(alone[name] * n, 0.0, 0)
+        return HookTimes(alone[name] * n, 0.0)
     if name == "none":
-        return HookTimes(n * k("div"), _allreduce(4 * n, n, world, link, k("add")), 4 * n)
+        return HookTimes(n * k("div"), _allreduce(4 * n, n, world, link, k("add")))
     if name in ("fp16", "bf16"):  # torch's hook: a new 16-bit copy divided by N (3/4 of it), copied back after
         add16 = k("add16") if link.add16 is None else link.add16 / kernels.share
-        return HookTimes(0.75 * n * k("cast"), _allreduce(2 * n, n, world, link, add16), 2 * n, 0.25 * n * k("cast"))
+        return HookTimes(0.75 * n * k("cast"), _allreduce(2 * n, n, world, link, add16), 0.25 * n * k("cast"))
     if name == "powersgd":
         rest, low, _ = _powersgd(bucket)
         exchange = sum(_allreduce(4 * v, v, world, link, k("add")) for v in (rest, low // 2 or 1, low // 2 or 1))
-        return HookTimes(n * k("lowrank") / 3, exchange, 4 * (rest + low), 2 * n * k("lowrank") / 3)
+        return HookTimes(n * k("lowrank") / 3, exchange, 2 * n * k("lowrank") / 3)
     message = sum((math.prod(s) + 7) // 8 + 8 * _columns(s) for s in bucket)
     if name == "onebit":
-        return HookTimes(n * k("quantize"), _all_gather(message, world, link), message, world * n * k("decode"))
+        return HookTimes(n * k("quantize"), _all_gather(message, world, link), world * n * k("decode"))
     if name == "onebit2":
         stripe = math.ceil(message / world)
         return HookTimes(
@@ -278,7 +277,6 @@ def bucket_times(name: str, bucket: list[tuple[int, ...]], *, world: int, link: 
             after=n * (k("decode") + k("quantize") / world),
             exchange=_all_gather(stripe, world, link),
             then=n * k("decode"),
-            nbytes=world * stripe + stripe,
         )
     raise ValueError(f"the scale-out model has no compressor {name!r}")
 
@@ -390,9 +388,9 @@ def choose(
         for v, what in ((link.gather, "all-gathers"), (link.all_to_all, "all-to-alls"))
         if v
     ]
-    gather = f" ({', '.join(small)})" if small else ""
+    rates = f" ({', '.join(small)})" if small else ""
     figures = (
-        f"{world} trainers, {link.bandwidth * 8 / 1e9:.3g} Gbit/s{gather} and {link.alpha * 1e6:.0f} us per "
+        f"{world} trainers, {link.bandwidth * 8 / 1e9:.3g} Gbit/s{rates} and {link.alpha * 1e6:.0f} us per "
         f"message measured, compute {compute_s * 1e3:.1f} ms a step"
     )
     times = ", ".join(f"{c} {s * 1e3:.1f} ms" for c, s in sorted(predicted.items(), key=lambda kv: kv[1]))
