@@ -4,8 +4,9 @@
 then every compressor's exchange of an AlexNet-shaped gradient (45.5M values in DDP-like buckets, hooks called
 back to back as in ``bench/compression.py``) timed on 2, 3 and 4 gloo ranks over veth links rate-limited with
 ``tc`` (bench/compression.py's namespaces), beside the model's prediction from the link that ``auto``'s probe
-(all-reduces, and a 1 MB all-gather and all-to-all, their rates under ``gather`` and ``a2a``) measures in the
-same group. It prints the model's error at each point and, last, ``max error X%`` over them.
+(all-reduces, and all-gathers and all-to-alls of 1 and 4 MB a rank: their rates under ``gather`` and ``a2a``,
+their seconds per message on the ``link:`` lines) measures in the same group. It prints the model's error at each
+point and, last, ``max error X%`` over them.
 The ranks share this machine's cores: every rank measures the kernels again, all in step, before the exchanges,
 and the model is given the slowest rank's figures (its time per value under that world's contention). Beside
 each point it prints the CPU seconds all ranks spent in that step (every thread, system time included) and
@@ -295,6 +296,11 @@ def check(args) -> None:
                     f"{network:8} {world:>2} kernels on the ranks: quantize {here.quantize * 1e9:.2f} ns, decode "
                     f"{here.decode * 1e9:.2f} ns ({here.quantize / kernels.quantize:.2f}x alone), PowerSGD "
                     f"{here.lowrank * 1e9:.2f} ns ({here.lowrank / kernels.lowrank:.2f}x alone)"
+                )
+                print(
+                    f"{network:8} {world:>2} link: all-gathers {link.small * 8 / 1e9:.3f} Gbit/s and "
+                    f"{link.small_alpha * 1e6:+.0f} us a message, all-to-alls {link.spread * 8 / 1e9:.3f} Gbit/s and "
+                    f"{link.spread_alpha * 1e6:+.0f} us a message (1 and 4 MB a rank)"
                 )
                 for name, measured in out["seconds"].items():
                     model = exchange_time(name, ALEXNET, world=world, link=link, kernels=here)

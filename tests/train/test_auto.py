@@ -57,6 +57,20 @@ def test_exchange_times_are_the_collectives_cost_formulas():
     assert exchange_time("onebit2", fc, world=4, link=spread, kernels=FREE) == pytest.approx(two_stage)
     assert exchange_time("onebit", fc, world=4, link=spread, kernels=FREE) == pytest.approx(3 * (1e-4 + 2.66e-3))
     assert Link.from_dict(gathered.to_dict()) == gathered and Link.from_dict(spread.to_dict()) == spread
+    # and their seconds per message, fitted by the probe: the all-to-alls take the all-gathers' unless measured
+    fitted = Link(alpha=1e-4, bandwidth=1e8, gather=5e7, all_to_all=2.5e7, gather_alpha=3e-4, all_to_all_alpha=2e-4)
+    two_stage = 3 * (2e-4 + 33250 / 2.5e7) + 3 * (3e-4 + 33250 / 5e7)
+    assert exchange_time("onebit2", fc, world=4, link=fitted, kernels=FREE) == pytest.approx(two_stage)
+    assert exchange_time("onebit", fc, world=4, link=fitted, kernels=FREE) == pytest.approx(3 * (3e-4 + 2.66e-3))
+    gather_only = Link(alpha=1e-4, bandwidth=1e8, gather=5e7, gather_alpha=3e-4)
+    two_stage = 3 * (3e-4 + 33250 / 5e7) * 2
+    assert exchange_time("onebit2", fc, world=4, link=gather_only, kernels=FREE) == pytest.approx(two_stage)
+    assert Link.from_dict(fitted.to_dict()) == fitted
+    # a negative fitted term (a link that lets a burst through faster than its rate) never makes a collective
+    # cheaper than alpha a message
+    burst = Link(alpha=1e-4, bandwidth=1e8, gather=5e7, gather_alpha=-2e-3)
+    assert exchange_time("onebit", fc, world=4, link=burst, kernels=FREE) == pytest.approx(3 * (-2e-3 + 2.66e-3))
+    assert exchange_time("onebit", [(100, 100)], world=4, link=burst, kernels=FREE) == pytest.approx(3 * 1e-4)
     assert Link.from_dict({"alpha_s": 1e-4, "bandwidth_bytes_per_s": 1e8}) == LINK  # figures of an older run
     # the kernels: onebit quantizes every value once and decodes N messages of every value
     work = Kernels(add=0, add16=0, div=0, cast=0, quantize=2e-9, decode=1e-9, lowrank=0)
@@ -129,10 +143,10 @@ def test_choose_for_given_figures():
     assert fastest.name == "onebit" and fastest.reason.startswith("onebit is predicted fastest (onebit 4.3 ms, bf16")
     assert fastest.reason.endswith("; 4 trainers, 0.8 Gbit/s and 100 us per message measured, compute 0.0 ms a step)")
     gathered = choose(fc, world=4, link=Link(alpha=1e-4, bandwidth=1e8, gather=5e7), compute_s=0.0, kernels=slow)
-    assert "0.8 Gbit/s (0.4 on 1 MB all-gathers) and 100 us per message" in gathered.reason
+    assert "0.8 Gbit/s (0.4 on 1-4 MB all-gathers) and 100 us per message" in gathered.reason
     spread = Link(alpha=1e-4, bandwidth=1e8, gather=5e7, all_to_all=2.5e7)
     both = choose(fc, world=4, link=spread, compute_s=0.0, kernels=slow)
-    assert "0.8 Gbit/s (0.4 on 1 MB all-gathers, 0.2 on 1 MB all-to-alls) and 100 us per message" in both.reason
+    assert "0.8 Gbit/s (0.4 on 1-4 MB all-gathers, 0.2 on 1-4 MB all-to-alls) and 100 us per message" in both.reason
 
 
 def test_model_imports_without_torch():
@@ -141,6 +155,22 @@ def test_model_imports_without_torch():
 
     code = "import sys, dask_dl.train.compression.model; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"
+
+
+def test_the_probe_fits_a_line_through_two_sizes():
+    from dask_dl.train.compression.auto import _line
+
+    sizes = (2**20, 2**22)
+    # an all-gather of 4 ranks, (N-1) (a + m / B): 3 messages of the whole input
+    times = tuple(3 * (2e-4 + m / 5e7) for m in sizes)
+    assert _line(sizes, times, 3, 3, 1e-4) == pytest.approx((5e7, 2e-4))
+    # an all-to-all, (N-1) a + (N-1)/N m / B; and a link whose first burst is free (a negative term)
+    times = tuple(3 * 2e-4 + 0.75 * m / 2.5e7 for m in sizes)
+    assert _line(sizes, times, 0.75, 3, 1e-4) == pytest.approx((2.5e7, 2e-4))
+    times = tuple(-3e-3 + 0.75 * m / 2.5e7 for m in sizes)
+    assert _line(sizes, times, 0.75, 3, 1e-4) == pytest.approx((2.5e7, -1e-3))
+    # the larger input no slower (noise where the ranks' CPU, not the link, is the limit): its rate alone, alpha
+    assert _line(sizes, (0.01, 0.01), 3, 3, 1e-4) == pytest.approx((3 * 2**22 / (0.01 - 3e-4), 1e-4))
 
 
 def test_auto_takes_no_compressor_options(store):
@@ -159,6 +189,7 @@ def test_auto_fit_records_its_choice_and_trains_like_it(store, cluster_client):
     figures = made["figures"]
     assert figures["world_size"] == 2 and figures["compute_s"] > 0 and figures["bandwidth_bytes_per_s"] > 0
     assert figures["gather_bytes_per_s"] > 0 and figures["all_to_all_bytes_per_s"] > 0
+    assert isinstance(figures["gather_alpha_s"], float) and isinstance(figures["all_to_all_alpha_s"], float)
     # the choice is the model's for the figures measured
     model = dask_dl.build_model("small_cnn", num_outputs=2, in_channels=1, width=8)
     shapes = [tuple(p.shape) for p in model.parameters()]
@@ -226,6 +257,6 @@ def test_the_train_command_says_what_auto_chose_once(store, cluster_client):
     assert (
         reason.startswith(f"{name} is predicted")
         and "2 trainers" in reason
-        and " on 1 MB all-gathers, " in reason
-        and " on 1 MB all-to-alls)" in reason
+        and " on 1-4 MB all-gathers, " in reason
+        and " on 1-4 MB all-to-alls)" in reason
     )

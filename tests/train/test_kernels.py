@@ -8,6 +8,9 @@ float32 rounding for N=3 (the kernels sum in float64, the reference in float32).
 
 from __future__ import annotations
 
+import threading
+import time
+
 import dask
 import numpy as np
 import pytest
@@ -158,6 +161,43 @@ def test_results_do_not_depend_on_the_number_of_threads():
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(outputs[0][0], outputs[1][0]) and torch.equal(outputs[0][1], outputs[1][1])
+
+
+def test_the_kernels_release_the_gil():
+    """DDP runs a collective's callback (a decode) on gloo's thread while the trainer's thread goes on: a kernel that
+    held the GIL stopped that thread for its whole length (onebit2's all-to-alls returned only when the previous
+    bucket's decode had ended). The main thread must keep running while another thread decodes."""
+    shapes = [(4096, 8192)]
+    p = plan_stripes(shapes, ["w"], 1)
+    message = np.zeros((1, p.size), dtype=np.uint8)
+    values = torch.randn(p.layout.numel, generator=torch.Generator().manual_seed(0)).numpy()
+    kernels.quantize(p.tasks, message, p.columns, grad=values, ef=False)
+    msgs, out, alone = np.repeat(message, 16, axis=0), np.empty_like(values), np.empty_like(values)
+    spans: list[tuple[float, float]] = []
+
+    def decode_thrice():
+        for _ in range(3):
+            start = time.perf_counter()
+            kernels.decode(p.tasks, msgs, p.columns.repeat(16), out, average=True)
+            spans.append((start, time.perf_counter()))
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the serial twin, a one-thread trainer's
+    try:
+        kernels.decode(p.tasks, message, p.columns, alone, average=True)  # compiled (with the GIL) before the clock
+        worker = threading.Thread(target=decode_thrice)
+        ticks = [time.perf_counter()]
+        worker.start()
+        while worker.is_alive():
+            ticks.append(time.perf_counter())
+        worker.join()
+    finally:
+        torch.set_num_threads(threads)
+    shortest = min(end - start for start, end in spans)
+    longest_stop = float(np.diff(ticks).max())
+    assert shortest > 0.01  # long enough for a kernel that held the GIL to stop the main thread that long
+    assert longest_stop < shortest / 2, (longest_stop, spans)
+    assert np.array_equal(out, alone)  # the mean of 16 equal messages, decoded while the main thread ran
 
 
 @pytest.mark.slow

@@ -1,19 +1,19 @@
 """``compression="auto"``: the compressor the scale-out model predicts fastest, from figures measured at run start.
 
 Every rank measures the group's link with a short probe (:func:`probe_link`: a one-value all-reduce for the latency,
-a 32 MB one for the bandwidth, a bfloat16 one for gloo's 16-bit sums, a 1 MB all-gather and all-to-all for the
-1-bit compressors' messages) and the compute time of its
-model on a batch of the run's shape (:func:`probe_compute`: forward and backward, no exchange). Rank 0 takes the
-slowest rank's figures (a step waits for it), lets :func:`dask_dl.train.compression.model.choose` decide, and
-broadcasts the choice, so that every rank registers the same hook. DDP takes one comm hook, before its first step:
-the compute time is measured on batches of the run's shape before training rather than on its first steps, and the
-model's buffers, gradients and random generators are left as they were, so that the run trains as it would with the
-chosen compressor.
+a 32 MB one for the bandwidth, a bfloat16 one for gloo's 16-bit sums, all-gathers and all-to-alls of 1 and 4 MB a
+rank for the 1-bit compressors' messages) and the compute time of its model on a batch of the run's shape
+(:func:`probe_compute`: forward and backward, no exchange). Rank 0 takes the slowest rank's figures (a step waits
+for it), lets :func:`dask_dl.train.compression.model.choose` decide, and broadcasts the choice, so that every rank
+registers the same hook. DDP takes one comm hook, before its first step: the compute time is measured on batches of
+the run's shape before training rather than on its first steps, and the model's buffers, gradients and random
+generators are left as they were, so that the run trains as it would with the chosen compressor.
 """
 
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import Any
 
 import torch
@@ -33,7 +33,8 @@ from dask_dl.train.compression.model import (
 __all__ = ["decide", "probe_compute", "probe_link"]
 
 PROBE_BYTES = 32 * 2**20  # past a switch's (and tc's) burst allowance: the rate, not the buffer
-#: bytes a rank all-gathers in the small-message probe: the 1-bit message of one 25 MB DDP bucket (n/8 + scales)
+#: bytes a rank all-gathers and all-to-alls in the small-message probe, and 4 times that: the 1-bit message of one
+#: 25 MB DDP bucket (n/8 + scales), and of a large layer's bucket (AlexNet's biggest: 3.3 MB)
 GATHER_BYTES = 2**20
 
 
@@ -59,14 +60,16 @@ def probe_link(
     kernels: Kernels | None = None,
 ) -> Link:
     """The default group's latency and bandwidth per rank, from all-reduces of one value and of ``nbytes``, the
-    time per value of a bfloat16 all-reduce's sums, and the bandwidths of an all-gather and of an all-to-all of
-    ``gather_bytes`` a rank.
+    time per value of a bfloat16 all-reduce's sums, and the line through all-gathers and all-to-alls of
+    ``gather_bytes`` and 4 ``gather_bytes`` a rank.
 
     A ring all-reduce of ``b`` bytes (``v`` values) on ``N`` ranks takes ``2 (N-1) alpha + 2 (N-1)/N b / B`` plus
     ``(N-1)/N v`` sums: the one-value all-reduce gives ``alpha``, the float32 one ``B`` (its sums, at the kernels'
     ``add`` per value, taken out), the bfloat16 one of as many values the 16-bit sums' time. An all-gather of ``m``
-    bytes a rank takes ``(N-1) (alpha + m / B_gather)``, an all-to-all of ``m`` ``(N-1) alpha + (N-1)/N m /
-    B_all_to_all``: the 1-bit compressors' messages are that size. Every rank returns the slowest rank's figures.
+    bytes a rank takes ``(N-1) (alpha_gather + m / B_gather)``, an all-to-all ``(N-1) (alpha_all_to_all + m / N /
+    B_all_to_all)``: the two sizes give each its ``B`` (the slope) and ``alpha`` (where the line meets zero
+    bytes), which hold for the 1-bit compressors' messages between and around them. Every rank returns the slowest
+    rank's figures.
     """
     device = device or torch.device("cpu")
     kernels = kernels or (H200_KERNELS if device.type == "cuda" else CPU_KERNELS)
@@ -74,30 +77,53 @@ def probe_link(
     small = torch.zeros(1, device=device)
     big = torch.zeros(values, device=device)
     half = torch.zeros(values, dtype=torch.bfloat16, device=device)
-    message = torch.zeros(gather_bytes, dtype=torch.uint8, device=device)
-    spread = torch.zeros(gather_bytes - gather_bytes % n, dtype=torch.uint8, device=device)  # N equal chunks
-    gathered, received = message.new_empty(n * message.numel()), torch.empty_like(spread)
     probes = [  # (collective, its tensor, repeats: the small messages are noisier)
         (lambda: dist.all_reduce(small), small, 2 * repeats),
         (lambda: dist.all_reduce(big), big, repeats),
         (lambda: dist.all_reduce(half), half, repeats),
-        (lambda: dist.all_gather_single(gathered, message), message, 2 * repeats),  # as the 1-bit hooks gather
-        (lambda: dist.all_to_all_single(received, spread), spread, 2 * repeats),  # 1/N to each: onebit2's stage 1
     ]
+    sizes = (gather_bytes - gather_bytes % n, 4 * (gather_bytes - gather_bytes % n))  # N equal chunks
+    for size, count in zip(sizes, (2 * repeats, repeats), strict=True):
+        message = torch.zeros(size, dtype=torch.uint8, device=device)
+        gathered, received = message.new_empty(n * size), torch.empty_like(message)
+        probes.append((partial(dist.all_gather_single, gathered, message), message, count))  # as the 1-bit hooks
+        probes.append((partial(dist.all_to_all_single, received, message), message, count))  # onebit2's stage 1
     for collective, tensor, _ in probes[1:]:
         _shortest(collective, tensor, 1)  # connections and first touch
     times = [_shortest(collective, tensor, count) for collective, tensor, count in probes]
     slowest = torch.tensor(times, dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    t_small, t_big, t_half, t_gather, t_spread = (float(v) for v in slowest.cpu())
+    t_small, t_big, t_half, *t_messages = (float(v) for v in slowest.cpu())
     share = (n - 1) / n
     alpha = t_small / (2 * (n - 1))
     transfer = max(t_big - t_small - share * values * kernels.add, 1e-9)
     bandwidth = 2 * share * nbytes / transfer
     add16 = max(t_half - t_small - share * nbytes / bandwidth, 0.0) / (share * values)
-    gather = (n - 1) * gather_bytes / max(t_gather - (n - 1) * alpha, 1e-9)
-    all_to_all = share * spread.numel() / max(t_spread - (n - 1) * alpha, 1e-9)
-    return Link(alpha=alpha, bandwidth=bandwidth, add16=add16, gather=gather, all_to_all=all_to_all)
+    (t_gather, t_spread), (t_gather4, t_spread4) = t_messages[:2], t_messages[2:]
+    gather, gather_alpha = _line(sizes, (t_gather, t_gather4), n - 1, n - 1, alpha)
+    all_to_all, all_to_all_alpha = _line(sizes, (t_spread, t_spread4), share, n - 1, alpha)
+    return Link(
+        alpha=alpha,
+        bandwidth=bandwidth,
+        add16=add16,
+        gather=gather,
+        all_to_all=all_to_all,
+        gather_alpha=gather_alpha,
+        all_to_all_alpha=all_to_all_alpha,
+    )
+
+
+def _line(
+    sizes: tuple[int, int], times: tuple[float, float], sent: float, messages: int, alpha: float
+) -> tuple[float, float]:
+    """(bytes/s, seconds per message) of a collective that sends ``sent`` times its input a rank in ``messages``
+    messages and took ``times`` on inputs of ``sizes``: the line through both points. When the larger took no
+    longer (noise on a link faster than the ranks' CPU), the rate of the larger input alone and ``alpha``."""
+    (m1, m2), (t1, t2) = sizes, times
+    if t2 <= t1:
+        return sent * m2 / max(t2 - messages * alpha, 1e-9), alpha
+    rate = sent * (m2 - m1) / (t2 - t1)
+    return rate, (t1 - sent * m1 / rate) / messages
 
 
 def probe_compute(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Any, *, repeats: int = 2) -> float:

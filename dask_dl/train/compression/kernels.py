@@ -19,8 +19,11 @@ collected apart and OR-ed in afterwards, so no two threads write one byte.
 The inner loops over values are vector loops (:mod:`dask_dl.train.compression.simd`, 16 values and two sign
 bytes per step); the ragged ends of runs that do not start or end on a sign byte are done value by value.
 
-Calls hold a lock (numba's default threading layer must not be entered from two threads at once, and DDP
-runs hooks and their callbacks on different threads) and use as many threads as torch does.
+The kernels release the GIL (``nogil``): DDP runs hooks and their callbacks on different threads, and a decode in
+a collective's callback would otherwise hold up the trainer's thread (on a 1 Gbit/s link, ``onebit2``'s
+all-to-alls returned only when the previous bucket's decode had ended, 4-5 ms later). The parallel twins hold a
+lock (numba's default threading layer must not be entered from two threads at once) and use as many threads as
+torch does; the serial twins of two buckets run at once.
 """
 
 from __future__ import annotations
@@ -340,7 +343,7 @@ def _decode_run(msgs, mp, mn, r0, r1, inv_n, col, per_column, bit0, out, add, bi
         _mean_run(msgs, mp, mn, r0, r1, inv_n, c, per_column, bit0 + done, out[done:], add, bits, acc)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _or_sides(tasks, msgs, heads, tails):
     """OR the side slots into their messages' shared sign bytes, one task after another (a compiled loop:
     ``np.bitwise_or.at`` costs about 0.4 us a byte, 0.1 ms a call on a bucket of 260 tasks)."""
@@ -473,7 +476,7 @@ def _twins(function: Callable) -> tuple[Callable, Callable]:
     parallel.__qualname__ = function.__qualname__
     serial = types.FunctionType(function.__code__, function.__globals__, function.__name__ + "_serial")
     serial.__qualname__ = function.__qualname__ + "_serial"  # its own entry in numba's cache
-    return njit(cache=True, parallel=True)(parallel), njit(cache=True)(serial)
+    return njit(cache=True, parallel=True, nogil=True)(parallel), njit(cache=True, nogil=True)(serial)
 
 
 _OUTLINED = _outlined(globals())
@@ -486,7 +489,8 @@ PARALLEL_MIN = 1 << 18  # values in a bucket below which the kernels run seriall
 
 @contextmanager
 def _kernels(values: int) -> Iterator[int]:
-    """Hold the lock and say which twin to run (0: parallel, 1: serial) for a bucket of ``values`` entries.
+    """Say which twin to run (0: parallel, 1: serial) for a bucket of ``values`` entries, holding the lock for
+    the parallel one.
 
     The parallel twin runs on as many numba threads as torch uses. Starting numba's threads can change
     torch's: with numba's OpenMP layer both share one OpenMP runtime, and its start sets the thread count of
@@ -496,12 +500,14 @@ def _kernels(values: int) -> Iterator[int]:
     import torch
 
     threads = torch.get_num_threads()
+    parallel = _FORCE == 0 or (_FORCE is None and threads > 1 and values >= PARALLEL_MIN)
+    if not parallel:
+        yield 1
+        return
     with _LOCK:
-        parallel = _FORCE == 0 or (_FORCE is None and threads > 1 and values >= PARALLEL_MIN)
         try:
-            if parallel:
-                numba.set_num_threads(max(1, min(numba.config.NUMBA_NUM_THREADS, threads)))
-            yield 0 if parallel else 1
+            numba.set_num_threads(max(1, min(numba.config.NUMBA_NUM_THREADS, threads)))
+            yield 0
         finally:
             if torch.get_num_threads() != threads:
                 torch.set_num_threads(threads)

@@ -19,8 +19,8 @@ the link, as on NCCL's one stream per group, and as on gloo, where the two would
 The collectives cost what the usual algorithms cost on ``N`` ranks with a latency ``alpha`` per message and a
 bandwidth ``B`` per rank and direction: ring all-reduce ``2 (N-1) alpha + 2 (N-1)/N bytes / B`` (or a tree's
 ``2 log2(N) (alpha + bytes / B)`` when shorter), all-gather ``(N-1) (alpha + input / B)``, all-to-all
-``(N-1) alpha + (N-1)/N input / B``, with the all-gathers' and all-to-alls' ``B`` each measured on messages of
-the 1-bit compressors' size (:attr:`Link.gather`, :attr:`Link.all_to_all`). The compressors' own work is a time
+``(N-1) alpha + (N-1)/N input / B``, with the all-gathers' and all-to-alls' ``alpha`` and ``B`` each fitted to
+two sizes of the 1-bit compressors' messages (:class:`Link`). The compressors' own work is a time
 per value of each kernel (:class:`Kernels`): the 1-bit quantize sweep, the decode of one message, the casts, the
 sums inside an all-reduce, PowerSGD's work. What each compressor sends and does:
 
@@ -79,12 +79,18 @@ class Link:
 
     ``add16``: seconds per value summed in a 16-bit all-reduce, when the probe measured it (gloo sums bfloat16 one
     value at a time on CPU, an order of magnitude slower than float32); None: the kernels' figure.
-    ``gather``: bytes/s per rank and way of an all-gather of the 1-bit compressors' message size (about 1 MB a
-    rank, :data:`dask_dl.train.compression.auto.GATHER_BYTES`), when the probe measured it; None: ``bandwidth``.
-    Messages that small get less of a link than a 32 MB all-reduce does (on loopback gloo, about half), and the
-    all-gathers and all-to-alls of ``onebit`` and ``onebit2`` are made of them.
-    ``all_to_all``: the same for an all-to-all of that size a rank, when measured; None: the all-gathers' rate
-    (gloo's all-to-all got 80% of its all-gather's rate on a 1 Gbit/s link here).
+    ``gather``: bytes/s per rank and way of the all-gathers of the 1-bit compressors' messages (about 1 MB a rank
+    for one 25 MB DDP bucket, a few MB for AlexNet's big layers), when the probe measured it; None: ``bandwidth``.
+    Messages that small get less of a link than a 32 MB all-reduce does (on loopback gloo, about half; on a
+    1 Gbit/s link two ranks that send to each other at once, about 0.6 of it), and the all-gathers and
+    all-to-alls of ``onebit`` and ``onebit2`` are made of them. The probe times two sizes, 1 and 4 MB a rank
+    (:data:`dask_dl.train.compression.auto.GATHER_BYTES`), and fits a line through them: ``gather`` is its slope's
+    rate and ``gather_alpha`` its seconds per message where the line meets zero bytes. That term is negative on a
+    link that lets a first burst through faster than its rate (``tc``'s token bucket): the model never lets a
+    collective take less than ``alpha`` per message.
+    ``all_to_all``, ``all_to_all_alpha``: the same for an all-to-all of those sizes a rank, when measured; None:
+    the all-gathers' figures (gloo's all-to-all got 0.8 of its all-gather's rate on two ranks of a 1 Gbit/s link
+    here, 0.6-0.7 on four).
     """
 
     alpha: float
@@ -92,6 +98,8 @@ class Link:
     add16: float | None = None
     gather: float | None = None
     all_to_all: float | None = None
+    gather_alpha: float | None = None
+    all_to_all_alpha: float | None = None
 
     @classmethod
     def gbit(cls, gbit_per_s: float, *, alpha: float = 20e-6) -> Link:
@@ -105,6 +113,8 @@ class Link:
             "add16_s": self.add16,
             "gather_bytes_per_s": self.gather,
             "all_to_all_bytes_per_s": self.all_to_all,
+            "gather_alpha_s": self.gather_alpha,
+            "all_to_all_alpha_s": self.all_to_all_alpha,
         }
 
     @classmethod
@@ -121,6 +131,8 @@ class Link:
             add16=optional("add16_s"),
             gather=optional("gather_bytes_per_s"),
             all_to_all=optional("all_to_all_bytes_per_s"),
+            gather_alpha=optional("gather_alpha_s"),
+            all_to_all_alpha=optional("all_to_all_alpha_s"),
         )
 
     @property
@@ -132,6 +144,19 @@ class Link:
     def spread(self) -> float:
         """Bytes/s per rank of the compressed all-to-alls: ``all_to_all`` when measured, else :attr:`small`."""
         return self.small if self.all_to_all is None else self.all_to_all
+
+    @property
+    def small_alpha(self) -> float:
+        """Seconds per message of the compressed all-gathers: ``gather_alpha`` when measured, else ``alpha``."""
+        return self.alpha if self.gather_alpha is None else self.gather_alpha
+
+    @property
+    def spread_alpha(self) -> float:
+        """Seconds per message of the compressed all-to-alls: ``all_to_all_alpha`` when measured, else
+        :attr:`small_alpha` where the all-to-alls take the all-gathers' rate, else ``alpha``."""
+        if self.all_to_all_alpha is not None:
+            return self.all_to_all_alpha
+        return self.small_alpha if self.all_to_all is None else self.alpha
 
 
 @dataclass(frozen=True)
@@ -221,11 +246,15 @@ class HookTimes(NamedTuple):
 
 
 def _all_gather(nbytes: float, world: int, link: Link) -> float:
-    return (world - 1) * (link.alpha + nbytes / link.small) if world > 1 else 0.0
+    if world == 1:
+        return 0.0
+    return (world - 1) * max(link.small_alpha + nbytes / link.small, link.alpha)
 
 
 def _all_to_all(nbytes: float, world: int, link: Link) -> float:
-    return (world - 1) * link.alpha + (world - 1) / world * nbytes / link.spread if world > 1 else 0.0
+    if world == 1:
+        return 0.0
+    return (world - 1) * max(link.spread_alpha + nbytes / world / link.spread, link.alpha)
 
 
 def _powersgd(bucket: list[tuple[int, ...]], rank: int = 1, min_rate: float = 2.0) -> tuple[int, int, int]:
@@ -384,7 +413,7 @@ def choose(
     name = next(c for c in candidates if predicted[c] <= best * (1 + margin))
     fastest = min(predicted, key=predicted.get)
     small = [
-        f"{v * 8 / 1e9:.3g} on 1 MB {what}"
+        f"{v * 8 / 1e9:.3g} on 1-4 MB {what}"
         for v, what in ((link.gather, "all-gathers"), (link.all_to_all, "all-to-alls"))
         if v
     ]
