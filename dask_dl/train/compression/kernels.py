@@ -20,10 +20,10 @@ The inner loops over values are vector loops (:mod:`dask_dl.train.compression.si
 bytes per step); the ragged ends of runs that do not start or end on a sign byte are done value by value.
 
 The kernels release the GIL (``nogil``): DDP runs hooks and their callbacks on different threads, and a decode in
-a collective's callback would otherwise hold up the trainer's thread (on a 1 Gbit/s link, ``onebit2``'s
-all-to-alls returned only when the previous bucket's decode had ended, 4-5 ms later). The parallel twins hold a
-lock (numba's default threading layer must not be entered from two threads at once) and use as many threads as
-torch does; the serial twins of two buckets run at once.
+a collective's callback (on gloo's thread) would otherwise keep the trainer's thread from returning to Python,
+out of a collective that has finished or into the next hook, until the decode ends. The parallel twins hold a lock
+(numba's default threading layer must not be entered from two threads at once) and use as many threads as torch
+does; serial twins run at once on two threads (each call works on its own bucket's tables and buffers).
 """
 
 from __future__ import annotations
