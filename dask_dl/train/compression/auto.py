@@ -93,13 +93,12 @@ def probe_link(
     times = [_shortest(collective, tensor, count) for collective, tensor, count in probes]
     slowest = torch.tensor(times, dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    t_small, t_big, t_half, *t_messages = (float(v) for v in slowest.cpu())
+    t_small, t_big, t_half, t_gather, t_spread, t_gather4, t_spread4 = (float(v) for v in slowest.cpu())
     share = (n - 1) / n
     alpha = t_small / (2 * (n - 1))
     transfer = max(t_big - t_small - share * values * kernels.add, 1e-9)
     bandwidth = 2 * share * nbytes / transfer
     add16 = max(t_half - t_small - share * nbytes / bandwidth, 0.0) / (share * values)
-    (t_gather, t_spread), (t_gather4, t_spread4) = t_messages[:2], t_messages[2:]
     gather, gather_alpha = _line(sizes, (t_gather, t_gather4), n - 1, n - 1, alpha)
     all_to_all, all_to_all_alpha = _line(sizes, (t_spread, t_spread4), share, n - 1, alpha)
     return Link(
