@@ -1,14 +1,15 @@
 """What does 1-bit compression cost through the comm hook, bucket by bucket as DDP hands the buckets over?
 
 One gloo rank, one thread (torch and numba). A model with dask_dl's AlexNet parameter shapes (``ALEXNET``: 45.5M
-float32 values, 182 MB) whose loss is ``sum(p * g)``, so its gradient is a fixed random ``g``, is wrapped in
-real ``DistributedDataParallel`` with ``bucket_cap_mb=3``: DDP hands its hook 5 buckets a step. The compressor is
+float32 values, 182 MB; ``--model resnet50`` etc. for another registered model's) whose loss is ``sum(p * g)``,
+so its gradient is a fixed random ``g``, is wrapped in real ``DistributedDataParallel`` with ``bucket_cap_mb=3``:
+DDP hands its hook 5 AlexNet buckets a step (ResNet-50: 33). The compressor is
 registered as the trainer registers it (``Compressor.register``), its hook wrapped to time each call. Beside it,
 in the same run and round robin: one copy of the whole gradient into allocated memory (the unit), and the same
 compressor driven with :class:`~dask_dl.testing.compression.FakeBucket` as ``bench/compression.py --no-exchange``
 does (fresh buckets each step), in DDP's 5 layouts and in ``ddp_buckets``' (bench/compression.py's).
 
-Printed: each path's best step as a multiple of the copy; the fixed cost of a hook call (DDP's smallest bucket);
+Printed: each path's best step as a multiple of the copy; the fixed cost of a hook call (DDP's last bucket);
 per bucket, the hook's time and its parts: the numba kernels, their Python wrappers (``kernels.quantize`` and
 ``decode`` around them) and the hook's own work (layout, names, plan, residual views, the future); per step, the
 NumPy allocation peak (tracemalloc, in a separate untimed step) and how many kept buffers moved (``data_ptr``).
@@ -16,6 +17,7 @@ Times are this thread's CPU time unless ``--clock wall``: other processes on a b
 
     python bench/hook.py                 # 10 steps round robin (~2 min on 2 busy cores)
     python bench/hook.py --steps 12 --clock wall
+    python bench/hook.py --model resnet50   # 1x1 convolutions: groups are columns, cut in bands
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import time
 import tracemalloc
 from collections import defaultdict
 
-from dask_dl.testing.compression import ALEXNET, FakeBucket, ddp_buckets, shaped_model
+from dask_dl.testing.compression import ALEXNET, FakeBucket, ddp_buckets, model_shapes, shaped_model
 from dask_dl.testing.train import one_rank_group
 
 COMPRESSORS = ("onebit", "onebit2")
@@ -97,9 +99,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=10, help="timed steps per path (best is kept), round robin")
     parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu", help="thread CPU time, or wall-clock")
+    parser.add_argument("--model", default="alexnet", help="alexnet (ALEXNET's shapes), or a registered model")
     args = parser.parse_args()
     global clock
     clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+    shapes = ALEXNET if args.model == "alexnet" else model_shapes(args.model)
 
     import numba
     import torch
@@ -107,11 +111,11 @@ def main() -> None:
     torch.set_num_threads(1)
     numba.set_num_threads(1)
     with one_rank_group():
-        measured = measure(args)
-    report(args, *measured)
+        measured = measure(args, shapes)
+    report(args, shapes, *measured)
 
 
-def measure(args) -> tuple:
+def measure(args, shapes: list[tuple[int, ...]]) -> tuple:
     """Every path's steps in turns, the allocation steps and the fixed cost of a call (inside a one-rank group)."""
     import torch
 
@@ -119,20 +123,24 @@ def measure(args) -> tuple:
     from dask_dl.train.step import make_ddp
 
     gen = torch.Generator().manual_seed(0)
-    grads = [torch.randn(s, generator=gen) * 1e-3 for s in ALEXNET]
+    grads = [torch.randn(s, generator=gen) * 1e-3 for s in shapes]
+    of_shape: dict = {}  # a gradient of each shape (the first parameter's)
+    for s, g in zip(shapes, grads, strict=True):
+        of_shape.setdefault(s, g)
     flat = torch.cat([g.view(-1) for g in grads])
     copy = torch.empty_like(flat)
     copy.copy_(flat)  # first touch
 
     timed = Timed()
-    saved = kernels.quantize, kernels.decode, kernels.QUANTIZE_TASKS, kernels.DECODE_TASKS
-    kernels.quantize, kernels.decode = timed.wrap_kernel(saved[0]), timed.wrap_kernel(saved[1])
-    kernels.QUANTIZE_TASKS = tuple(timed.wrap_kernel(f, "numba_s") for f in saved[2])
-    kernels.DECODE_TASKS = tuple(timed.wrap_kernel(f, "numba_s") for f in saved[3])
+    twins = ("QUANTIZE_TASKS", "REDUCE_COLUMNS", "SIGN_BANDS", "DECODE_TASKS")  # every numba kernel's pair
+    saved = {name: getattr(kernels, name) for name in ("quantize", "decode", *twins)}
+    kernels.quantize, kernels.decode = timed.wrap_kernel(saved["quantize"]), timed.wrap_kernel(saved["decode"])
+    for name in twins:
+        setattr(kernels, name, tuple(timed.wrap_kernel(f, "numba_s") for f in saved[name]))
 
     ddps, layout = {}, None
     for name in COMPRESSORS:
-        ddp = make_ddp(shaped_model(ALEXNET), device_ids=None, bucket_cap_mb=BUCKET_CAP_MB)  # as the trainer's
+        ddp = make_ddp(shaped_model(shapes), device_ids=None, bucket_cap_mb=BUCKET_CAP_MB)  # as the trainer's
         compressor = make_compressor(name)
         register = ddp.register_comm_hook
         ddp.register_comm_hook = lambda state, hook, register=register: register(state, timed.wrap_hook(hook))
@@ -143,18 +151,19 @@ def measure(args) -> tuple:
             timed.shapes.clear()
             ddp(grads).backward()
         layout = [timed.shapes[b] for b in sorted(timed.shapes)]
-    layouts = {"ddp": layout, "bench": [tuple(b) for b in ddp_buckets(ALEXNET)]}
+    layouts = {"ddp": layout, "bench": [tuple(b) for b in ddp_buckets(shapes)]}
     fakes = {(name, which): make_compressor(name) for name in COMPRESSORS for which in layouts}
 
     def fake_step(compressor, layout) -> float:
-        inputs = [torch.cat([grads[ALEXNET.index(s)].view(-1) for s in b]) for b in layout]  # as bench's clones
+        inputs = [torch.cat([of_shape[s].view(-1) for s in b]) for b in layout]  # fresh, as bench's clones
         timed.reset()
         start = clock()
         futures = []
-        for i, (shapes, x) in enumerate(zip(layout, inputs, strict=True)):
+        for i, (bucket_shapes, x) in enumerate(zip(layout, inputs, strict=True)):
             timed.bucket = i
             t = clock()
-            futures.append(compressor.hook(compressor.state, FakeBucket(shapes, x, i, last=i == len(layout) - 1)))
+            bucket = FakeBucket(bucket_shapes, x, i, last=i == len(layout) - 1)
+            futures.append(compressor.hook(compressor.state, bucket))
             timed.hook_s[i] += clock() - t
         for f in futures:
             f.wait()
@@ -196,7 +205,8 @@ def measure(args) -> tuple:
         after = kept_pointers(state)
         moved[name, which] = sum(after.get(k) != v for k, v in before.items()) + len(set(after) - set(before))
     fixed = {name: fixed_cost(make_compressor(name), layout[-1], timed) for name in COMPRESSORS}
-    kernels.quantize, kernels.decode, kernels.QUANTIZE_TASKS, kernels.DECODE_TASKS = saved
+    for name, kept in saved.items():
+        setattr(kernels, name, kept)
     return best, parts, allocated, moved, layouts, fixed
 
 
@@ -222,12 +232,13 @@ def fixed_cost(compressor, shapes, timed, calls: int = 20, batches: int = 15) ->
     return best
 
 
-def report(args, best, parts, allocated, moved, layouts, fixed) -> None:
+def report(args, shapes, best, parts, allocated, moved, layouts, fixed) -> None:
     unit = best["copy"]
     with open("/proc/loadavg") as f:
         load = " ".join(f.read().split()[:3])
-    n = sum(math.prod(s) for s in ALEXNET)
-    print(f"gradient: {n / 1e6:.1f}M float32 values ({4 * n / 1e6:.0f} MB), one rank, one thread; load {load}")
+    n = sum(math.prod(s) for s in shapes)
+    values = f"{n / 1e6:.1f}M float32 values ({4 * n / 1e6:.0f} MB)"
+    print(f"{args.model} gradient: {values}, one rank, one thread; load {load}")
     copied = f"{unit * 1e3:.1f} ms (best of {args.steps}, {args.clock} clock)"
     print(f"one copy of the gradient into allocated memory: {copied}")
     print("\nbest step as a multiple of the copy (sum of per-bucket bests in brackets)")
@@ -238,7 +249,8 @@ def report(args, best, parts, allocated, moved, layouts, fixed) -> None:
             buckets = sum(v[0] for k, v in parts.items() if k[:2] == (name, which))
             cells.append(f"{best[name, which] / unit:.2f}x ({buckets / unit:.2f}x)")
         print(f"{name:10} {cells[0]:>16} {cells[1]:>24} {cells[2]:>26}")
-    print("\nfixed cost of a hook call (DDP's smallest bucket, 7808 values, best batch of 20 calls):")
+    last = sum(math.prod(s) for s in layouts["ddp"][-1])
+    print(f"\nfixed cost of a hook call (DDP's last bucket, {last} values, best batch of 20 calls):")
     for name in COMPRESSORS:
         total, outside = fixed[name]
         print(
@@ -253,10 +265,10 @@ def report(args, best, parts, allocated, moved, layouts, fixed) -> None:
             for (nm, wh, b), (hook, wrap, kern, own) in sorted(parts.items()):
                 if (nm, wh) != (name, which):
                     continue
-                shapes = layouts["bench" if which == "fake bench" else "ddp"][b]
-                values = sum(math.prod(s) for s in shapes)
+                bucket_shapes = layouts["bench" if which == "fake bench" else "ddp"][b]
+                values = sum(math.prod(s) for s in bucket_shapes)
                 ms = f"{hook * 1e3:7.2f} {kern * 1e3:7.2f} {wrap * 1e3:8.3f} {own * 1e3:6.3f}"
-                print(f"  {which:10} {b:6} {values:9} {ms}  {' '.join('x'.join(map(str, s)) for s in shapes)}")
+                print(f"  {which:10} {b:6} {values:9} {ms}  {' '.join('x'.join(map(str, s)) for s in bucket_shapes)}")
         for which in ("ddp", "fake ddp", "fake bench"):
             print(
                 f"  {which}: per step, numpy allocation peak {allocated[name, which] / 1e3:.1f} kB (tracemalloc), "

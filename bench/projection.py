@@ -42,7 +42,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 from compression import _options, run_steps, run_world, teardown  # noqa: E402
 
-from dask_dl.testing.compression import ALEXNET, ddp_buckets  # noqa: E402
+from dask_dl.testing.compression import ALEXNET, ddp_buckets, model_shapes  # noqa: E402
 from dask_dl.train.compression.model import (  # noqa: E402
     H200_KERNELS,
     Kernels,
@@ -354,13 +354,6 @@ def auto(args) -> None:
         return
     print(f"worst choice loss {worst_choice:.1%}")
     print(f"worst auto loss {worst:.1%}")
-
-
-def model_shapes(name: str) -> list[tuple[int, ...]]:
-    from dask_dl.models import build_model
-
-    net = build_model(name, num_outputs=14, in_channels=3)
-    return [tuple(p.shape) for p in net.parameters() if p.requires_grad]
 
 
 def project(args) -> None:

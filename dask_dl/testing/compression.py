@@ -16,6 +16,7 @@ __all__ = [
     "ALEXNET",
     "FakeBucket",
     "ddp_buckets",
+    "model_shapes",
     "numel",
     "shaped_model",
     "sim_columns",
@@ -97,6 +98,14 @@ class FakeBucket:
 
     def is_last(self) -> bool:
         return self.last
+
+
+def model_shapes(name: str) -> list[tuple[int, ...]]:
+    """The trainable parameters' shapes of the registered model ``name`` (three input channels, 14 outputs)."""
+    from dask_dl.models import build_model
+
+    net = build_model(name, num_outputs=14, in_channels=3)
+    return [tuple(p.shape) for p in net.parameters() if p.requires_grad]
 
 
 def ddp_buckets(shapes: Sequence[tuple[int, ...]], cap_bytes: int = 25 * 2**20) -> list[list[tuple[int, ...]]]:

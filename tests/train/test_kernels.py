@@ -65,13 +65,14 @@ def test_fused_equals_eager_step_after_step(name, shapes, grain, monkeypatch):
 
 
 # runs of every length around the vector steps of 16 values, starting on and off sign-byte boundaries:
-# transposed groups of 17, 33, 300 and 1000 (the last two long enough to be streamed when decoded), bands of 17
+# transposed groups of 17, 33, 300 and 1000 (the last two long enough to be streamed when decoded, once the
+# bucket is counted as large enough: ``STREAM_BYTES`` is set to 0), bands of 17
 # and 70 columns (vector columns and a ragged rest), a 257-long vector (one column, no vector part)
 RAGGED = [(3, 17), (40, 33), (2, 300), (300, 17), (70, 70), (1, 1000), (257,), (16, 16), (5, 7)]
 
 
 @pytest.mark.parametrize("name", ["onebit", "onebit2"])
-def test_fused_equals_eager_on_adversarial_values(name):
+def test_fused_equals_eager_on_adversarial_values(name, monkeypatch):
     """Magnitudes from 1e-30 to 1e30, +0.0 and -0.0 (the positive side), and from the second step NaNs.
 
     Outputs and residuals equal the eager path's bit for bit wherever the eager path's are not NaN. A NaN goes to
@@ -80,6 +81,7 @@ def test_fused_equals_eager_on_adversarial_values(name):
     group NaN. So the kernels' NaNs are a subset of the eager path's, and there are some. (Infinities are left
     out: ``lerp`` turns an infinite mean into NaN too; either way the step is not finite and training stops.)
     """
+    monkeypatch.setattr(kernels, "STREAM_BYTES", 0)  # decoded runs stored past the caches, as in a large bucket
     fused, eager = _pair(name)
     gen = torch.Generator().manual_seed(5)
     n = numel(RAGGED)
@@ -118,8 +120,12 @@ def test_messages_equal_the_eager_encoding_for_every_stripe():
             assert torch.equal(got_scales, scales[torch.tensor(layout.piece_columns(pieces), dtype=torch.long)])
 
 
+@pytest.mark.parametrize("streamed", [True, False])
 @pytest.mark.parametrize("n", [2, 3])
-def test_decoding_n_messages_gives_their_mean(n):
+def test_decoding_n_messages_gives_their_mean(n, streamed, monkeypatch):
+    """Decoded means equal the exact ones, whether the decode stores past the caches (a bucket of at least
+    ``STREAM_BYTES``) or not, and wherever the bucket starts."""
+    monkeypatch.setattr(kernels, "STREAM_BYTES", 0 if streamed else 1 << 62)
     shapes = MIXED
     p = plan_stripes(shapes, [f"p{i}" for i in range(len(shapes))], 1)
     layout = p.layout

@@ -63,6 +63,11 @@ from dask_dl.train.compression.plan import (  # the columns of the tables the ke
 from dask_dl.train.compression.simd import W
 
 STREAM_MIN = 256  # values in a decoded run from which its stores bypass the caches (see _decode_run)
+# Buckets from which the decode stores past the caches: a bucket larger than the last-level cache (32 MB here)
+# leaves it anyway, and skipping the read of each line before it is written pays a little (AlexNet's 67 and 105 MB
+# buckets). A smaller one stays in cache for the optimizer if stored normally: streamed, ResNet-50's 1-10 MB
+# buckets decoded 1.5-6x slower.
+STREAM_BYTES = 32 << 20
 
 _LOCK = threading.Lock()
 
@@ -237,19 +242,17 @@ def _band_sums(vals, grad, base, stride, rows, pitch, add, psp, psn, pcp, p):
     """Add the columns of the block of ``rows`` rows of ``pitch`` values from ``vals[base]``, ``stride`` apart
     (plus ``grad``'s, stored, with ``add``), to their float64 partial sums ``psp/psn/pcp[p:p + pitch]``: each
     column summed down the block in row order from 0.0, then added (a band's sums are those of its blocks of 16
-    rows, in order)."""
-    k = pitch // W
+    rows, in order). With ``add`` the rows are added first, each in memory order (``simd.band_sums``)."""
     if add:
-        simd.add_band_sums(vals, base, grad, stride, rows, k, psp, psn, pcp, p)
-    else:
-        simd.band_sums(vals, base, stride, rows, k, psp, psn, pcp, p)
+        for i in range(rows):
+            row = base + i * stride
+            _add(vals[row : row + pitch], grad[row : row + pitch])
+    k = pitch // W
+    simd.band_sums(vals, base, stride, rows, k, psp, psn, pcp, p)
     for j in range(W * k, pitch):
         sp, sn, cp = 0.0, 0.0, 0.0
         for i in range(rows):
-            at = base + i * stride + j
-            if add:
-                vals[at] += grad[at]
-            x = np.float64(vals[at])
+            x = np.float64(vals[base + i * stride + j])
             if x >= 0:
                 sp += x
                 cp += 1.0
@@ -307,9 +310,10 @@ def _column_sign_run(v, mps, mns, ef, bit0, msgs, m, head, tail, heads, tails, t
 def _decode_run(msgs, mp, mn, r0, r1, inv_n, col, per_column, bit0, out, add, bits, acc, streamable):
     """:func:`_mean_run` with whole sign bytes decoded 16 values at a time (same sums, same order).
 
-    A long ``streamable`` run (one written, not added to, and not read again soon: a decoded bucket) starts its
-    vector part on a 64-byte boundary where that is also a sign byte's (always, for ``onebit``'s message of a
-    64-byte aligned bucket), and is stored past the caches.
+    A long ``streamable`` run (one written, not added to, and not read again soon: a decoded bucket larger than
+    the cache) starts its vector part on a 64-byte boundary where that is also a sign byte's (always, for
+    ``onebit``'s message of a 64-byte aligned bucket), and is stored past the caches; the caller then runs
+    ``simd.fence``.
     """
     length = out.shape[0]
     e = min((8 - (bit0 & 7)) & 7, length)
@@ -431,9 +435,10 @@ def sign_bands(mode, grad, vals, ef, tasks, msgs, scales, heads, tails):
             _column_sign_run(v, mps, mns, ef, bit0, msgs, m, head, tail, heads, tails, t, bits)
 
 
-def decode_tasks(msgs, mp, mn, tasks, average, out):
+def decode_tasks(msgs, mp, mn, tasks, average, out, stream):
     """Write every task's entries into ``out``: the mean over all rows of ``msgs`` (``average``), or the
-    entry of row ``M`` of the task (the owner of its stripe). ``mp``/``mn``: the two means per row and column."""
+    entry of row ``M`` of the task (the owner of its stripe). ``mp``/``mn``: the two means per row and column.
+    With ``stream``, long runs are stored past the caches (see :func:`decode`)."""
     n = msgs.shape[0]
     for t in prange(tasks.shape[0]):
         s, rest, tr = tasks[t, S], tasks[t, REST], tasks[t, TR]
@@ -446,12 +451,14 @@ def decode_tasks(msgs, mp, mn, tasks, average, out):
             for g in range(t0, t1):
                 base, bit0 = s + g * rest, dbit + (g - lo) * rest
                 o = out[base : base + rest]
-                _decode_run(msgs, mp, mn, r0, r1, inv_n, dcol + g - lo, False, bit0, o, False, bits, acc, True)
+                _decode_run(msgs, mp, mn, r0, r1, inv_n, dcol + g - lo, False, bit0, o, False, bits, acc, stream)
         else:
             for i in range(t0, t1):
                 base, bit0 = s + i * rest + lo, dbit + i * pitch
                 o = out[base : base + pitch]
-                _decode_run(msgs, mp, mn, r0, r1, inv_n, dcol, True, bit0, o, False, bits, acc, True)
+                _decode_run(msgs, mp, mn, r0, r1, inv_n, dcol, True, bit0, o, False, bits, acc, stream)
+        if stream:
+            simd.fence()  # the runs stored past the caches reach memory before the bucket is handed back
 
 
 def _outlined(namespace: dict[str, Any]) -> dict[str, Any]:
@@ -592,7 +599,8 @@ def header_means(msgs: np.ndarray, columns: np.ndarray, table: Any, use: str) ->
 
 
 def decode(table: Any, msgs: np.ndarray, columns: np.ndarray, out: np.ndarray, *, average: bool) -> None:
-    """Write the bucket ``out`` from ``msgs``: their mean (``average``), or each task's entries from its row."""
+    """Write the bucket ``out`` from ``msgs``: their mean (``average``), or each task's entries from its row
+    (stored past the caches when ``out`` holds at least ``STREAM_BYTES``)."""
     mp, mn = header_means(msgs, columns, table, "decode")
     with _kernels(table.values) as k:
-        DECODE_TASKS[k](msgs, mp, mn, table.rows, average, out)
+        DECODE_TASKS[k](msgs, mp, mn, table.rows, average, out, out.nbytes >= STREAM_BYTES)
