@@ -31,6 +31,24 @@ SHAPES = [(6, 20), (5, 3, 3, 3), (7,), (), (4, 9), (12, 5), (8, 1, 2, 2), (3, 3)
 NAMES = COMPRESSORS.names()
 
 
+def test_a_bucket_is_described_again_when_its_parameters_change():
+    """Names and shapes are kept per bucket index while the bucket holds the same parameter objects, and made
+    again when DDP hands over others under that index (a rebuild), even of the same count."""
+    state = make_compressor("onebit").state
+    w, b = (torch.nn.Parameter(torch.empty(s, device="meta")) for s in [(4, 9), (7,)])
+    state.param_names = {id(w): "w", id(b): "b"}
+    first = state.describe(FakeBucket([(4, 9), (7,)], torch.zeros(43), 3, params=[w, b]))
+    assert first == (["w", "b"], [(4, 9), (7,)])
+    assert state.describe(FakeBucket([(4, 9), (7,)], torch.zeros(43), 3, params=[w, b]))[0] is first[0]  # kept
+    assert state.describe(FakeBucket([(7,), (4, 9)], torch.zeros(43), 3, params=[b, w])) == (["b", "w"], [(7,), (4, 9)])
+    others = [torch.nn.Parameter(torch.empty(s, device="meta")) for s in [(43,), (0,)]]
+    assert state.describe(FakeBucket([(43,), (0,)], torch.zeros(43), 3, params=others)) == (
+        ["3.0", "3.1"],
+        [(43,), (0,)],
+    )
+    assert state.names(FakeBucket([(4, 9), (7,)], torch.zeros(43), 0, params=[w, b])) == ["w", "b"]
+
+
 def _run(compressor, shapes, values):
     return compressor.hook(compressor.state, FakeBucket(shapes, values.clone())).wait().clone()
 

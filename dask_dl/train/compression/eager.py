@@ -68,7 +68,7 @@ def _all_gather(state, layout, bits, scales, buffer, key) -> Future:
         _average(gathered.view(n, -1), layout.block_shapes(), layout.blocks(buffer), state.workspace, key)
         return buffer
 
-    return gather_then(state, message, gathered, average)
+    return gather_then(state, message, gathered, average, n)
 
 
 def _stripe_message(layout: ColumnLayout, pieces, bits, scales, size: int) -> torch.Tensor:
@@ -119,4 +119,4 @@ def _two_stage(state, layout: ColumnLayout, names, bits, scales, buffer, key) ->
             dequantize(stripe_bits, stripe_scales, out=layout.piece_blocks(buffer, pieces), workspace=ws, key=key)
         return buffer
 
-    return gather_then(state, message, gathered, assemble)
+    return gather_then(state, message, gathered, assemble, n)

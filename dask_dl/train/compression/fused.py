@@ -54,7 +54,7 @@ def onebit_fused(state: OneBitState, names: list[str], shapes: list, buffer: tor
             kernels.decode(plan.tasks, gathered.view(n, size).numpy(), plan.columns.repeat(n), grad, average=True)
             return buffer
 
-        return gather_then(state, message.view(-1), gathered, average)
+        return gather_then(state, message.view(-1), gathered, average, n)
     # Stage 1: every rank sends stripe k's signs and scales to rank k.
     send = _kept(state, ("send", *key), (n, size))
     kernels.quantize(plan.tasks, send.numpy(), plan.columns, grad=grad, vals=worker, ef=ef)
@@ -75,7 +75,7 @@ def onebit_fused(state: OneBitState, names: list[str], shapes: list, buffer: tor
         kernels.decode(plan.tasks, gathered.view(n, size).numpy(), plan.columns, grad, average=False)
         return buffer
 
-    return gather_then(state, message.view(-1), gathered, assemble)
+    return gather_then(state, message.view(-1), gathered, assemble, n)
 
 
 def warm_up() -> None:

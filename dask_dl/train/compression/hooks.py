@@ -14,6 +14,7 @@ Hooks accept any bucket with DDP's ``GradBucket`` interface (``buffer()``, ``gra
 
 # No ``from __future__ import annotations`` here: DDP's register_comm_hook checks the real annotation objects
 # (``bucket: dist.GradBucket``, ``-> torch.futures.Future[torch.Tensor]``), not strings.
+import functools
 from typing import Any
 
 import torch
@@ -84,23 +85,28 @@ def _onebit(state: OneBitState, bucket: dist.GradBucket, *, two_stage: bool) -> 
     if not state.compressing:
         return allreduce_hook(state, bucket)
     buffer = bucket.buffer()
-    shapes = [tuple(g.shape) for g in bucket.gradients()]
+    names, shapes = state.describe(bucket)
     layout = _layout(state, tuple(shapes))
     if layout.numel != buffer.numel() or buffer.dtype != torch.float32:
         raise ConfigurationError(
             f"1-bit compression needs dense float32 gradients; bucket {bucket.index()} holds {buffer.numel()} "
             f"{buffer.dtype} values for parameters of {layout.numel}; use fp16/bf16/none for this model"
         )
-    names = state.names(bucket)
     key = (bucket.index(),)
     if state.fused and buffer.device.type == "cpu":
-        from dask_dl.train.compression.fused import onebit_fused  # numba: imported when first needed
-
-        future = onebit_fused(state, names, shapes, buffer, key, two_stage=two_stage)
+        future = _fused()(state, names, shapes, buffer, key, two_stage=two_stage)
     else:
         future = onebit_eager(state, layout, names, buffer, key, two_stage=two_stage)
     state.end_bucket(bucket)
     return future
+
+
+@functools.cache
+def _fused():
+    """``fused.onebit_fused``: its module (numba) imported at the first call, not with the hooks."""
+    from dask_dl.train.compression.fused import onebit_fused
+
+    return onebit_fused
 
 
 def _layout(state: OneBitState, shapes: tuple[tuple[int, ...], ...]) -> ColumnLayout:
