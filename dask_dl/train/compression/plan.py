@@ -36,8 +36,8 @@ Pieces = list[tuple[int, int, int]]  # (parameter index, first group, last group
 
 @dataclass(frozen=True)
 class TaskTable:
-    """The kernels' work for one set of messages: ``rows`` (one per task, columns ``kernels.S``...``kernels.P``),
-    ``reductions`` (one per untransposed piece, columns ``kernels.R_P``...) and the number of partial sums."""
+    """The kernels' work for one set of messages: ``rows`` (one per task, columns ``S``...``P``),
+    ``reductions`` (one per untransposed piece, columns ``R_P``...) and the number of partial sums."""
 
     rows: np.ndarray
     reductions: np.ndarray

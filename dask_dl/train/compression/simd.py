@@ -15,7 +15,7 @@ SSE, NEON) without reordering anything:
   single message (``onebit`` on one rank, the owner's stripe in ``onebit2``) in float32: a blend and a store.
 
 Every loop covers ``count`` blocks of 16 values; callers do the ragged ends with scalar code in the same order.
-numba's cache does not follow imports: a change here needs a change to ``kernels.py`` (or a cleared cache).
+numba's cache does not follow imports: a change here needs a change to ``loops.py`` (or a cleared cache).
 """
 
 from __future__ import annotations
@@ -162,7 +162,7 @@ def band_sums(typingctx, src, s0, stride, rows, count, psp, psn, pcp, p0):
 
     It only reads ``src``: a loop that also stored each value back (adding the gradient to the residual on the
     way) ran at a third of the speed of the two steps apart, the rows added in memory order first
-    (``kernels._band_sums``), then summed here while in cache.
+    (``loops._band_sums``), then summed here while in cache.
     """
 
     def codegen(context, builder, sig, args):

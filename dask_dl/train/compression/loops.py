@@ -1,0 +1,474 @@
+"""The numba bodies of the 1-bit kernels (:mod:`dask_dl.train.compression.kernels` calls them): loops over a
+task table, each compiled twice.
+
+Work is described by a *task table* (:mod:`dask_dl.train.compression.plan` builds it): each row is a run of
+quantization groups of one parameter and where their signs and scales go in a message. Rows run in parallel
+(``prange``); sign bytes shared by two rows (when a row's signs do not start or end on a byte boundary) are
+collected apart and OR-ed in afterwards, so no two threads write one byte.
+
+The inner loops over values are vector loops (:mod:`dask_dl.train.compression.simd`, 16 values and two sign
+bytes per step); the ragged ends of runs that do not start or end on a sign byte are done value by value.
+
+The kernels release the GIL (``nogil``): DDP runs hooks and their callbacks on different threads, and a decode in
+a collective's callback (on gloo's thread) would otherwise keep the trainer's thread from returning to Python,
+out of a collective that has finished or into the next hook, until the decode ends. Each kernel is compiled as a
+parallel twin (``prange`` on numba's threads, which :mod:`~dask_dl.train.compression.kernels` runs under a lock)
+and a serial one.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from typing import Any
+
+import numba
+import numpy as np
+from numba import njit, prange
+
+from dask_dl.train.compression import simd
+from dask_dl.train.compression.plan import (  # the columns of the tables the kernels run (plan fills them)
+    DBIT,
+    DCOL,
+    HEAD,
+    LO,
+    PITCH,
+    R_BANDS,
+    R_DCOL,
+    R_M,
+    R_OUT,
+    R_P,
+    R_PITCH,
+    REST,
+    T0,
+    T1,
+    TAIL,
+    TR,
+    M,
+    P,
+    S,
+)
+from dask_dl.train.compression.simd import W
+
+STREAM_MIN = 256  # values in a decoded run from which its stores bypass the caches (see _decode_run)
+
+
+@njit(cache=True, inline="always")
+def _put(msgs, m, byte, value, head, tail, heads, tails, t):
+    """OR a sign byte into message ``m``; a byte shared with another task goes to that task's side slot."""
+    if byte == head:
+        heads[t] |= value
+    elif byte == tail:
+        tails[t] |= value
+    else:
+        msgs[m, byte] |= value
+
+
+# Loops index slices from 0 (``for j in range(n): a[j]``): numba then knows no index is negative and skips
+# its wrap-around check, which otherwise stops LLVM from vectorizing (2-3x slower).
+
+
+@njit(cache=True, inline="always")
+def _unpack(row, bit0, length, bits):
+    """``bits[e]`` = sign bit ``bit0 + e`` of the message ``row`` (uint8), for ``e < length``."""
+    e = 0
+    while e < length and ((bit0 + e) & 7) != 0:
+        b = bit0 + e
+        bits[e] = (row[b >> 3] >> (b & 7)) & 1
+        e += 1
+    full = (length - e) >> 3
+    src = row[(bit0 + e) >> 3 : ((bit0 + e) >> 3) + full]
+    dst = bits[e : e + 8 * full]
+    for i in range(full):
+        v = src[i]
+        for lane in range(8):
+            dst[8 * i + lane] = (v >> lane) & 1
+    e += 8 * full
+    while e < length:
+        b = bit0 + e
+        bits[e] = (row[b >> 3] >> (b & 7)) & 1
+        e += 1
+
+
+@njit(cache=True, inline="always")
+def _pack(bits, length, bit0, msgs, m, head, tail, heads, tails, t):
+    """Pack ``bits[:length]`` into message ``m`` from sign bit ``bit0``: whole bytes written, partial ones OR-ed."""
+    e = 0
+    acc = 0
+    while e < length and ((bit0 + e) & 7) != 0:
+        acc |= bits[e] << ((bit0 + e) & 7)
+        e += 1
+    if e > 0:
+        _put(msgs, m, bit0 >> 3, np.uint8(acc), head, tail, heads, tails, t)
+    full = (length - e) >> 3
+    dst = msgs[m, (bit0 + e) >> 3 : ((bit0 + e) >> 3) + full]
+    src = bits[e : e + 8 * full]
+    for i in range(full):
+        dst[i] = (
+            src[8 * i]
+            | (src[8 * i + 1] << 1)
+            | (src[8 * i + 2] << 2)
+            | (src[8 * i + 3] << 3)
+            | (src[8 * i + 4] << 4)
+            | (src[8 * i + 5] << 5)
+            | (src[8 * i + 6] << 6)
+            | (src[8 * i + 7] << 7)
+        )
+    e += 8 * full
+    if e < length:
+        acc = 0
+        while e < length:
+            acc |= bits[e] << ((bit0 + e) & 7)
+            e += 1
+        _put(msgs, m, (bit0 + length - 1) >> 3, np.uint8(acc), head, tail, heads, tails, t)
+
+
+@njit(cache=True, inline="always")
+def _mean_run(msgs, mp, mn, r0, r1, inv_n, col, per_column, bit0, out, add, bits, acc):
+    """``out[e]`` = the mean over messages ``r0:r1`` of their entry at sign bit ``bit0 + e`` (summed in float64
+    in message order, times ``inv_n``), of column ``col`` (``col + e`` when ``per_column``); plus ``out[e]`` in
+    float32 when ``add``. ``bits`` and ``acc`` are scratch at least as long as ``out``."""
+    length = out.shape[0]
+    for r in range(r0, r1):
+        _unpack(msgs[r], bit0, length, bits)
+        if per_column:
+            pos, neg = mp[r, col : col + length], mn[r, col : col + length]
+            if r == r0:
+                for j in range(length):
+                    acc[j] = pos[j] if bits[j] else neg[j]
+            else:
+                for j in range(length):
+                    acc[j] += pos[j] if bits[j] else neg[j]
+        else:
+            p, q = np.float64(mp[r, col]), np.float64(mn[r, col])
+            if r == r0:
+                for j in range(length):
+                    acc[j] = p if bits[j] else q
+            else:
+                for j in range(length):
+                    acc[j] += p if bits[j] else q
+    if add:
+        for j in range(length):
+            out[j] = np.float32(acc[j] * inv_n) + out[j]
+    else:
+        for j in range(length):
+            out[j] = np.float32(acc[j] * inv_n)
+
+
+@njit(cache=True, inline="always")
+def _signs(src, mps, mns, ef, bits):
+    """``bits[e]`` = ``src[e] >= 0``; with ``ef`` the entry becomes its error (minus its column's mean)."""
+    if ef:
+        for j in range(src.shape[0]):
+            x = src[j]
+            pos = x >= 0
+            bits[j] = pos
+            src[j] = x - (mps[j] if pos else mns[j])
+    else:
+        for j in range(src.shape[0]):
+            bits[j] = src[j] >= 0
+
+
+@njit(cache=True, inline="always")
+def _signs1(src, mp, mn, ef, bits):
+    """:func:`_signs` for a run of one column (means ``mp``, ``mn``)."""
+    if ef:
+        for j in range(src.shape[0]):
+            x = src[j]
+            pos = x >= 0
+            bits[j] = pos
+            src[j] = x - (mp if pos else mn)
+    else:
+        for j in range(src.shape[0]):
+            bits[j] = src[j] >= 0
+
+
+@njit(cache=True, inline="always")
+def _means(sp, sn, cp, length):
+    mp = np.float32(sp / cp) if cp > 0 else np.float32(0.0)
+    mn = np.float32(sn / (length - cp)) if length - cp > 0 else np.float32(0.0)
+    return mp, mn
+
+
+@njit(cache=True, inline="always")
+def _add(target, source):
+    for j in range(target.shape[0]):
+        target[j] += source[j]
+
+
+@njit(cache=True, inline="always")
+def _group_sums(vals, grad, base, length, add):
+    """float64 sums of the entries ``>= 0`` of ``vals[base:base + length]``, of the others, and the count of the
+    first; with ``add``, ``grad``'s entries are added to ``vals`` first (and stored). 16 lanes, then the ragged
+    end in order (:mod:`~dask_dl.train.compression.simd`): a fixed order for a group, whoever runs it."""
+    k = length // W
+    if add:
+        sp, sn, cp = simd.add_sums(vals, base, grad, base, k)
+    else:
+        sp, sn, cp = simd.sums(vals, base, k)
+    for j in range(base + W * k, base + length):
+        if add:
+            vals[j] += grad[j]
+        x = np.float64(vals[j])
+        if x >= 0:
+            sp += x
+            cp += 1.0
+        else:
+            sn += x
+    return sp, sn, cp
+
+
+@njit(cache=True, inline="always")
+def _band_sums(vals, grad, base, stride, rows, pitch, add, psp, psn, pcp, p):
+    """Add the columns of the block of ``rows`` rows of ``pitch`` values from ``vals[base]``, ``stride`` apart
+    (plus ``grad``'s, stored, with ``add``), to their float64 partial sums ``psp/psn/pcp[p:p + pitch]``: each
+    column summed down the block in row order from 0.0, then added (a band's sums are those of its blocks of 16
+    rows, in order). With ``add`` the rows are added first, each in memory order (``simd.band_sums``)."""
+    if add:
+        for i in range(rows):
+            row = base + i * stride
+            _add(vals[row : row + pitch], grad[row : row + pitch])
+    k = pitch // W
+    simd.band_sums(vals, base, stride, rows, k, psp, psn, pcp, p)
+    for j in range(W * k, pitch):
+        sp, sn, cp = 0.0, 0.0, 0.0
+        for i in range(rows):
+            x = np.float64(vals[base + i * stride + j])
+            if x >= 0:
+                sp += x
+                cp += 1.0
+            else:
+                sn += x
+        psp[p + j] += sp
+        psn[p + j] += sn
+        pcp[p + j] += cp
+
+
+@njit(cache=True, inline="always")
+def _sign_run(v, mp, mn, ef, bit0, msgs, m, head, tail, heads, tails, t, bits):
+    """Signs (and with ``ef`` errors) of the run ``v`` of one group (means ``mp``, ``mn``) into message ``m``
+    from sign bit ``bit0``: whole bytes 16 values at a time, the ragged ends packed bit by bit."""
+    length = v.shape[0]
+    e = min((8 - (bit0 & 7)) & 7, length)
+    if e > 0:
+        _signs1(v[:e], mp, mn, ef, bits)
+        _pack(bits, e, bit0, msgs, m, head, tail, heads, tails, t)
+    k = (length - e) // W
+    if k > 0:
+        row, byte = msgs[m], (bit0 + e) >> 3
+        if ef:
+            simd.signs_error(v, e, k, mp, mn, 0, row, byte)
+        else:
+            simd.signs(v, e, k, mp, mn, 0, row, byte)
+    done = e + W * k
+    if done < length:
+        _signs1(v[done:], mp, mn, ef, bits)
+        _pack(bits, length - done, bit0 + done, msgs, m, head, tail, heads, tails, t)
+
+
+@njit(cache=True, inline="always")
+def _column_sign_run(v, mps, mns, ef, bit0, msgs, m, head, tail, heads, tails, t, bits):
+    """:func:`_sign_run` for a row of a band: entry ``j`` of ``v`` in a column of means ``mps[j]``, ``mns[j]``."""
+    length = v.shape[0]
+    e = min((8 - (bit0 & 7)) & 7, length)
+    if e > 0:
+        _signs(v[:e], mps, mns, ef, bits)
+        _pack(bits, e, bit0, msgs, m, head, tail, heads, tails, t)
+    k = (length - e) // W
+    if k > 0:
+        row, byte = msgs[m], (bit0 + e) >> 3
+        if ef:
+            simd.column_signs_error(v, e, k, mps, mns, e, row, byte)
+        else:
+            simd.column_signs(v, e, k, mps, mns, e, row, byte)
+    done = e + W * k
+    if done < length:
+        _signs(v[done:], mps[done:], mns[done:], ef, bits)
+        _pack(bits, length - done, bit0 + done, msgs, m, head, tail, heads, tails, t)
+
+
+@njit(cache=True, inline="always")
+def _decode_run(msgs, mp, mn, r0, r1, inv_n, col, per_column, bit0, out, add, bits, acc, streamable):
+    """:func:`_mean_run` with whole sign bytes decoded 16 values at a time (same sums, same order).
+
+    A long ``streamable`` run (one written, not added to, and not read again soon: a decoded bucket larger than
+    the cache) starts its vector part on a 64-byte boundary where that is also a sign byte's (always, for
+    ``onebit``'s message of a 64-byte aligned bucket), and is stored past the caches; the caller then runs
+    ``simd.fence``.
+    """
+    length = out.shape[0]
+    e = min((8 - (bit0 & 7)) & 7, length)
+    stream = False
+    if streamable and not add and length >= STREAM_MIN:
+        address = simd.address(out, 0)
+        if address & 3 == 0:
+            skip = ((64 - (address & 63)) & 63) >> 2
+            if (bit0 + skip) & 7 == 0:
+                e, stream = skip, True
+    if e > 0:
+        _mean_run(msgs, mp, mn, r0, r1, inv_n, col, per_column, bit0, out[:e], add, bits, acc)
+    k = (length - e) // W
+    if k > 0:
+        byte = (bit0 + e) >> 3
+        if per_column and add:
+            simd.column_decode_add(msgs, r0, r1, byte, k, mp, mn, col + e, inv_n, out, e)
+        elif per_column and stream:
+            simd.column_decode_stream(msgs, r0, r1, byte, k, mp, mn, col + e, inv_n, out, e)
+        elif per_column:
+            simd.column_decode(msgs, r0, r1, byte, k, mp, mn, col + e, inv_n, out, e)
+        elif add:
+            simd.decode_add(msgs, r0, r1, byte, k, mp, mn, col, inv_n, out, e)
+        elif stream:
+            simd.decode_stream(msgs, r0, r1, byte, k, mp, mn, col, inv_n, out, e)
+        else:
+            simd.decode(msgs, r0, r1, byte, k, mp, mn, col, inv_n, out, e)
+    done = e + W * k
+    if done < length:
+        c = col + done if per_column else col
+        _mean_run(msgs, mp, mn, r0, r1, inv_n, c, per_column, bit0 + done, out[done:], add, bits, acc)
+
+
+@njit(cache=True, nogil=True)
+def or_sides(tasks, msgs, heads, tails):
+    """OR the side slots into their messages' shared sign bytes, one task after another (a compiled loop:
+    ``np.bitwise_or.at`` costs about 0.4 us a byte, 0.1 ms a call on a bucket of 260 tasks)."""
+    for t in range(tasks.shape[0]):
+        m = tasks[t, M]
+        if tasks[t, HEAD] >= 0:
+            msgs[m, tasks[t, HEAD]] |= heads[t]
+        if tasks[t, TAIL] >= 0:
+            msgs[m, tasks[t, TAIL]] |= tails[t]
+
+
+def quantize_tasks(mode, grad, received, mp_in, mn_in, vals, ef, tasks, msgs, scales, heads, tails, psp, psn, pcp):
+    """Phase one of quantizing: transposed groups completely (sums, scales, signs, residual, while each is in
+    cache); untransposed pieces' bands up to their partial column sums ``psp``/``psn``/``pcp``.
+
+    Mode 0 quantizes ``grad`` plus the residual ``vals`` (when ``ef``); mode 1 the mean of the ``received``
+    messages (same layout as the output; scales ``mp_in``/``mn_in``) plus the residual ``vals`` (when ``ef``;
+    otherwise ``vals`` is scratch for the mean). Entries to quantize are left in ``vals`` (with ``ef`` or in
+    mode 1) for phase two; with ``ef`` a finished entry is replaced by its error.
+    """
+    n_in = received.shape[0]
+    inv_n = 1.0 / max(n_in, 1)
+    src = vals if ef or mode == 1 else grad  # the values quantized (and, with ``ef``, their errors)
+    for t in prange(tasks.shape[0]):
+        s, rest, tr = tasks[t, S], tasks[t, REST], tasks[t, TR]
+        t0, t1, lo, pitch, m = tasks[t, T0], tasks[t, T1], tasks[t, LO], tasks[t, PITCH], tasks[t, M]
+        dbit, dcol, head, tail = tasks[t, DBIT], tasks[t, DCOL], tasks[t, HEAD], tasks[t, TAIL]
+        if tr:  # each group is a contiguous row of ``rest`` entries
+            bits = np.empty(W, dtype=np.uint8)  # scratch for the ragged ends
+            acc = np.empty(W)
+            for g in range(t0, t1):
+                base, bit0, col = s + g * rest, dbit + (g - lo) * rest, dcol + g - lo
+                v = src[base : base + rest]
+                if mode == 1:
+                    _decode_run(received, mp_in, mn_in, 0, n_in, inv_n, col, False, bit0, v, ef, bits, acc, False)
+                sp, sn, cp = _group_sums(src, grad, base, rest, ef and mode == 0)
+                mp, mn = _means(sp, sn, cp, rest)
+                scales[m, 2 * col] = mp
+                scales[m, 2 * col + 1] = mn
+                _sign_run(v, mp, mn, ef, bit0, msgs, m, head, tail, heads, tails, t, bits)
+        else:  # a band of rows t0:t1 of columns lo:lo+pitch: partial sums per column
+            bits = np.empty(W, dtype=np.uint8)
+            acc = np.empty(W)
+            p = tasks[t, P]
+            for i0 in range(t0, t1, W):  # blocks of 16 rows: summed in registers, then added to the band's sums
+                i1 = min(t1, i0 + W)
+                if mode == 1:  # decode the block's rows, then sum them while they are in cache
+                    for i in range(i0, i1):
+                        base, bit0 = s + i * rest + lo, dbit + i * pitch
+                        v = src[base : base + pitch]
+                        _decode_run(received, mp_in, mn_in, 0, n_in, inv_n, dcol, True, bit0, v, ef, bits, acc, False)
+                _band_sums(src, grad, s + i0 * rest + lo, rest, i1 - i0, pitch, ef and mode == 0, psp, psn, pcp, p)
+
+
+def reduce_columns(reductions, psp, psn, pcp, scales):
+    """Phase two: add up each untransposed piece's band sums in band order; write its columns' scales."""
+    for t in prange(reductions.shape[0]):
+        p0, bands, pitch = reductions[t, R_P], reductions[t, R_BANDS], reductions[t, R_PITCH]
+        m, dcol, length = reductions[t, R_M], reductions[t, R_DCOL], reductions[t, R_OUT]
+        sp, sn, cp = np.zeros(pitch), np.zeros(pitch), np.zeros(pitch)
+        for b in range(bands):
+            start = p0 + b * pitch
+            _add(sp, psp[start : start + pitch])
+            _add(sn, psn[start : start + pitch])
+            _add(cp, pcp[start : start + pitch])
+        for j in range(pitch):
+            scales[m, 2 * (dcol + j)], scales[m, 2 * (dcol + j) + 1] = _means(sp[j], sn[j], cp[j], length)
+
+
+def sign_bands(mode, grad, vals, ef, tasks, msgs, scales, heads, tails):
+    """Phase three: the signs and errors of the untransposed pieces' bands."""
+    store = ef or mode == 1
+    for t in prange(tasks.shape[0]):
+        if tasks[t, TR]:
+            continue
+        s, rest, t0, t1, lo = tasks[t, S], tasks[t, REST], tasks[t, T0], tasks[t, T1], tasks[t, LO]
+        pitch, m, dbit, dcol = tasks[t, PITCH], tasks[t, M], tasks[t, DBIT], tasks[t, DCOL]
+        head, tail = tasks[t, HEAD], tasks[t, TAIL]
+        mps = scales[m, 2 * dcol : 2 * (dcol + pitch) : 2].copy()
+        mns = scales[m, 2 * dcol + 1 : 2 * (dcol + pitch) : 2].copy()
+        bits = np.empty(W, dtype=np.uint8)
+        for i in range(t0, t1):
+            base, bit0 = s + i * rest + lo, dbit + i * pitch
+            v = vals[base : base + pitch] if store else grad[base : base + pitch]
+            _column_sign_run(v, mps, mns, ef, bit0, msgs, m, head, tail, heads, tails, t, bits)
+
+
+def decode_tasks(msgs, mp, mn, tasks, average, out, stream):
+    """Write every task's entries into ``out``: the mean over all rows of ``msgs`` (``average``), or the
+    entry of row ``M`` of the task (the owner of its stripe). ``mp``/``mn``: the two means per row and column.
+    With ``stream``, long runs are stored past the caches (see ``kernels.decode``)."""
+    n = msgs.shape[0]
+    for t in prange(tasks.shape[0]):
+        s, rest, tr = tasks[t, S], tasks[t, REST], tasks[t, TR]
+        t0, t1, lo, pitch, m = tasks[t, T0], tasks[t, T1], tasks[t, LO], tasks[t, PITCH], tasks[t, M]
+        dbit, dcol = tasks[t, DBIT], tasks[t, DCOL]
+        r0, r1, inv_n = (0, n, 1.0 / n) if average else (m, m + 1, 1.0)
+        bits = np.empty(W, dtype=np.uint8)
+        acc = np.empty(W)
+        if tr:
+            for g in range(t0, t1):
+                base, bit0 = s + g * rest, dbit + (g - lo) * rest
+                o = out[base : base + rest]
+                _decode_run(msgs, mp, mn, r0, r1, inv_n, dcol + g - lo, False, bit0, o, False, bits, acc, stream)
+        else:
+            for i in range(t0, t1):
+                base, bit0 = s + i * rest + lo, dbit + i * pitch
+                o = out[base : base + pitch]
+                _decode_run(msgs, mp, mn, r0, r1, inv_n, dcol, True, bit0, o, False, bits, acc, stream)
+        if stream:
+            simd.fence()  # the runs stored past the caches reach memory before the bucket is handed back
+
+
+def _outlined(namespace: dict[str, Any]) -> dict[str, Any]:
+    """``namespace`` with each helper that numba inlines into its callers (``inline="always"``) replaced by a copy
+    that it calls instead, under a name of its own in numba's cache. The parallel twins call these: inlining the
+    helpers into ``prange`` loops nearly tripled their compile time (40 s of a cold 58 s) for no measured speed
+    (``python bench/compile.py``)."""
+    outlined = dict(namespace)
+    for name, value in namespace.items():
+        if isinstance(value, numba.core.registry.CPUDispatcher) and value.targetoptions.get("inline") == "always":
+            copy = types.FunctionType(value.py_func.__code__, outlined, value.py_func.__name__ + "_outlined")
+            copy.__qualname__ = value.py_func.__qualname__ + "_outlined"
+            outlined[name] = njit(cache=True)(copy)
+    return outlined
+
+
+def _twins(function: Callable) -> tuple[Callable, Callable]:
+    """A kernel compiled twice: with ``prange`` run by numba's threads (its helpers called, not inlined), and
+    serially (no thread launch, which costs milliseconds on a busy machine: small buckets and one-thread workers
+    run serially)."""
+    parallel = types.FunctionType(function.__code__, _OUTLINED, function.__name__)
+    parallel.__qualname__ = function.__qualname__
+    serial = types.FunctionType(function.__code__, function.__globals__, function.__name__ + "_serial")
+    serial.__qualname__ = function.__qualname__ + "_serial"  # its own entry in numba's cache
+    return njit(cache=True, parallel=True, nogil=True)(parallel), njit(cache=True, nogil=True)(serial)
+
+
+_OUTLINED = _outlined(globals())
+QUANTIZE_TASKS = _twins(quantize_tasks)
+REDUCE_COLUMNS = _twins(reduce_columns)
+SIGN_BANDS = _twins(sign_bands)
+DECODE_TASKS = _twins(decode_tasks)
