@@ -3,7 +3,7 @@
 One gloo rank, one thread (torch and numba). A model with dask_dl's AlexNet parameter shapes (``ALEXNET``: 45.5M
 float32 values, 182 MB; ``--model resnet50`` etc. for another registered model's) whose loss is ``sum(p * g)``,
 so its gradient is a fixed random ``g``, is wrapped in real ``DistributedDataParallel`` with ``bucket_cap_mb=3``:
-DDP hands its hook 5 AlexNet buckets a step (ResNet-50: 33). The compressor is
+DDP hands its hook 5 AlexNet buckets a step (ResNet-50: 19). The compressor is
 registered as the trainer registers it (``Compressor.register``), its hook wrapped to time each call. Beside it,
 in the same run and round robin: one copy of the whole gradient into allocated memory (the unit), and the same
 compressor driven with :class:`~dask_dl.testing.compression.FakeBucket` as ``bench/compression.py --no-exchange``
@@ -15,7 +15,7 @@ per bucket, the hook's time and its parts: the numba kernels, their Python wrapp
 NumPy allocation peak (tracemalloc, in a separate untimed step) and how many kept buffers moved (``data_ptr``).
 Times are this thread's CPU time unless ``--clock wall``: other processes on a busy machine do not add to it.
 
-    python bench/hook.py                 # 10 steps round robin (~2 min on 2 busy cores)
+    python bench/hook.py                 # 10 steps round robin (~30 s; ResNet-50 ~1 min)
     python bench/hook.py --steps 12 --clock wall
     python bench/hook.py --model resnet50   # 1x1 convolutions: groups are columns, cut in bands
 """
