@@ -33,7 +33,8 @@ NAMES = COMPRESSORS.names()
 
 def test_a_bucket_is_described_again_when_its_parameters_change():
     """Names and shapes are kept per bucket index while the bucket holds the same parameter objects, and made
-    again when DDP hands over others under that index (a rebuild), even of the same count."""
+    again when DDP hands over others under that index (a rebuild), even of the same count, or when the names are
+    registered again."""
     state = make_compressor("onebit").state
     w, b = (torch.nn.Parameter(torch.empty(s, device="meta")) for s in [(4, 9), (7,)])
     state.param_names = {id(w): "w", id(b): "b"}
@@ -47,6 +48,8 @@ def test_a_bucket_is_described_again_when_its_parameters_change():
         [(43,), (0,)],
     )
     assert state.names(FakeBucket([(4, 9), (7,)], torch.zeros(43), 0, params=[w, b])) == ["w", "b"]
+    state.param_names = {id(w): "fc.weight", id(b): "fc.bias"}  # registered again (on another DDP wrapper)
+    assert state.names(FakeBucket([(4, 9), (7,)], torch.zeros(43), 0, params=[w, b])) == ["fc.weight", "fc.bias"]
 
 
 def _run(compressor, shapes, values):

@@ -42,7 +42,7 @@ class HookState:
         self.wire_bytes = 0
         #: id(parameter) -> name, filled by ``Compressor.register``; residuals are kept by parameter name.
         self.param_names: dict[int, str] = {}
-        self._buckets: dict[int, tuple[list, list[str], list[tuple[int, ...]]]] = {}  # see ``describe``
+        self._buckets: dict[int, tuple[list, dict, list[str], list[tuple[int, ...]]]] = {}  # see ``describe``
 
     @property
     def world_size(self) -> int:
@@ -72,16 +72,22 @@ class HookState:
         """Names (see :meth:`names`) and shapes of the bucket's parameters.
 
         Kept per bucket index while DDP hands over the same parameter objects (its buckets change only when it
-        rebuilds them): a hook runs just after a kernel swept megabytes through the caches, where asking DDP for
-        the gradients' views and their shapes at every call cost about 50 us a bucket (1 ms a ResNet-50 step).
+        rebuilds them) and ``param_names`` is the same mapping: a hook runs just after a kernel swept megabytes
+        through the caches, where asking DDP for the gradients' views and their shapes at every call cost about
+        50 us a bucket (1 ms a ResNet-50 step).
         """
         params, index = bucket.parameters(), bucket.index()
         kept = self._buckets.get(index)
-        if kept is not None and len(kept[0]) == len(params) and all(map(operator.is_, kept[0], params)):
-            return kept[1], kept[2]
+        if (
+            kept is not None
+            and kept[1] is self.param_names
+            and len(kept[0]) == len(params)
+            and all(map(operator.is_, kept[0], params))
+        ):
+            return kept[2], kept[3]
         names = [self.param_names.get(id(p), f"{index}.{i}") for i, p in enumerate(params)]
         shapes = [tuple(p.shape) for p in params]
-        self._buckets[index] = (list(params), names, shapes)
+        self._buckets[index] = (list(params), self.param_names, names, shapes)
         return names, shapes
 
     def count(self, tensor: torch.Tensor, wire_factor: float) -> None:
