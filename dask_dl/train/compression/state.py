@@ -7,7 +7,7 @@ counters, parameter names and, for the 1-bit hooks, the error-feedback residuals
 # No ``from __future__ import annotations``: DDP checks the hooks' real annotation objects (``dist.GradBucket``).
 import math
 import operator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -16,6 +16,16 @@ from dask_dl import config
 from dask_dl.errors import ConfigurationError
 
 Future = torch.futures.Future[torch.Tensor]
+
+
+class _Described(NamedTuple):
+    """A bucket's parameters and the ``param_names`` mapping as :meth:`HookState.describe` found them, and what it
+    made of them."""
+
+    params: list
+    param_names: dict
+    names: list[str]
+    shapes: list[tuple[int, ...]]
 
 
 class HookState:
@@ -42,7 +52,7 @@ class HookState:
         self.wire_bytes = 0
         #: id(parameter) -> name, filled by ``Compressor.register``; residuals are kept by parameter name.
         self.param_names: dict[int, str] = {}
-        self._buckets: dict[int, tuple[list, dict, list[str], list[tuple[int, ...]]]] = {}  # see ``describe``
+        self._buckets: dict[int, _Described] = {}  # bucket index -> what ``describe`` found
 
     @property
     def world_size(self) -> int:
@@ -80,14 +90,14 @@ class HookState:
         kept = self._buckets.get(index)
         if (
             kept is not None
-            and kept[1] is self.param_names
-            and len(kept[0]) == len(params)
-            and all(map(operator.is_, kept[0], params))
+            and kept.param_names is self.param_names
+            and len(kept.params) == len(params)
+            and all(map(operator.is_, kept.params, params))
         ):
-            return kept[2], kept[3]
+            return kept.names, kept.shapes
         names = [self.param_names.get(id(p), f"{index}.{i}") for i, p in enumerate(params)]
         shapes = [tuple(p.shape) for p in params]
-        self._buckets[index] = (list(params), self.param_names, names, shapes)
+        self._buckets[index] = _Described(list(params), self.param_names, names, shapes)
         return names, shapes
 
     def count(self, tensor: torch.Tensor, wire_factor: float) -> None:
