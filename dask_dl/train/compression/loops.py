@@ -341,13 +341,19 @@ def or_sides(tasks, msgs, heads, tails):
 
 
 def quantize_tasks(mode, grad, received, mp_in, mn_in, vals, ef, tasks, msgs, scales, heads, tails, psp, psn, pcp):
-    """Phase one of quantizing: transposed groups completely (sums, scales, signs, residual, while each is in
-    cache); untransposed pieces' bands up to their partial column sums ``psp``/``psn``/``pcp``.
+    """Phase one of quantizing: transposed groups completely (sums, scales, signs, residual); untransposed
+    pieces' bands up to their partial column sums ``psp``/``psn``/``pcp``.
 
     Mode 0 quantizes ``grad`` plus the residual ``vals`` (when ``ef``); mode 1 the mean of the ``received``
     messages (same layout as the output; scales ``mp_in``/``mn_in``) plus the residual ``vals`` (when ``ef``;
     otherwise ``vals`` is scratch for the mean). Entries to quantize are left in ``vals`` (with ``ef`` or in
     mode 1) for phase two; with ``ef`` a finished entry is replaced by its error.
+
+    In mode 0 a task's groups (at most ``plan.GRAIN`` values, which stay in the second-level cache) are all
+    summed, then all signed: a group of 4096 values and its gradient fill a 32 KB first-level cache, and signing
+    each group just after summing it made the quantize of a 4096x4096 layer 1.5-1.7x the time of adding its
+    gradient to its residual, against 1.4-1.5x this way. In mode 1, which reads no gradient, each group is decoded,
+    summed and signed in turn (walking the task twice was no faster there).
     """
     n_in = received.shape[0]
     inv_n = 1.0 / max(n_in, 1)
@@ -356,19 +362,22 @@ def quantize_tasks(mode, grad, received, mp_in, mn_in, vals, ef, tasks, msgs, sc
         s, rest, tr = tasks[t, S], tasks[t, REST], tasks[t, TR]
         t0, t1, lo, pitch, m = tasks[t, T0], tasks[t, T1], tasks[t, LO], tasks[t, PITCH], tasks[t, M]
         dbit, dcol, head, tail = tasks[t, DBIT], tasks[t, DCOL], tasks[t, HEAD], tasks[t, TAIL]
-        if tr:  # each group is a contiguous row of ``rest`` entries
+        if tr:  # each group is a contiguous row of ``rest`` entries: the task's sums, then its signs
             bits = np.empty(W, dtype=np.uint8)  # scratch for the ragged ends
             acc = np.empty(W)
-            for g in range(t0, t1):
-                base, bit0, col = s + g * rest, dbit + (g - lo) * rest, dcol + g - lo
-                v = src[base : base + rest]
-                if mode == 1:
-                    _decode_run(received, mp_in, mn_in, 0, n_in, inv_n, col, False, bit0, v, ef, bits, acc, False)
-                sp, sn, cp = _group_sums(src, grad, base, rest, ef and mode == 0)
-                mp, mn = _means(sp, sn, cp, rest)
-                scales[m, 2 * col] = mp
-                scales[m, 2 * col + 1] = mn
-                _sign_run(v, mp, mn, ef, bit0, msgs, m, head, tail, heads, tails, t, bits)
+            step = t1 - t0 if mode == 0 else 1
+            for g0 in range(t0, t1, step):
+                for g in range(g0, g0 + step):
+                    base, bit0, col = s + g * rest, dbit + (g - lo) * rest, dcol + g - lo
+                    if mode == 1:
+                        v = src[base : base + rest]
+                        _decode_run(received, mp_in, mn_in, 0, n_in, inv_n, col, False, bit0, v, ef, bits, acc, False)
+                    sp, sn, cp = _group_sums(src, grad, base, rest, ef and mode == 0)
+                    scales[m, 2 * col], scales[m, 2 * col + 1] = _means(sp, sn, cp, rest)
+                for g in range(g0, g0 + step):
+                    base, bit0, col = s + g * rest, dbit + (g - lo) * rest, dcol + g - lo
+                    mp, mn = scales[m, 2 * col], scales[m, 2 * col + 1]
+                    _sign_run(src[base : base + rest], mp, mn, ef, bit0, msgs, m, head, tail, heads, tails, t, bits)
         else:  # a band of rows t0:t1 of columns lo:lo+pitch: partial sums per column
             bits = np.empty(W, dtype=np.uint8)
             acc = np.empty(W)
