@@ -88,7 +88,9 @@ def kept_pointers(state) -> dict:
     """data_ptr of every tensor or array the hook's state keeps between steps."""
     out = {}
     for key, value in list(state.workspace.items()) + list(state.flats.items()):
-        if hasattr(value, "data_ptr"):
+        if hasattr(value, "flat"):  # a message buffer (fused._Message)
+            out[key] = value.flat.data_ptr()
+        elif hasattr(value, "data_ptr"):
             out[key] = value.data_ptr()
         elif isinstance(value, tuple) and value and hasattr(value[0], "data_ptr"):
             out[key] = value[0].data_ptr()

@@ -123,3 +123,27 @@ def test_bad_names_and_options_raise_clear_errors():
         make_compressor("onebit2").load_state_dict(make_compressor("onebit").state_dict())
     with pytest.raises(ConfigurationError, match="1-bit compression needs dense float32 gradients"):
         _run(make_compressor("onebit"), [(4,)], torch.zeros(4, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("name", ["onebit", "onebit2"])
+def test_a_state_loaded_into_a_running_compressor_is_the_one_it_goes_on_with(name):
+    """``load_state_dict`` replaces the residuals of a compressor whose hook kept its bucket's buffers between
+    calls (the same parameter objects each step, as DDP hands them over): the next step must start from the loaded
+    residuals, as a new compressor loaded with the same state does."""
+    params = [torch.nn.Parameter(torch.empty(s, device="meta")) for s in SHAPES]
+    grads = [torch.from_numpy(g[0]) for g in _gradients(5, 4, 1, SHAPES)]
+    running, fresh = make_compressor(name), make_compressor(name)
+
+    def step(compressor, g):
+        return compressor.hook(compressor.state, FakeBucket(SHAPES, g.clone(), params=params)).wait().clone()
+
+    for g in grads[:2]:
+        step(running, g)
+    saved = running.state_dict()
+    step(running, grads[2])  # its residuals move on from the saved ones
+    running.load_state_dict(saved)
+    fresh.load_state_dict(saved)
+    assert torch.equal(step(running, grads[3]), step(fresh, grads[3]))
+    for key in ("residuals", "server_residuals"):
+        ours, theirs = running.state_dict()[key], fresh.state_dict()[key]
+        assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours), key

@@ -10,7 +10,7 @@ import torch
 
 from dask_dl.testing.compression import FakeBucket, numel, shaped_model
 from dask_dl.testing.train import one_rank_group
-from dask_dl.train.compression import hooks, make_compressor
+from dask_dl.train.compression import fused, hooks, make_compressor
 from dask_dl.train.compression.plan import StripePlan
 from dask_dl.train.step import make_ddp
 
@@ -75,7 +75,7 @@ def test_the_hook_as_ddp_calls_it_gives_the_fakebucket_result_bit_for_bit(name):
 def _kept(state) -> dict:
     """Address of every buffer the state keeps between steps: messages, residuals' flat tensors and the kernels'
     scratch arrays of every plan."""
-    out = {k: v.data_ptr() for k, v in state.workspace.items() if isinstance(v, torch.Tensor)}
+    out = {k: v.flat.data_ptr() for k, v in state.workspace.items() if isinstance(v, fused._Message)}
     out.update({k: v[0].data_ptr() for k, v in state.flats.items()})
     plans = [v for v in state.workspace.values() if isinstance(v, StripePlan)]
     for i, table in enumerate(t for plan in plans for t in [plan.tasks, *plan._own.values()]):
@@ -107,7 +107,30 @@ def test_after_warm_up_a_step_through_ddp_allocates_no_buffer_and_no_layout(name
         before, after, layouts, peak, gradient_bytes = _steady_steps(name, monkeypatch)
     # every message, gather buffer, residual and scratch array kept, at the same address
     assert any(isinstance(k[0], int) for k in before) and after == before
+    assert {k[0] for k in before} >= ({"message"} if name == "onebit" else {"send", "stripe"})  # messages counted
     assert layouts == 0  # the bucket's layout (and its cached properties) is made once, not at every call
     # what tracemalloc sees (NumPy and Python objects, not torch's allocator) stays far below one message
     # (gradient_bytes / 32): views, lists, the futures
     assert peak < gradient_bytes / 64, f"a step allocated up to {peak} bytes at once through NumPy or Python"
+
+
+def _groups() -> None:
+    import torch.distributed as dist
+
+    ddp = make_ddp(shaped_model(SHAPES), device_ids=None, bucket_cap_mb=CAP_MB)
+    learned = make_compressor("onebit2")
+    assert learned.state.process_group is None
+    learned.register(ddp)
+    assert learned.state.process_group is ddp.process_group
+    assert (learned.state.world_size, learned.state.rank) == (1, 0)
+    group = dist.new_group([0])
+    given = make_compressor("onebit2", process_group=group)
+    given.register(make_ddp(shaped_model(SHAPES), device_ids=None, bucket_cap_mb=CAP_MB))
+    assert given.state.process_group is group and group is not ddp.process_group
+
+
+def test_register_takes_the_ddp_models_group_unless_the_compressor_has_one():
+    """The hooks average over the group DDP reduces in, and ask it for its size and rank at each bucket (a C++
+    call, where the default group's Python lookups cost tens of microseconds on the caches a kernel left)."""
+    with one_rank_group():
+        _groups()

@@ -34,6 +34,7 @@ class Compressor:
         self.name = name
         self.state = state
         self.hook = hook
+        self._group = state.process_group  # the group asked for; None: each DDP model's own (see ``register``)
 
     def __repr__(self) -> str:
         return f"Compressor({self.name!r}, step={self.step}, bytes_sent={self.bytes_sent})"
@@ -54,11 +55,14 @@ class Compressor:
         return int(self.state.step)
 
     def register(self, ddp_model: torch.nn.parallel.DistributedDataParallel) -> None:
-        """Register the hook on ``ddp_model`` and learn its parameter names (residuals are kept by name).
+        """Register the hook on ``ddp_model`` and learn its parameter names (residuals are kept by name) and, unless
+        the compressor was made for a group of its own, the process group DDP reduces in.
 
         The 1-bit compressors compile (or load from numba's cache) their kernels here, not in a training step.
         """
         self.state.param_names = {id(p): name for name, p in ddp_model.module.named_parameters()}
+        if self._group is None:  # the hook averages over the group DDP reduces in (a C++ call a bucket to ask)
+            self.state.process_group = ddp_model.process_group
         on_cpu = all(p.device.type == "cpu" for p in ddp_model.module.parameters())
         if isinstance(self.state, OneBitState) and self.state.fused and on_cpu:  # GPU buckets: the torch path
             from dask_dl.train.compression.fused import warm_up  # numba: imported when first needed

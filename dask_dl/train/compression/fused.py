@@ -28,54 +28,99 @@ def _plan(state: OneBitState, names: list[str], shapes: list[tuple[int, ...]], n
     return plan
 
 
-def _kept(state: OneBitState, key: tuple, shape: tuple[int, ...]) -> torch.Tensor:
-    """A uint8 tensor kept between steps (a fresh one costs page faults on first touch). Safe to reuse: DDP
-    waits for every bucket's future before the next step starts."""
-    kept = state.workspace.get(key)
-    if kept is None or tuple(kept.shape) != shape:
-        kept = state.workspace[key] = torch.empty(shape, dtype=torch.uint8)
+class _Message:
+    """A uint8 message buffer: ``flat``, the tensor the collectives take, and ``rows``, the ``(messages, size)``
+    array the kernels take."""
+
+    def __init__(self, rows: int, size: int) -> None:
+        self.flat = torch.empty(rows * size, dtype=torch.uint8)
+        self.rows = self.flat.numpy().reshape(rows, size)
+
+
+def _message(state: OneBitState, name: str, key: tuple, rows: int, size: int) -> _Message:
+    """The message buffer ``name`` of bucket ``key``, kept between steps while its shape holds (a fresh one
+    costs page faults on first touch), also when the bucket's parameters change."""
+    kept = state.workspace.get((name, *key))
+    if kept is None or kept.rows.shape != (rows, size):
+        kept = state.workspace[(name, *key)] = _Message(rows, size)
+    return kept
+
+
+class _Bucket:
+    """What the fused path keeps for a bucket between steps, made again when its parameters (the ``names`` list
+    :meth:`~dask_dl.train.compression.state.HookState.describe` keeps), the world size or the rank change.
+
+    A hook runs just after a kernel swept megabytes through the caches, where every tensor view, NumPy view and
+    dictionary lookup made again at each call cost tens of microseconds; these are made once. Safe to reuse:
+    DDP waits for every bucket's future before the next step starts.
+    """
+
+    def __init__(
+        self, state: OneBitState, key: tuple, names: list[str], plan: StripePlan, n: int, rank: int, two_stage: bool
+    ) -> None:
+        self.names, self.plan, self.n, self.rank = names, plan, n, rank
+        size = plan.size
+        self.arrays: dict[str, tuple[torch.Tensor, np.ndarray]] = {}  # tensor.numpy(), while the same tensor
+        if not two_stage:  # onebit: one message of the whole bucket
+            self.message = _message(state, "message", key, 1, size)
+            self.gathered = self.message if n == 1 else _message(state, "gathered", key, n, size)
+            self.decode_columns = plan.columns.repeat(n)
+            return
+        self.send = _message(state, "send", key, n, size)  # stripe k's signs and scales go to rank k
+        # one rank receives what it sends
+        self.received = self.send if n == 1 else _message(state, "received", key, n, size)
+        self.message = _message(state, "stripe", key, 1, size)  # the stripe this rank owns, re-quantized
+        self.gathered = self.message if n == 1 else _message(state, "gathered", key, n, size)
+        self.own_tasks, self.own_columns = plan.own_tasks(rank), plan.columns[rank : rank + 1]
+
+    def array(self, name: str, tensor: torch.Tensor) -> np.ndarray:
+        """``tensor.numpy()`` of a tensor the state owns (the residuals: one flat tensor per bucket layout), kept
+        while the same tensor object comes back."""
+        kept = self.arrays.get(name)
+        if kept is None or kept[0] is not tensor:
+            kept = self.arrays[name] = (tensor, tensor.numpy())
+        return kept[1]
+
+
+def _bucket(state: OneBitState, names: list[str], shapes: list, key, two_stage: bool) -> _Bucket:
+    n = state.world_size
+    rank = state.rank if two_stage else 0
+    kept = state.workspace.get(("bucket", *key))
+    if kept is None or kept.names is not names or kept.n != n or kept.rank != rank:
+        plan = _plan(state, names, shapes, n if two_stage else 1)
+        kept = state.workspace[("bucket", *key)] = _Bucket(state, key, names, plan, n, rank, two_stage)
     return kept
 
 
 def onebit_fused(state: OneBitState, names: list[str], shapes: list, buffer: torch.Tensor, key, *, two_stage) -> Future:
     """Quantize the CPU bucket ``buffer`` with the kernels, exchange, and return the future of the mean."""
-    n = state.world_size
-    plan = _plan(state, names, shapes, n if two_stage else 1)
-    grad = buffer.numpy()
+    b = _bucket(state, names, shapes, key, two_stage)
+    plan, n = b.plan, b.n
+    grad = buffer.numpy()  # not kept: a reference would keep the caller's tensor alive past the call
     ef = state.error_feedback
-    worker = residuals(state, "residuals", names, shapes, buffer).numpy() if ef else None
-    size = plan.size
+    worker = b.array("residuals", residuals(state, "residuals", names, shapes, buffer)) if ef else None
     if not two_stage:
-        message = _kept(state, ("message", *key), (1, size))
-        kernels.quantize(plan.tasks, message.numpy(), plan.columns, grad=grad, vals=worker, ef=ef)
-        gathered = message.view(-1) if n == 1 else _kept(state, ("gathered", *key), (n * size,))
+        kernels.quantize(plan.tasks, b.message.rows, plan.columns, grad=grad, vals=worker, ef=ef)
 
         def average(_: Any = None) -> torch.Tensor:
-            kernels.decode(plan.tasks, gathered.view(n, size).numpy(), plan.columns.repeat(n), grad, average=True)
+            kernels.decode(plan.tasks, b.gathered.rows, b.decode_columns, grad, average=True)
             return buffer
 
-        return gather_then(state, message.view(-1), gathered, average, n)
+        return gather_then(state, b.message.flat, b.gathered.flat, average, n)
     # Stage 1: every rank sends stripe k's signs and scales to rank k.
-    send = _kept(state, ("send", *key), (n, size))
-    kernels.quantize(plan.tasks, send.numpy(), plan.columns, grad=grad, vals=worker, ef=ef)
-    received = send  # one rank: its stripe message is what it receives
+    kernels.quantize(plan.tasks, b.send.rows, plan.columns, grad=grad, vals=worker, ef=ef)
     if n > 1:
-        received = _kept(state, ("received", *key), (n, size))
-        state.count(send, (n - 1) / n)
-        dist.all_to_all_single(received.view(-1), send.view(-1), group=state.process_group)
+        state.count(b.send.flat, (n - 1) / n)
+        dist.all_to_all_single(b.received.flat, b.send.flat, group=state.process_group)
     # Stage 2: average the stripe this rank owns, add the server residual, re-quantize, all-gather the stripes.
-    rank = state.rank
-    server = residuals(state, "server_residuals", names, shapes, buffer).numpy() if ef else grad
-    message = _kept(state, ("stripe", *key), (1, size))
-    columns = plan.columns[rank : rank + 1]
-    kernels.quantize(plan.own_tasks(rank), message.numpy(), columns, received=received.numpy(), vals=server, ef=ef)
-    gathered = message.view(-1) if n == 1 else _kept(state, ("gathered", *key), (n * size,))
+    server = b.array("server", residuals(state, "server_residuals", names, shapes, buffer)) if ef else grad
+    kernels.quantize(b.own_tasks, b.message.rows, b.own_columns, received=b.received.rows, vals=server, ef=ef)
 
     def assemble(_: Any = None) -> torch.Tensor:
-        kernels.decode(plan.tasks, gathered.view(n, size).numpy(), plan.columns, grad, average=False)
+        kernels.decode(plan.tasks, b.gathered.rows, plan.columns, grad, average=False)
         return buffer
 
-    return gather_then(state, message.view(-1), gathered, assemble, n)
+    return gather_then(state, b.message.flat, b.gathered.flat, assemble, n)
 
 
 def warm_up() -> None:

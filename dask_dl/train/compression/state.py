@@ -34,8 +34,9 @@ class HookState:
     Parameters
     ----------
     process_group : ProcessGroup, optional
-        Group to communicate in; the default group when None (or no communication when torch.distributed is
-        not initialized: one rank).
+        Group to communicate in; when None, the group of the DDP model the compressor is registered on
+        (:meth:`Compressor.register <dask_dl.train.compression.Compressor.register>`), else the default group (or
+        no communication when torch.distributed is not initialized: one rank).
     warmup_steps : int
         Steps of plain allreduce before compression starts.
     """
@@ -62,9 +63,11 @@ class HookState:
 
     @property
     def rank(self) -> int:
+        if self.process_group is not None:
+            return self.process_group.rank()
         if self.world_size == 1:
             return 0
-        return dist.get_rank(self.process_group)
+        return dist.get_rank()
 
     @property
     def compressing(self) -> bool:
