@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import tracemalloc
 
+import numpy as np
 import pytest
 import torch
 
@@ -79,7 +80,9 @@ def _kept(state) -> dict:
     out.update({k: v[0].data_ptr() for k, v in state.flats.items()})
     plans = [v for v in state.workspace.values() if isinstance(v, StripePlan)]
     for i, table in enumerate(t for plan in plans for t in [plan.tasks, *plan._own.values()]):
-        out.update({(i, name): array.ctypes.data for name, array in table.scratch.items()})
+        for use, scratch in table.scratch.items():
+            arrays = {name: a for name, a in vars(scratch).items() if isinstance(a, np.ndarray)}
+            out.update({(i, use, name): array.ctypes.data for name, array in arrays.items()})
     return out
 
 

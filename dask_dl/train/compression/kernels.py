@@ -21,13 +21,21 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import numba
 import numpy as np
+import torch
 
-from dask_dl.train.compression.loops import DECODE_TASKS, QUANTIZE_TASKS, REDUCE_COLUMNS, SIGN_BANDS, or_sides
+from dask_dl.train.compression.loops import (
+    DECODE_TASKS,
+    QUANTIZE_TASKS,
+    REDUCE_COLUMNS,
+    SIGN_BANDS,
+    finish,
+    header_means,
+)
 
 # Buckets from which the decode stores past the caches: a bucket larger than the last-level cache (32 MB here)
 # leaves it anyway, and skipping the read of each line before it is written pays a little (AlexNet's 67 and 105 MB
@@ -37,35 +45,67 @@ STREAM_BYTES = 32 << 20
 
 _LOCK = threading.Lock()
 PARALLEL_MIN = 1 << 18  # values in a bucket below which the kernels run serially
+_SERIAL = nullcontext()
+
+
+def _twin(values: int) -> int:
+    """Which twin runs a bucket of ``values`` entries: 0, the parallel one (large buckets, when torch uses several
+    threads), or 1, the serial one."""
+    if _FORCE is not None:
+        return _FORCE
+    return 0 if values >= PARALLEL_MIN and torch.get_num_threads() > 1 else 1
 
 
 @contextmanager
-def _kernels(values: int) -> Iterator[int]:
-    """Say which twin to run (0: parallel, 1: serial) for a bucket of ``values`` entries, holding the lock for
-    the parallel one.
+def _parallel() -> Iterator[None]:
+    """Hold the lock around a parallel twin, which runs on as many numba threads as torch uses.
 
-    The parallel twin runs on as many numba threads as torch uses. Starting numba's threads can change
-    torch's: with numba's OpenMP layer both share one OpenMP runtime, and its start sets the thread count of
-    the calling thread. torch's count is put back afterwards, or every later torch op would run on another
-    number of threads (and sum in another order: a run would not repeat itself bit for bit).
+    Starting numba's threads can change torch's: with numba's OpenMP layer both share one OpenMP runtime, and its
+    start sets the thread count of the calling thread. torch's count is put back afterwards, or every later torch
+    op would run on another number of threads (and sum in another order: a run would not repeat itself bit for
+    bit).
     """
-    import torch
-
-    threads = torch.get_num_threads()
-    parallel = _FORCE == 0 or (_FORCE is None and threads > 1 and values >= PARALLEL_MIN)
-    if not parallel:
-        yield 1
-        return
     with _LOCK:
+        threads = torch.get_num_threads()
         try:
             numba.set_num_threads(max(1, min(numba.config.NUMBA_NUM_THREADS, threads)))
-            yield 0
+            yield
         finally:
             if torch.get_num_threads() != threads:
                 torch.set_num_threads(threads)
 
 
 _FORCE: int | None = None  # 0 or 1: run that twin whatever the bucket (fused.warm_up compiles both)
+
+
+class _Scratch:
+    """The small arrays a kernel call on one task table needs, made at its first call and kept on the table
+    (``table.scratch``): a step then allocates nothing, and finds them in one lookup. Safe to share between
+    calls: a table is run by one call at a time (each bucket has its own tables, and DDP waits for every bucket's
+    future before the next step), and the arrays never leave the call. The kernels clear what they add to."""
+
+    def __init__(self, table: Any, rows: int, width: int) -> None:
+        self.shape = (rows, width)
+        self.scales = np.zeros((rows, 2 * width), dtype=np.float32)  # two means a group, message by message
+        self.header = self.scales.view(np.uint8)  # the same, as the bytes of the messages' headers
+        self.heads = np.zeros(len(table.rows), dtype=np.uint8)  # each task's shared first and last sign byte
+        self.tails = np.zeros(len(table.rows), dtype=np.uint8)
+        self.psp, self.psn, self.pcp = (np.zeros(table.n_partials) for _ in range(3))  # bands' column sums
+        self.pairs = np.zeros(2 * width, dtype=np.float32)  # one header read (``header_means``)
+        self.mp = np.zeros((rows, width), dtype=np.float32)  # its means, row by row
+        self.mn = np.zeros((rows, width), dtype=np.float32)
+        self.nothing = np.zeros(1, dtype=np.float32)  # stands for an array a call does not take
+        self.no_messages = np.zeros((0, 1), dtype=np.uint8)
+        self.no_means = np.zeros((0, 1), dtype=np.float32)
+
+
+def _scratch(table: Any, use: str, rows: int, columns: np.ndarray) -> _Scratch:
+    """The :class:`_Scratch` of ``table`` for ``use`` and ``rows`` messages of at most ``max(columns)`` groups."""
+    width = max(int(columns.max(initial=0)), 1)
+    kept = table.scratch.get(use)
+    if kept is None or kept.shape != (rows, width):
+        kept = table.scratch[use] = _Scratch(table, rows, width)
+    return kept
 
 
 def quantize(
@@ -85,67 +125,34 @@ def quantize(
     """
     if (ef or received is not None) and (vals is None or (grad is not None and len(vals) != len(grad))):
         raise ValueError("error feedback and the server side need ``vals``, a float32 array as long as the bucket")
-    tasks = table.rows
-    width = 2 * max(int(columns.max(initial=0)), 1)
-    scales = _scratch(table, "scales", (msgs.shape[0], width), np.float32)
-    heads = _scratch(table, "heads", (len(tasks),), np.uint8)
-    tails = _scratch(table, "tails", (len(tasks),), np.uint8)
-    psp = _scratch(table, "psp", (table.n_partials,), np.float64)
-    psn = _scratch(table, "psn", (table.n_partials,), np.float64)
-    pcp = _scratch(table, "pcp", (table.n_partials,), np.float64)
-    nothing = _scratch(table, "nothing", (1,), np.float32)
-    grad = nothing if grad is None else grad
-    vals = nothing if vals is None else vals
+    sc = _scratch(table, "quantize", msgs.shape[0], columns)
+    grad = sc.nothing if grad is None else grad
+    vals = sc.nothing if vals is None else vals
     if received is None:
-        mode, received = 0, _scratch(table, "received", (0, 1), np.uint8)
-        mp_in = mn_in = _scratch(table, "means", (0, 1), np.float32)
+        mode, received, mp_in, mn_in = 0, sc.no_messages, sc.no_means, sc.no_means
     else:
         mode = 1
-        mp_in, mn_in = header_means(received, columns[:1].repeat(len(received)), table, "received")
+        means = _scratch(table, "received", len(received), columns[:1])
+        header_means(received, columns[:1].repeat(len(received)), means.pairs, means.mp, means.mn)
+        mp_in, mn_in = means.mp, means.mn
     msgs.fill(0)  # signs are OR-ed in where two tasks share a byte
-    with _kernels(table.values) as k:
+    k = _twin(table.values)
+    with _parallel() if k == 0 else _SERIAL:
         QUANTIZE_TASKS[k](
-            mode, grad, received, mp_in, mn_in, vals, ef, tasks, msgs, scales, heads, tails, psp, psn, pcp
-        )
+            mode, grad, received, mp_in, mn_in, vals, ef, table.rows, msgs, sc.scales, sc.heads, sc.tails, sc.psp,
+            sc.psn, sc.pcp,
+        )  # fmt: skip
         if len(table.reductions):
-            REDUCE_COLUMNS[k](table.reductions, psp, psn, pcp, scales)
-            SIGN_BANDS[k](mode, grad, vals, ef, tasks, msgs, scales, heads, tails)
-    or_sides(tasks, msgs, heads, tails)
-    for m in range(msgs.shape[0]):
-        k = int(columns[m])
-        msgs[m, : 8 * k] = scales[m, : 2 * k].view(np.uint8)
-
-
-def _scratch(table: Any, name: str, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-    """The zeroed array ``name`` of ``shape`` kept in ``table.scratch`` (made at the first call, cleared after).
-
-    Safe to share between calls: a table is run by one call at a time (each bucket has its own tables, and DDP
-    waits for every bucket's future before the next step), and the arrays never leave the call.
-    """
-    kept = table.scratch.get(name)
-    if kept is None or kept.shape != shape or kept.dtype != dtype:
-        kept = table.scratch[name] = np.zeros(shape, dtype=dtype)
-        return kept
-    kept.fill(0)
-    return kept
-
-
-def header_means(msgs: np.ndarray, columns: np.ndarray, table: Any, use: str) -> tuple[np.ndarray, np.ndarray]:
-    """float32 ``(rows, max(columns))`` twice: the two means of each column, from each message's header (kept in
-    ``table``'s scratch under ``use``)."""
-    width = max(int(columns.max(initial=0)), 1)
-    mp = _scratch(table, f"{use} mp", (msgs.shape[0], width), np.float32)
-    mn = _scratch(table, f"{use} mn", (msgs.shape[0], width), np.float32)
-    for r in range(msgs.shape[0]):
-        k = int(columns[r])
-        pairs = msgs[r, : 8 * k].view(np.float32).reshape(k, 2)
-        mp[r, :k], mn[r, :k] = pairs[:, 0], pairs[:, 1]
-    return mp, mn
+            REDUCE_COLUMNS[k](table.reductions, sc.psp, sc.psn, sc.pcp, sc.scales)
+            SIGN_BANDS[k](mode, grad, vals, ef, table.rows, msgs, sc.scales, sc.heads, sc.tails)
+    finish(table.rows, msgs, sc.heads, sc.tails, sc.header, columns)
 
 
 def decode(table: Any, msgs: np.ndarray, columns: np.ndarray, out: np.ndarray, *, average: bool) -> None:
     """Write the bucket ``out`` from ``msgs``: their mean (``average``), or each task's entries from its row
     (stored past the caches when ``out`` holds at least ``STREAM_BYTES``)."""
-    mp, mn = header_means(msgs, columns, table, "decode")
-    with _kernels(table.values) as k:
-        DECODE_TASKS[k](msgs, mp, mn, table.rows, average, out, out.nbytes >= STREAM_BYTES)
+    sc = _scratch(table, "decode", len(msgs), columns)
+    header_means(msgs, columns, sc.pairs, sc.mp, sc.mn)
+    k = _twin(table.values)
+    with _parallel() if k == 0 else _SERIAL:
+        DECODE_TASKS[k](msgs, sc.mp, sc.mn, table.rows, average, out, out.nbytes >= STREAM_BYTES)

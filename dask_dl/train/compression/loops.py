@@ -340,6 +340,31 @@ def or_sides(tasks, msgs, heads, tails):
             msgs[m, tasks[t, TAIL]] |= tails[t]
 
 
+@njit(cache=True, nogil=True)
+def finish(tasks, msgs, heads, tails, header, columns):
+    """:func:`or_sides`, then each message's header: ``8 * columns[m]`` bytes of ``header[m]`` (its scales)."""
+    or_sides(tasks, msgs, heads, tails)
+    for m in range(msgs.shape[0]):
+        k = 8 * columns[m]
+        msgs[m, :k] = header[m, :k]
+
+
+@njit(cache=True, nogil=True)
+def header_means(msgs, columns, pairs, mp, mn):
+    """``mp[r, j]``, ``mn[r, j]``: the two means of column ``j`` in message ``r``'s header (float32 pairs; zero
+    past ``columns[r]``). ``pairs``: float32 scratch of ``2 * mp.shape[1]``, through which the header's bytes are
+    read (a message row need not start on a float's boundary)."""
+    raw = pairs.view(np.uint8)
+    for r in range(msgs.shape[0]):
+        k = columns[r]
+        raw[: 8 * k] = msgs[r, : 8 * k]
+        for j in range(k):
+            mp[r, j] = pairs[2 * j]
+            mn[r, j] = pairs[2 * j + 1]
+        mp[r, k:] = 0.0
+        mn[r, k:] = 0.0
+
+
 def quantize_tasks(mode, grad, received, mp_in, mn_in, vals, ef, tasks, msgs, scales, heads, tails, psp, psn, pcp):
     """Phase one of quantizing: transposed groups completely (sums, scales, signs, residual); untransposed
     pieces' bands up to their partial column sums ``psp``/``psn``/``pcp``.
@@ -362,6 +387,7 @@ def quantize_tasks(mode, grad, received, mp_in, mn_in, vals, ef, tasks, msgs, sc
         s, rest, tr = tasks[t, S], tasks[t, REST], tasks[t, TR]
         t0, t1, lo, pitch, m = tasks[t, T0], tasks[t, T1], tasks[t, LO], tasks[t, PITCH], tasks[t, M]
         dbit, dcol, head, tail = tasks[t, DBIT], tasks[t, DCOL], tasks[t, HEAD], tasks[t, TAIL]
+        heads[t], tails[t] = 0, 0  # each task's own side slots (and partial sums, below): cleared here
         if tr:  # each group is a contiguous row of ``rest`` entries: the task's sums, then its signs
             bits = np.empty(W, dtype=np.uint8)  # scratch for the ragged ends
             acc = np.empty(W)
@@ -382,6 +408,9 @@ def quantize_tasks(mode, grad, received, mp_in, mn_in, vals, ef, tasks, msgs, sc
             bits = np.empty(W, dtype=np.uint8)
             acc = np.empty(W)
             p = tasks[t, P]
+            psp[p : p + pitch] = 0.0
+            psn[p : p + pitch] = 0.0
+            pcp[p : p + pitch] = 0.0
             for i0 in range(t0, t1, W):  # blocks of 16 rows: summed in registers, then added to the band's sums
                 i1 = min(t1, i0 + W)
                 if mode == 1:  # decode the block's rows, then sum them while they are in cache

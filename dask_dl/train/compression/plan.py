@@ -44,7 +44,7 @@ class TaskTable:
     n_partials: int
     values: int  # entries the tasks cover
     #: the kernels' small arrays (scales, side slots, partial sums, header means), made at the first call and
-    #: cleared at each one: a step then allocates nothing (see ``kernels._scratch``)
+    #: kept: a step then allocates nothing (see ``kernels._Scratch``)
     scratch: dict = field(default_factory=dict, compare=False, repr=False)
 
 
