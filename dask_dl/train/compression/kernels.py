@@ -79,7 +79,7 @@ _FORCE: int | None = None  # 0 or 1: run that twin whatever the bucket (fused.wa
 
 
 class _Scratch:
-    """The small arrays a kernel call on one task table needs, made at its first call and kept on the table
+    """The small arrays a quantize call on one task table needs, made at its first call and kept on the table
     (``table.scratch``): a step then allocates nothing, and finds them in one lookup. Safe to share between
     calls: a table is run by one call at a time (each bucket has its own tables, and DDP waits for every bucket's
     future before the next step), and the arrays never leave the call. The kernels clear what they add to."""
@@ -91,20 +91,29 @@ class _Scratch:
         self.heads = np.zeros(len(table.rows), dtype=np.uint8)  # each task's shared first and last sign byte
         self.tails = np.zeros(len(table.rows), dtype=np.uint8)
         self.psp, self.psn, self.pcp = (np.zeros(table.n_partials) for _ in range(3))  # bands' column sums
-        self.pairs = np.zeros(2 * width, dtype=np.float32)  # one header read (``header_means``)
-        self.mp = np.zeros((rows, width), dtype=np.float32)  # its means, row by row
-        self.mn = np.zeros((rows, width), dtype=np.float32)
         self.nothing = np.zeros(1, dtype=np.float32)  # stands for an array a call does not take
         self.no_messages = np.zeros((0, 1), dtype=np.uint8)
         self.no_means = np.zeros((0, 1), dtype=np.float32)
 
 
-def _scratch(table: Any, use: str, rows: int, columns: np.ndarray) -> _Scratch:
-    """The :class:`_Scratch` of ``table`` for ``use`` and ``rows`` messages of at most ``max(columns)`` groups."""
+class _Means:
+    """The two means of each group of ``rows`` messages, read from their headers (``loops.header_means``), kept
+    on the table as :class:`_Scratch` is."""
+
+    def __init__(self, table: Any, rows: int, width: int) -> None:
+        self.shape = (rows, width)
+        self.pairs = np.zeros(2 * width, dtype=np.float32)  # one header, read through an aligned array
+        self.mp = np.zeros((rows, width), dtype=np.float32)
+        self.mn = np.zeros((rows, width), dtype=np.float32)
+
+
+def _scratch(table: Any, kind: type, use: str, rows: int, columns: np.ndarray) -> Any:
+    """The ``kind`` (:class:`_Scratch` or :class:`_Means`) of ``table`` for ``use`` and ``rows`` messages of at
+    most ``max(columns)`` groups."""
     width = max(int(columns.max(initial=0)), 1)
     kept = table.scratch.get(use)
     if kept is None or kept.shape != (rows, width):
-        kept = table.scratch[use] = _Scratch(table, rows, width)
+        kept = table.scratch[use] = kind(table, rows, width)
     return kept
 
 
@@ -125,14 +134,14 @@ def quantize(
     """
     if (ef or received is not None) and (vals is None or (grad is not None and len(vals) != len(grad))):
         raise ValueError("error feedback and the server side need ``vals``, a float32 array as long as the bucket")
-    sc = _scratch(table, "quantize", msgs.shape[0], columns)
+    sc = _scratch(table, _Scratch, "quantize", msgs.shape[0], columns)
     grad = sc.nothing if grad is None else grad
     vals = sc.nothing if vals is None else vals
     if received is None:
         mode, received, mp_in, mn_in = 0, sc.no_messages, sc.no_means, sc.no_means
     else:
         mode = 1
-        means = _scratch(table, "received", len(received), columns[:1])
+        means = _scratch(table, _Means, "received", len(received), columns[:1])
         header_means(received, columns[:1].repeat(len(received)), means.pairs, means.mp, means.mn)
         mp_in, mn_in = means.mp, means.mn
     msgs.fill(0)  # signs are OR-ed in where two tasks share a byte
@@ -151,8 +160,8 @@ def quantize(
 def decode(table: Any, msgs: np.ndarray, columns: np.ndarray, out: np.ndarray, *, average: bool) -> None:
     """Write the bucket ``out`` from ``msgs``: their mean (``average``), or each task's entries from its row
     (stored past the caches when ``out`` holds at least ``STREAM_BYTES``)."""
-    sc = _scratch(table, "decode", len(msgs), columns)
-    header_means(msgs, columns, sc.pairs, sc.mp, sc.mn)
+    means = _scratch(table, _Means, "decode", len(msgs), columns)
+    header_means(msgs, columns, means.pairs, means.mp, means.mn)
     k = _twin(table.values)
     with _parallel() if k == 0 else _SERIAL:
-        DECODE_TASKS[k](msgs, sc.mp, sc.mn, table.rows, average, out, out.nbytes >= STREAM_BYTES)
+        DECODE_TASKS[k](msgs, means.mp, means.mn, table.rows, average, out, out.nbytes >= STREAM_BYTES)
