@@ -64,6 +64,25 @@ def test_fused_equals_eager_step_after_step(name, shapes, grain, monkeypatch):
     assert _flat(fused.state.residuals, n).abs().max() > 0.1  # error feedback really in play
 
 
+@pytest.mark.parametrize("name", ["onebit", "onebit2"])
+def test_fused_equals_eager_without_error_feedback(name, monkeypatch):
+    """Without error feedback (the server side then quantizes the decoded mean itself, in scratch): every output
+    equals the eager path's, bit for bit, on runs that start on and off sign-byte boundaries; nothing is kept."""
+    monkeypatch.setattr(plan, "GRAIN", 100)
+    fused = make_compressor(name, error_feedback=False)
+    with dask.config.set({"dask-dl.train.fused-kernels": False}):
+        eager = make_compressor(name, error_feedback=False)
+    shapes = MIXED + RAGGED
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(2):
+        g = torch.randn(numel(shapes), generator=gen)
+        g[::5] = 0.0
+        got, want = _step(fused, shapes, g), _step(eager, shapes, g)
+        assert torch.equal(got, want)
+        assert len(torch.unique(got)) > 2 * len(shapes)  # two means a group, not a constant
+    assert not fused.state.residuals and not fused.state.server_residuals
+
+
 # runs of every length around the vector steps of 16 values, starting on and off sign-byte boundaries:
 # transposed groups of 17, 33, 300 and 1000 (the last two long enough to be streamed when decoded, once the
 # bucket is counted as large enough: ``STREAM_BYTES`` is set to 0), bands of 17

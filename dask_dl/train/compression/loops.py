@@ -204,12 +204,18 @@ def _group_sums(vals, grad, base, length, add):
     k = length // W
     if add:
         sp, sn, cp = simd.add_sums(vals, base, grad, base, k)
+        for j in range(base + W * k, base + length):
+            vals[j] += grad[j]
     else:
         sp, sn, cp = simd.sums(vals, base, k)
-    for j in range(base + W * k, base + length):
-        if add:
-            vals[j] += grad[j]
-        x = np.float64(vals[j])
+    return _tally(vals[base + W * k : base + length], sp, sn, cp)
+
+
+@njit(cache=True, inline="always")
+def _tally(v, sp, sn, cp):
+    """The sums ``sp``, ``sn``, ``cp`` with the entries of ``v`` added one by one, in order."""
+    for j in range(v.shape[0]):
+        x = np.float64(v[j])
         if x >= 0:
             sp += x
             cp += 1.0
@@ -295,6 +301,8 @@ def _decode_run(msgs, mp, mn, r0, r1, inv_n, col, per_column, bit0, out, add, bi
     the cache) starts its vector part on a 64-byte boundary where that is also a sign byte's (always, for
     ``onebit``'s message of a 64-byte aligned bucket), and is stored past the caches; the caller then runs
     ``simd.fence``.
+
+    ``add`` only ``per_column`` (the server side's bands; its groups take :func:`_decode_sums_run`).
     """
     length = out.shape[0]
     e = min((8 - (bit0 & 7)) & 7, length)
@@ -316,8 +324,6 @@ def _decode_run(msgs, mp, mn, r0, r1, inv_n, col, per_column, bit0, out, add, bi
             simd.column_decode_stream(msgs, r0, r1, byte, k, mp, mn, col + e, inv_n, out, e)
         elif per_column:
             simd.column_decode(msgs, r0, r1, byte, k, mp, mn, col + e, inv_n, out, e)
-        elif add:
-            simd.decode_add(msgs, r0, r1, byte, k, mp, mn, col, inv_n, out, e)
         elif stream:
             simd.decode_stream(msgs, r0, r1, byte, k, mp, mn, col, inv_n, out, e)
         else:
@@ -326,6 +332,29 @@ def _decode_run(msgs, mp, mn, r0, r1, inv_n, col, per_column, bit0, out, add, bi
     if done < length:
         c = col + done if per_column else col
         _mean_run(msgs, mp, mn, r0, r1, inv_n, c, per_column, bit0 + done, out[done:], add, bits, acc)
+
+
+@njit(cache=True, inline="always")
+def _decode_sums_run(msgs, mp, mn, n, inv_n, col, bit0, v, add, bits, acc):
+    """The server side's sweep of one group: the mean of the ``n`` messages' entries from sign bit ``bit0`` (of
+    group ``col``) into ``v`` (added to it with ``add``), as :func:`_decode_run` writes it, and the float64 sums
+    of what ``v`` then holds, as :func:`_group_sums` takes them: the 16 lanes of the whole sign bytes, then the
+    ragged head and tail in order (the same order as :func:`_group_sums` where the group starts on a byte)."""
+    length = v.shape[0]
+    e = min((8 - (bit0 & 7)) & 7, length)
+    if e > 0:
+        _mean_run(msgs, mp, mn, 0, n, inv_n, col, False, bit0, v[:e], add, bits, acc)
+    k = (length - e) // W
+    byte = (bit0 + e) >> 3
+    if add:
+        sp, sn, cp = simd.decode_add_sums(msgs, 0, n, byte, k, mp, mn, col, inv_n, v, e)
+    else:
+        sp, sn, cp = simd.decode_sums(msgs, 0, n, byte, k, mp, mn, col, inv_n, v, e)
+    done = e + W * k
+    if done < length:
+        _mean_run(msgs, mp, mn, 0, n, inv_n, col, False, bit0 + done, v[done:], add, bits, acc)
+    sp, sn, cp = _tally(v[:e], sp, sn, cp)
+    return _tally(v[done:], sp, sn, cp)
 
 
 @njit(cache=True, nogil=True)
@@ -374,11 +403,14 @@ def quantize_tasks(mode, grad, received, mp_in, mn_in, vals, ef, tasks, msgs, sc
     otherwise ``vals`` is scratch for the mean). Entries to quantize are left in ``vals`` (with ``ef`` or in
     mode 1) for phase two; with ``ef`` a finished entry is replaced by its error.
 
-    In mode 0 a task's groups (at most ``plan.GRAIN`` values, which stay in the second-level cache) are all
-    summed, then all signed: a group of 4096 values and its gradient fill a 32 KB first-level cache, and signing
-    each group just after summing it made the quantize of a 4096x4096 layer 1.5-1.7x the time of adding its
-    gradient to its residual, against 1.4-1.5x this way. In mode 1, which reads no gradient, each group is decoded,
-    summed and signed in turn (walking the task twice was no faster there).
+    A task's groups (at most ``plan.GRAIN`` values, which stay in the second-level cache) are all summed, then
+    all signed, each sweep of a group a single loop (mode 0 adds the gradient to the residual as it sums, mode 1
+    decodes into the residual as it sums): a group of 4096 values and its gradient fill a 32 KB first-level
+    cache, and signing each group just after summing it made the quantize of a 4096x4096 layer 1.5-1.7x the time
+    of adding its gradient to its residual, against 1.4-1.5x this way. In mode 1, decoding, summing and signing
+    each group in three loops in turn took 0.37 ns a value of a 4096x6400 layer, one loop for the first two and
+    the task walked twice 0.28 (either change alone gained nothing: the sums' loop then still waited on the
+    cache, or on memory).
     """
     n_in = received.shape[0]
     inv_n = 1.0 / max(n_in, 1)
@@ -391,19 +423,18 @@ def quantize_tasks(mode, grad, received, mp_in, mn_in, vals, ef, tasks, msgs, sc
         if tr:  # each group is a contiguous row of ``rest`` entries: the task's sums, then its signs
             bits = np.empty(W, dtype=np.uint8)  # scratch for the ragged ends
             acc = np.empty(W)
-            step = t1 - t0 if mode == 0 else 1
-            for g0 in range(t0, t1, step):
-                for g in range(g0, g0 + step):
-                    base, bit0, col = s + g * rest, dbit + (g - lo) * rest, dcol + g - lo
-                    if mode == 1:
-                        v = src[base : base + rest]
-                        _decode_run(received, mp_in, mn_in, 0, n_in, inv_n, col, False, bit0, v, ef, bits, acc, False)
-                    sp, sn, cp = _group_sums(src, grad, base, rest, ef and mode == 0)
-                    scales[m, 2 * col], scales[m, 2 * col + 1] = _means(sp, sn, cp, rest)
-                for g in range(g0, g0 + step):
-                    base, bit0, col = s + g * rest, dbit + (g - lo) * rest, dcol + g - lo
-                    mp, mn = scales[m, 2 * col], scales[m, 2 * col + 1]
-                    _sign_run(src[base : base + rest], mp, mn, ef, bit0, msgs, m, head, tail, heads, tails, t, bits)
+            for g in range(t0, t1):
+                base, bit0, col = s + g * rest, dbit + (g - lo) * rest, dcol + g - lo
+                if mode == 1:
+                    v = src[base : base + rest]
+                    sp, sn, cp = _decode_sums_run(received, mp_in, mn_in, n_in, inv_n, col, bit0, v, ef, bits, acc)
+                else:
+                    sp, sn, cp = _group_sums(src, grad, base, rest, ef)
+                scales[m, 2 * col], scales[m, 2 * col + 1] = _means(sp, sn, cp, rest)
+            for g in range(t0, t1):
+                base, bit0, col = s + g * rest, dbit + (g - lo) * rest, dcol + g - lo
+                mp, mn = scales[m, 2 * col], scales[m, 2 * col + 1]
+                _sign_run(src[base : base + rest], mp, mn, ef, bit0, msgs, m, head, tail, heads, tails, t, bits)
         else:  # a band of rows t0:t1 of columns lo:lo+pitch: partial sums per column
             bits = np.empty(W, dtype=np.uint8)
             acc = np.empty(W)

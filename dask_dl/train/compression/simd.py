@@ -12,7 +12,8 @@ SSE, NEON) without reordering anything:
   bit first (the order of a comparison mask: packing is one move), with the error ``x - mean`` written back
   while the values are in registers;
 - the mean of ``N`` messages decoded into float32, summed in float64 in message order, one store per value; a
-  single message (``onebit`` on one rank, the owner's stripe in ``onebit2``) in float32: a blend and a store.
+  single message (``onebit`` on one rank, the owner's stripe in ``onebit2``) in float32: a blend and a store;
+  for the server side of ``onebit2``, with the sums above of what is stored, in the same sweep.
 
 Every loop covers ``count`` blocks of 16 values; callers do the ragged ends with scalar code in the same order.
 numba's cache does not follow imports: a change here needs a change to ``loops.py`` (or a cleared cache).
@@ -225,7 +226,7 @@ column_signs = _make_signs(False, True)
 column_signs_error = _make_signs(True, True)
 
 
-def _make_decode(per_column: bool, add: bool, stream: bool = False):
+def _make_decode(per_column: bool, add: bool, stream: bool = False, sums: bool = False):
     """``decode(msgs, r0, r1, byte0, count, mp, mn, col, inv_n, out, o0)``: ``out[o0 + e]`` (``e < 16 * count``)
     = float32(``inv_n`` * the float64 sum over rows ``r0:r1`` of ``msgs`` of the mean their sign bit ``8 * byte0
     + e`` picks), plus ``out[o0 + e]`` with ``add``. The means: ``mp[r, col]``/``mn[r, col]``, or ``[r, col +
@@ -235,6 +236,10 @@ def _make_decode(per_column: bool, add: bool, stream: bool = False):
 
     One row with ``inv_n == 1`` is decoded in float32 (the float64 round trip of one float32 mean is exact):
     the picked mean is a blend of two vectors, stored (or added) as it is.
+
+    With ``sums`` it also returns the float64 sums of the values it stores, as :func:`sums` takes them (entry
+    ``e`` in lane ``e % 16``): the server side's sweep, where summing in a second pass over the group, from the
+    first-level cache, cost as much again as the decode's own pass from memory.
     """
 
     def codegen(context, builder, sig, args):
@@ -244,6 +249,7 @@ def _make_decode(per_column: bool, add: bool, stream: bool = False):
         out = _base(context, builder, sig.args[9], args[9], _int(context, builder, args[10], sig.args[10]))
         slot = cgutils.alloca_once_value(builder, _ZERO_D)
         one = ir.Constant(_I64, 1)
+        totals = [cgutils.alloca_once_value(builder, v) for v in (_ZERO_D, _ZERO_D, ir.Constant(_I64, 0))]
 
         def means(r, at, vty):
             """The two means of row ``r`` for the 16 values from ``at``, as vectors of ``vty``."""
@@ -270,6 +276,10 @@ def _make_decode(per_column: bool, add: bool, stream: bool = False):
                 store.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(_I32, 1)]))
             else:
                 _store(builder, value, out, at, 4)
+            if sums:
+                added = _accumulate(builder, value, [builder.load(t) for t in totals], per_lane=False)
+                for total, new in zip(totals, added, strict=True):
+                    builder.store(new, total)
 
         one_row = builder.icmp_signed("==", builder.sub(r1, r0), one)
         single = builder.and_(one_row, builder.fcmp_ordered("==", inv_n, ir.Constant(_F64, 1.0)))
@@ -286,17 +296,24 @@ def _make_decode(per_column: bool, add: bool, stream: bool = False):
                         r = builder.add(builder.add(r0, one), rows.index)
                         builder.store(builder.fadd(builder.load(slot), picked(r, at, _VD)), slot)
                     put(builder.fptrunc(builder.fmul(builder.load(slot), scale), _VF), at)
-        return context.get_dummy_value()
+        if not sums:
+            return context.get_dummy_value()
+        found = [_lanes_in_order(builder, builder.load(t)) for t in totals[:2]]
+        found.append(builder.uitofp(builder.load(totals[2]), _F64))  # the count: exact in float64
+        return context.make_tuple(builder, sig.return_type, found)
+
+    returns = types.UniTuple(types.float64, 3) if sums else types.none
 
     @intrinsic
     def decode(typingctx, msgs, r0, r1, byte0, count, mp, mn, col, inv_n, out, o0):
-        return types.none(msgs, r0, r1, byte0, count, mp, mn, col, inv_n, out, o0), codegen
+        return returns(msgs, r0, r1, byte0, count, mp, mn, col, inv_n, out, o0), codegen
 
     return decode
 
 
 decode = _make_decode(False, False)
-decode_add = _make_decode(False, True)
+decode_sums = _make_decode(False, False, sums=True)
+decode_add_sums = _make_decode(False, True, sums=True)
 decode_stream = _make_decode(False, False, stream=True)
 column_decode = _make_decode(True, False)
 column_decode_add = _make_decode(True, True)
