@@ -83,6 +83,79 @@ def test_fused_equals_eager_without_error_feedback(name, monkeypatch):
     assert not fused.state.residuals and not fused.state.server_residuals
 
 
+def _steps_of(compressor, layouts, grads, read_between: bool = False):
+    """Each gradient through the hook in its step's bucket ``layouts`` (a list of shape lists, one bucket each,
+    named by position in the whole parameter list so residuals follow the parameters across layouts)."""
+    outputs = []
+    for layout, g in zip(layouts, grads, strict=True):
+        pieces, offset = [], 0
+        names_at = 0
+        for b, shapes in enumerate(layout):
+            n = numel(shapes)
+            params = [torch.nn.Parameter(torch.empty(s, device="meta")) for s in shapes]
+            compressor.state.param_names = {id(p): f"p{names_at + i}" for i, p in enumerate(params)}
+            names_at += len(shapes)
+            bucket = FakeBucket(shapes, g[offset : offset + n].clone(), b, last=b == len(layout) - 1, params=params)
+            pieces.append(compressor.hook(compressor.state, bucket).wait().clone())
+            offset += n
+        outputs.append(torch.cat(pieces))
+        if read_between:
+            compressor.state.residuals  # noqa: B018 (reading settles what the kernels owe)
+    return outputs
+
+
+@pytest.mark.parametrize("name", ["onebit", "onebit2"])
+def test_owed_errors_are_settled_once_whoever_reads_them(name):
+    """The fused kernels leave a group's new error owed to the next step's sweep. Reading the residuals between
+    steps (a checkpoint) writes it; the run then goes on exactly as one nobody read, and as the eager path,
+    whose residuals are always written: every output and every residual equal."""
+    shapes = [(14,), (14, 40), (40,), (40, 64)]  # a 14-value bias first: every later group starts inside a byte
+    grads = [torch.randn(numel(shapes), generator=torch.Generator().manual_seed(s)) for s in range(4)]
+    layouts = [[shapes]] * 4
+    read, unread = make_compressor(name), make_compressor(name)
+    with dask.config.set({"dask-dl.train.fused-kernels": False}):
+        eager = make_compressor(name)
+    runs = [_steps_of(c, layouts, grads, read_between=c is read) for c in (read, unread, eager)]
+    for step in range(4):
+        assert torch.equal(runs[0][step], runs[2][step]) and torch.equal(runs[1][step], runs[2][step]), step
+    for key in ("residuals", "server_residuals") if name == "onebit2" else ("residuals",):
+        theirs = getattr(eager.state, key)
+        for c in (read, unread):
+            ours = getattr(c.state, key)
+            assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours), key
+    assert unread.state.residuals["p1"].abs().max() > 0.1  # errors, not the values quantized
+
+
+@pytest.mark.parametrize("name", ["onebit", "onebit2"])
+def test_owed_errors_follow_the_parameters_into_new_buckets_and_the_eager_path(name):
+    """The buckets are cut differently from one step to the next (as DDP rebuilds them), then the same state
+    goes on through the eager path: what the kernels owed is settled against the old buckets' groups before the
+    residuals move, so every step equals an eager run's."""
+    shapes = [(3,), (7, 300), (300,), (20, 33), (64, 64)]
+    layouts = [[shapes], [shapes[:2], shapes[2:]], [shapes[:2], shapes[2:]], [shapes[:1], shapes[1:]], [shapes]]
+    grads = [torch.randn(numel(shapes), generator=torch.Generator().manual_seed(10 + s)) for s in range(6)]
+    fused = make_compressor(name)
+    with dask.config.set({"dask-dl.train.fused-kernels": False}):
+        eager = make_compressor(name)
+    ours, theirs = _steps_of(fused, layouts, grads[:5]), _steps_of(eager, layouts, grads[:5])
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
+    fused.state.fused = False  # the eager path on a state the kernels left owing
+    assert torch.equal(_steps_of(fused, [[shapes]], grads[5:])[0], _steps_of(eager, [[shapes]], grads[5:])[0])
+
+
+def test_quantize_says_what_owed_must_look_like():
+    p = plan_stripes([(4, 9)], ["w"], 1)
+    msgs = np.zeros((1, p.size), dtype=np.uint8)
+    grad, residual = np.ones(36, dtype=np.float32), np.zeros(36, dtype=np.float32)
+    with pytest.raises(ValueError, match=r"owed has shape \(1, 2\), these messages need \(1, 8\): see owed_means"):
+        kernels.quantize(p.tasks, msgs, p.columns, grad=grad, vals=residual, owed=np.zeros((1, 2), np.float32))
+    owed = kernels.owed_means(1, p.columns)
+    kernels.quantize(p.tasks, msgs, p.columns, grad=grad, vals=residual, owed=owed)
+    assert np.array_equal(residual, grad) and owed[0, 0] == 1.0  # left as quantized, owing against mean 1
+    kernels.settle(p.tasks, residual, owed)
+    assert not residual.any() and not owed.any()
+
+
 # runs of every length around the vector steps of 16 values, starting on and off sign-byte boundaries:
 # transposed groups of 17, 33, 300 and 1000 (the last two long enough to be streamed when decoded, once the
 # bucket is counted as large enough: ``STREAM_BYTES`` is set to 0), bands of 17

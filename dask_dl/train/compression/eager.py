@@ -27,6 +27,7 @@ from dask_dl.train.compression.state import Future, OneBitState, gather_then, re
 def onebit_eager(state: OneBitState, layout: ColumnLayout, names: list[str], buffer, key, *, two_stage) -> Future:
     """Quantize the bucket ``buffer`` (with error feedback), exchange, and return the future of the mean."""
     blocks = layout.blocks(buffer)  # 2-D views of the bucket, one per parameter
+    state.settle()  # errors the fused kernels owe (a state they ran on: the eager path reads residuals whole)
     ws = state.workspace
     if state.error_feedback:  # the bucket is ours to change: add last step's error in place
         flat = residuals(state, "residuals", names, list(layout.shapes), buffer)

@@ -9,6 +9,7 @@ exactly for two ranks (for more, the fused path sums in float64, the eager one i
 """
 
 # No ``from __future__ import annotations``: kept like the hooks'.
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -53,6 +54,10 @@ class _Bucket:
     A hook runs just after a kernel swept megabytes through the caches, where every tensor view, NumPy view and
     dictionary lookup made again at each call cost tens of microseconds; these are made once. Safe to reuse:
     DDP waits for every bucket's future before the next step starts.
+
+    It also keeps the means the residuals owe their errors against (``kernels.quantize``'s ``owed``): a new
+    record for the same plan takes them over; one for another plan (other parameters, world size or rank) comes
+    after :meth:`~dask_dl.train.compression.state.OneBitState.settle`.
     """
 
     def __init__(
@@ -61,10 +66,12 @@ class _Bucket:
         self.names, self.plan, self.n, self.rank = names, plan, n, rank
         size = plan.size
         self.arrays: dict[str, tuple[torch.Tensor, np.ndarray]] = {}  # tensor.numpy(), while the same tensor
+        self.server_owed: np.ndarray | None = None  # onebit2: the means the server residual owes errors against
         if not two_stage:  # onebit: one message of the whole bucket
             self.message = _message(state, "message", key, 1, size)
             self.gathered = self.message if n == 1 else _message(state, "gathered", key, n, size)
             self.decode_columns = plan.columns.repeat(n)
+            self.owed = kernels.owed_means(1, plan.columns)  # the means the worker residual owes errors against
             return
         self.send = _message(state, "send", key, n, size)  # stripe k's signs and scales go to rank k
         # one rank receives what it sends
@@ -72,6 +79,8 @@ class _Bucket:
         self.message = _message(state, "stripe", key, 1, size)  # the stripe this rank owns, re-quantized
         self.gathered = self.message if n == 1 else _message(state, "gathered", key, n, size)
         self.own_tasks, self.own_columns = plan.own_tasks(rank), plan.columns[rank : rank + 1]
+        self.owed = kernels.owed_means(n, plan.columns)
+        self.server_owed = kernels.owed_means(1, self.own_columns)
 
     def array(self, name: str, tensor: torch.Tensor) -> np.ndarray:
         """``tensor.numpy()`` of a tensor the state owns (the residuals: one flat tensor per bucket layout), kept
@@ -88,7 +97,12 @@ def _bucket(state: OneBitState, names: list[str], shapes: list, key, two_stage: 
     kept = state.workspace.get(("bucket", *key))
     if kept is None or kept.names is not names or kept.n != n or kept.rank != rank:
         plan = _plan(state, names, shapes, n if two_stage else 1)
-        kept = state.workspace[("bucket", *key)] = _Bucket(state, key, names, plan, n, rank, two_stage)
+        new = _Bucket(state, key, names, plan, n, rank, two_stage)
+        if kept is not None and kept.plan is plan and kept.rank == rank:  # the same groups: what is owed stays
+            new.owed, new.server_owed = kept.owed, kept.server_owed
+        else:
+            state.settle()  # what a residual owes is against the old record's plan
+        kept = state.workspace[("bucket", *key)] = new
     return kept
 
 
@@ -99,8 +113,10 @@ def onebit_fused(state: OneBitState, names: list[str], shapes: list, buffer: tor
     grad = buffer.numpy()  # not kept: a reference would keep the caller's tensor alive past the call
     ef = state.error_feedback
     worker = b.array("residuals", residuals(state, "residuals", names, shapes, buffer)) if ef else None
+    if ef:  # the worker residual owes its errors against b.owed until this bucket's next call, or a settle
+        state.owed["residuals", key] = partial(kernels.settle, plan.tasks, worker, b.owed)
     if not two_stage:
-        kernels.quantize(plan.tasks, b.message.rows, plan.columns, grad=grad, vals=worker, ef=ef)
+        kernels.quantize(plan.tasks, b.message.rows, plan.columns, grad=grad, vals=worker, ef=ef, owed=b.owed)
 
         def average(_: Any = None) -> torch.Tensor:
             kernels.decode(plan.tasks, b.gathered.rows, b.decode_columns, grad, average=True)
@@ -108,13 +124,17 @@ def onebit_fused(state: OneBitState, names: list[str], shapes: list, buffer: tor
 
         return gather_then(state, b.message.flat, b.gathered.flat, average, n)
     # Stage 1: every rank sends stripe k's signs and scales to rank k.
-    kernels.quantize(plan.tasks, b.send.rows, plan.columns, grad=grad, vals=worker, ef=ef)
+    kernels.quantize(plan.tasks, b.send.rows, plan.columns, grad=grad, vals=worker, ef=ef, owed=b.owed)
     if n > 1:
         state.count(b.send.flat, (n - 1) / n)
         dist.all_to_all_single(b.received.flat, b.send.flat, group=state.process_group)
     # Stage 2: average the stripe this rank owns, add the server residual, re-quantize, all-gather the stripes.
     server = b.array("server", residuals(state, "server_residuals", names, shapes, buffer)) if ef else grad
-    kernels.quantize(b.own_tasks, b.message.rows, b.own_columns, received=b.received.rows, vals=server, ef=ef)
+    if ef:
+        state.owed["server_residuals", key] = partial(kernels.settle, b.own_tasks, server, b.server_owed)
+    kernels.quantize(
+        b.own_tasks, b.message.rows, b.own_columns, received=b.received.rows, vals=server, ef=ef, owed=b.server_owed
+    )
 
     def assemble(_: Any = None) -> torch.Tensor:
         kernels.decode(plan.tasks, b.gathered.rows, plan.columns, grad, average=False)

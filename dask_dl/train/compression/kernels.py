@@ -6,7 +6,8 @@ sums, lerps). Here a quantization group is read once from memory and handled whi
 - :func:`quantize` adds the residual, sums the entries ``>= 0`` and the others (float64, 16 lanes in a fixed
   order, so sums do not depend on how the work is cut or on the CPU), writes the two scales, the packed signs
   and the new residual. Its source is either a gradient bucket or, on the two-stage server side, the mean of
-  ``N`` received messages (decoded on the fly).
+  ``N`` received messages (decoded on the fly). A group is swept once: its new error, which needs the group's
+  means, is left owed to the next call's sweep (``owed``) or written by :func:`settle`.
 - :func:`decode` decodes all ``N`` messages of a bucket and writes their mean (summed in float64 in rank order,
   times ``1/N``) into the bucket once; or, for the two-stage all-gather, each entry from its owner's message.
 
@@ -32,6 +33,7 @@ from dask_dl.train.compression.loops import (
     DECODE_TASKS,
     QUANTIZE_TASKS,
     REDUCE_COLUMNS,
+    SETTLE_TASKS,
     SIGN_BANDS,
     finish,
     header_means,
@@ -86,8 +88,7 @@ class _Scratch:
 
     def __init__(self, table: Any, rows: int, width: int) -> None:
         self.shape = (rows, width)
-        self.scales = np.zeros((rows, 2 * width), dtype=np.float32)  # two means a group, message by message
-        self.header = self.scales.view(np.uint8)  # the same, as the bytes of the messages' headers
+        self.scales = np.zeros((rows, 2 * width), dtype=np.float32)  # two means a group, when none is owed
         self.heads = np.zeros(len(table.rows), dtype=np.uint8)  # each task's shared first and last sign byte
         self.tails = np.zeros(len(table.rows), dtype=np.uint8)
         self.psp, self.psn, self.pcp = (np.zeros(table.n_partials) for _ in range(3))  # bands' column sums
@@ -117,6 +118,12 @@ def _scratch(table: Any, kind: type, use: str, rows: int, columns: np.ndarray) -
     return kept
 
 
+def owed_means(rows: int, columns: np.ndarray) -> np.ndarray:
+    """An array for :func:`quantize`'s ``owed``: the two means of each group of ``rows`` messages of at most
+    ``max(columns)`` groups, zero (nothing owed)."""
+    return np.zeros((rows, 2 * max(int(columns.max(initial=0)), 1)), dtype=np.float32)
+
+
 def quantize(
     table: Any,
     msgs: np.ndarray,
@@ -126,15 +133,29 @@ def quantize(
     received: np.ndarray | None = None,
     vals: np.ndarray | None = None,
     ef: bool = True,
+    owed: np.ndarray | None = None,
 ) -> None:
     """Fill ``msgs`` (uint8, one row per message, its scales first) from ``grad`` (or the ``received`` messages).
 
     ``table``: a :class:`~dask_dl.train.compression.plan.TaskTable`. ``columns[m]``: the number of groups in
     message ``m`` (its header holds ``8 * columns[m]`` bytes of float32 scales).
+
+    With ``ef``, the residual ``vals`` ends as the quantization error, unless ``owed`` is given (an array from
+    :func:`owed_means`, kept with ``vals`` between calls): then a transposed group's entries are left as they
+    were quantized, owing their error against the means ``owed`` now holds, and the next call with the same
+    ``vals`` and ``owed`` takes that error in its single sweep over them. Anything else that reads ``vals`` runs
+    :func:`settle` first.
     """
     if (ef or received is not None) and (vals is None or (grad is not None and len(vals) != len(grad))):
         raise ValueError("error feedback and the server side need ``vals``, a float32 array as long as the bucket")
     sc = _scratch(table, _Scratch, "quantize", msgs.shape[0], columns)
+    if owed is None:
+        scales = sc.scales
+        scales.fill(0.0)  # nothing owed
+    elif owed.shape != sc.scales.shape:
+        raise ValueError(f"owed has shape {owed.shape}, these messages need {sc.scales.shape}: see owed_means")
+    else:
+        scales = owed
     grad = sc.nothing if grad is None else grad
     vals = sc.nothing if vals is None else vals
     if received is None:
@@ -148,13 +169,23 @@ def quantize(
     k = _twin(table.values)
     with _parallel() if k == 0 else _SERIAL:
         QUANTIZE_TASKS[k](
-            mode, grad, received, mp_in, mn_in, vals, ef, table.rows, msgs, sc.scales, sc.heads, sc.tails, sc.psp,
+            mode, grad, received, mp_in, mn_in, vals, ef, table.rows, msgs, scales, sc.heads, sc.tails, sc.psp,
             sc.psn, sc.pcp,
         )  # fmt: skip
         if len(table.reductions):
-            REDUCE_COLUMNS[k](table.reductions, sc.psp, sc.psn, sc.pcp, sc.scales)
-            SIGN_BANDS[k](mode, grad, vals, ef, table.rows, msgs, sc.scales, sc.heads, sc.tails)
-    finish(table.rows, msgs, sc.heads, sc.tails, sc.header, columns)
+            REDUCE_COLUMNS[k](table.reductions, sc.psp, sc.psn, sc.pcp, scales)
+            SIGN_BANDS[k](mode, grad, vals, ef, table.rows, msgs, scales, sc.heads, sc.tails)
+        if ef and owed is None:
+            SETTLE_TASKS[k](table.rows, vals, scales)
+    finish(table.rows, msgs, sc.heads, sc.tails, scales.view(np.uint8), columns)
+
+
+def settle(table: Any, vals: np.ndarray, owed: np.ndarray) -> None:
+    """Write into ``vals`` the errors it owes after :func:`quantize` with ``owed``; then it owes nothing."""
+    k = _twin(table.values)
+    with _parallel() if k == 0 else _SERIAL:
+        SETTLE_TASKS[k](table.rows, vals, owed)
+    owed.fill(0.0)
 
 
 def decode(table: Any, msgs: np.ndarray, columns: np.ndarray, out: np.ndarray, *, average: bool) -> None:

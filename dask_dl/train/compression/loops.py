@@ -170,20 +170,6 @@ def _signs(src, mps, mns, ef, bits):
 
 
 @njit(cache=True, inline="always")
-def _signs1(src, mp, mn, ef, bits):
-    """:func:`_signs` for a run of one column (means ``mp``, ``mn``)."""
-    if ef:
-        for j in range(src.shape[0]):
-            x = src[j]
-            pos = x >= 0
-            bits[j] = pos
-            src[j] = x - (mp if pos else mn)
-    else:
-        for j in range(src.shape[0]):
-            bits[j] = src[j] >= 0
-
-
-@njit(cache=True, inline="always")
 def _means(sp, sn, cp, length):
     mp = np.float32(sp / cp) if cp > 0 else np.float32(0.0)
     mn = np.float32(sn / (length - cp)) if length - cp > 0 else np.float32(0.0)
@@ -194,34 +180,6 @@ def _means(sp, sn, cp, length):
 def _add(target, source):
     for j in range(target.shape[0]):
         target[j] += source[j]
-
-
-@njit(cache=True, inline="always")
-def _group_sums(vals, grad, base, length, add):
-    """float64 sums of the entries ``>= 0`` of ``vals[base:base + length]``, of the others, and the count of the
-    first; with ``add``, ``grad``'s entries are added to ``vals`` first (and stored). 16 lanes, then the ragged
-    end in order (:mod:`~dask_dl.train.compression.simd`): a fixed order for a group, whoever runs it."""
-    k = length // W
-    if add:
-        sp, sn, cp = simd.add_sums(vals, base, grad, base, k)
-        for j in range(base + W * k, base + length):
-            vals[j] += grad[j]
-    else:
-        sp, sn, cp = simd.sums(vals, base, k)
-    return _tally(vals[base + W * k : base + length], sp, sn, cp)
-
-
-@njit(cache=True, inline="always")
-def _tally(v, sp, sn, cp):
-    """The sums ``sp``, ``sn``, ``cp`` with the entries of ``v`` added one by one, in order."""
-    for j in range(v.shape[0]):
-        x = np.float64(v[j])
-        if x >= 0:
-            sp += x
-            cp += 1.0
-        else:
-            sn += x
-    return sp, sn, cp
 
 
 @njit(cache=True, inline="always")
@@ -251,30 +209,10 @@ def _band_sums(vals, grad, base, stride, rows, pitch, add, psp, psn, pcp, p):
 
 
 @njit(cache=True, inline="always")
-def _sign_run(v, mp, mn, ef, bit0, msgs, m, head, tail, heads, tails, t, bits):
-    """Signs (and with ``ef`` errors) of the run ``v`` of one group (means ``mp``, ``mn``) into message ``m``
-    from sign bit ``bit0``: whole bytes 16 values at a time, the ragged ends packed bit by bit."""
-    length = v.shape[0]
-    e = min((8 - (bit0 & 7)) & 7, length)
-    if e > 0:
-        _signs1(v[:e], mp, mn, ef, bits)
-        _pack(bits, e, bit0, msgs, m, head, tail, heads, tails, t)
-    k = (length - e) // W
-    if k > 0:
-        row, byte = msgs[m], (bit0 + e) >> 3
-        if ef:
-            simd.signs_error(v, e, k, mp, mn, 0, row, byte)
-        else:
-            simd.signs(v, e, k, mp, mn, 0, row, byte)
-    done = e + W * k
-    if done < length:
-        _signs1(v[done:], mp, mn, ef, bits)
-        _pack(bits, length - done, bit0 + done, msgs, m, head, tail, heads, tails, t)
-
-
-@njit(cache=True, inline="always")
 def _column_sign_run(v, mps, mns, ef, bit0, msgs, m, head, tail, heads, tails, t, bits):
-    """:func:`_sign_run` for a row of a band: entry ``j`` of ``v`` in a column of means ``mps[j]``, ``mns[j]``."""
+    """Signs (and with ``ef`` errors) of the row ``v`` of a band into message ``m`` from sign bit ``bit0``, entry
+    ``j`` in a column of means ``mps[j]``, ``mns[j]``: whole bytes 16 values at a time, the ragged ends packed
+    bit by bit."""
     length = v.shape[0]
     e = min((8 - (bit0 & 7)) & 7, length)
     if e > 0:
@@ -334,29 +272,6 @@ def _decode_run(msgs, mp, mn, r0, r1, inv_n, col, per_column, bit0, out, add, bi
         _mean_run(msgs, mp, mn, r0, r1, inv_n, c, per_column, bit0 + done, out[done:], add, bits, acc)
 
 
-@njit(cache=True, inline="always")
-def _decode_sums_run(msgs, mp, mn, n, inv_n, col, bit0, v, add, bits, acc):
-    """The server side's sweep of one group: the mean of the ``n`` messages' entries from sign bit ``bit0`` (of
-    group ``col``) into ``v`` (added to it with ``add``), as :func:`_decode_run` writes it, and the float64 sums
-    of what ``v`` then holds, as :func:`_group_sums` takes them: the 16 lanes of the whole sign bytes, then the
-    ragged head and tail in order (the same order as :func:`_group_sums` where the group starts on a byte)."""
-    length = v.shape[0]
-    e = min((8 - (bit0 & 7)) & 7, length)
-    if e > 0:
-        _mean_run(msgs, mp, mn, 0, n, inv_n, col, False, bit0, v[:e], add, bits, acc)
-    k = (length - e) // W
-    byte = (bit0 + e) >> 3
-    if add:
-        sp, sn, cp = simd.decode_add_sums(msgs, 0, n, byte, k, mp, mn, col, inv_n, v, e)
-    else:
-        sp, sn, cp = simd.decode_sums(msgs, 0, n, byte, k, mp, mn, col, inv_n, v, e)
-    done = e + W * k
-    if done < length:
-        _mean_run(msgs, mp, mn, 0, n, inv_n, col, False, bit0 + done, v[done:], add, bits, acc)
-    sp, sn, cp = _tally(v[:e], sp, sn, cp)
-    return _tally(v[done:], sp, sn, cp)
-
-
 @njit(cache=True, nogil=True)
 def or_sides(tasks, msgs, heads, tails):
     """OR the side slots into their messages' shared sign bytes, one task after another (a compiled loop:
@@ -400,17 +315,18 @@ def quantize_tasks(mode, grad, received, mp_in, mn_in, vals, ef, tasks, msgs, sc
 
     Mode 0 quantizes ``grad`` plus the residual ``vals`` (when ``ef``); mode 1 the mean of the ``received``
     messages (same layout as the output; scales ``mp_in``/``mn_in``) plus the residual ``vals`` (when ``ef``;
-    otherwise ``vals`` is scratch for the mean). Entries to quantize are left in ``vals`` (with ``ef`` or in
-    mode 1) for phase two; with ``ef`` a finished entry is replaced by its error.
+    otherwise ``vals`` is scratch). ``scales``: the two means of each group, written here.
 
-    A task's groups (at most ``plan.GRAIN`` values, which stay in the second-level cache) are all summed, then
-    all signed, each sweep of a group a single loop (mode 0 adds the gradient to the residual as it sums, mode 1
-    decodes into the residual as it sums): a group of 4096 values and its gradient fill a 32 KB first-level
-    cache, and signing each group just after summing it made the quantize of a 4096x4096 layer 1.5-1.7x the time
-    of adding its gradient to its residual, against 1.4-1.5x this way. In mode 1, decoding, summing and signing
-    each group in three loops in turn took 0.37 ns a value of a 4096x6400 layer, one loop for the first two and
-    the task walked twice 0.28 (either change alone gained nothing: the sums' loop then still waited on the
-    cache, or on memory).
+    A transposed group is read and written once (``simd.sweep``, the ragged ends value by value): the
+    gradient's entries (mode 0) or the received mean's, plus with ``ef`` the error ``vals`` owes, summed, signed
+    and stored into ``vals``. Sums: the 16 lanes of the whole sign bytes, then the ragged head and tail in order
+    (a fixed order for a group, whoever runs it). With ``ef`` its entries are left as they
+    were quantized, ``x``, owing their error ``x - (mp if x >= 0 else mn)`` against the means this call writes
+    into ``scales``; the next call reads those means back and takes the error in the same sweep (zeros owe
+    nothing), or :func:`settle_tasks` writes it. Summing a group and then signing it and writing its errors,
+    in two sweeps, took 1.3-1.4x the time of adding a 4096x6400 layer's gradient to its residual; one sweep
+    takes about that time. Untransposed pieces' entries to quantize are left in ``vals`` (with ``ef`` or in
+    mode 1) for phase two; with ``ef`` a finished one is replaced by its error.
     """
     n_in = received.shape[0]
     inv_n = 1.0 / max(n_in, 1)
@@ -420,21 +336,64 @@ def quantize_tasks(mode, grad, received, mp_in, mn_in, vals, ef, tasks, msgs, sc
         t0, t1, lo, pitch, m = tasks[t, T0], tasks[t, T1], tasks[t, LO], tasks[t, PITCH], tasks[t, M]
         dbit, dcol, head, tail = tasks[t, DBIT], tasks[t, DCOL], tasks[t, HEAD], tasks[t, TAIL]
         heads[t], tails[t] = 0, 0  # each task's own side slots (and partial sums, below): cleared here
-        if tr:  # each group is a contiguous row of ``rest`` entries: the task's sums, then its signs
-            bits = np.empty(W, dtype=np.uint8)  # scratch for the ragged ends
-            acc = np.empty(W)
+        if tr:  # each group is a contiguous row of ``rest`` entries, quantized in one sweep
             for g in range(t0, t1):
                 base, bit0, col = s + g * rest, dbit + (g - lo) * rest, dcol + g - lo
-                if mode == 1:
-                    v = src[base : base + rest]
-                    sp, sn, cp = _decode_sums_run(received, mp_in, mn_in, n_in, inv_n, col, bit0, v, ef, bits, acc)
+                mp0, mn0 = scales[m, 2 * col], scales[m, 2 * col + 1]  # what ``vals`` owes (with ``ef``)
+                # the whole sign bytes 16 values at a time; no helper taking arrays is called on this path (an
+                # inlined one increfs and decrefs each array it takes: 20 atomic calls a group, 10% of the time)
+                e = min((8 - (bit0 & 7)) & 7, rest)
+                k = (rest - e) // W
+                v0, byte = base + e, (bit0 + e) >> 3
+                args = (received, 0, n_in, byte, mp_in, mn_in, col, inv_n, mp0, mn0, msgs, m, byte)
+                if mode == 1 and ef:
+                    sp, sn, cp = simd.sweep_received_owed(vals, grad, v0, k, *args)
+                elif mode == 1:
+                    sp, sn, cp = simd.sweep_received(vals, grad, v0, k, *args)
+                elif ef:
+                    sp, sn, cp = simd.sweep_owed(vals, grad, v0, k, *args)
                 else:
-                    sp, sn, cp = _group_sums(src, grad, base, rest, ef)
+                    sp, sn, cp = simd.sweep(vals, grad, v0, k, *args)
+                # the ragged head (before the first whole sign byte) and tail, value by value in the same float32
+                # operations, written out here for the same reason: in bucket layouts where a small parameter
+                # comes first (14 labels' biases) every group has both
+                done = e + W * k
+                for part in range(2):
+                    j0, j1, b0 = (base, v0, bit0) if part == 0 else (base + done, base + rest, bit0 + done)
+                    signs = 0
+                    for j in range(j0, j1):
+                        bit = b0 + j - j0
+                        if mode == 1:  # the mean of the received entries, summed in float64 in message order
+                            total = 0.0
+                            for r in range(n_in):
+                                on = (received[r, bit >> 3] >> (bit & 7)) & 1
+                                mean = np.float64(mp_in[r, col] if on else mn_in[r, col])
+                                total = mean if r == 0 else total + mean
+                            z = np.float32(total * inv_n)
+                        else:
+                            z = grad[j]
+                        y = z
+                        if ef:
+                            x = vals[j]
+                            error = x - (mp0 if x >= 0 else mn0)
+                            y = z + error if mode == 1 else error + z
+                            vals[j] = y
+                        if y >= 0:
+                            sp += np.float64(y)
+                            cp += 1.0
+                            signs |= 1 << (bit & 7)
+                        else:
+                            sn += np.float64(y)
+                        if (bit & 7) == 7 or j == j1 - 1:  # a byte's last sign of this run: OR it in
+                            packed, at = np.uint8(signs), bit >> 3
+                            if at == head:
+                                heads[t] |= packed
+                            elif at == tail:
+                                tails[t] |= packed
+                            else:
+                                msgs[m, at] |= packed
+                            signs = 0
                 scales[m, 2 * col], scales[m, 2 * col + 1] = _means(sp, sn, cp, rest)
-            for g in range(t0, t1):
-                base, bit0, col = s + g * rest, dbit + (g - lo) * rest, dcol + g - lo
-                mp, mn = scales[m, 2 * col], scales[m, 2 * col + 1]
-                _sign_run(src[base : base + rest], mp, mn, ef, bit0, msgs, m, head, tail, heads, tails, t, bits)
         else:  # a band of rows t0:t1 of columns lo:lo+pitch: partial sums per column
             bits = np.empty(W, dtype=np.uint8)
             acc = np.empty(W)
@@ -450,6 +409,23 @@ def quantize_tasks(mode, grad, received, mp_in, mn_in, vals, ef, tasks, msgs, sc
                         v = src[base : base + pitch]
                         _decode_run(received, mp_in, mn_in, 0, n_in, inv_n, dcol, True, bit0, v, ef, bits, acc, False)
                 _band_sums(src, grad, s + i0 * rest + lo, rest, i1 - i0, pitch, ef and mode == 0, psp, psn, pcp, p)
+
+
+def settle_tasks(tasks, vals, scales):
+    """Write the errors ``vals`` owes after :func:`quantize_tasks` with ``ef``: each transposed group's entries
+    ``x`` become ``x - (mp if x >= 0 else mn)``, its two means read from ``scales``."""
+    for t in prange(tasks.shape[0]):
+        if not tasks[t, TR]:
+            continue
+        s, rest, t0, t1, lo = tasks[t, S], tasks[t, REST], tasks[t, T0], tasks[t, T1], tasks[t, LO]
+        m, dcol = tasks[t, M], tasks[t, DCOL]
+        for g in range(t0, t1):
+            col = dcol + g - lo
+            mp, mn = scales[m, 2 * col], scales[m, 2 * col + 1]
+            v = vals[s + g * rest : s + (g + 1) * rest]
+            for j in range(rest):
+                x = v[j]
+                v[j] = x - (mp if x >= 0 else mn)
 
 
 def reduce_columns(reductions, psp, psn, pcp, scales):
@@ -538,6 +514,7 @@ def _twins(function: Callable) -> tuple[Callable, Callable]:
 
 _OUTLINED = _outlined(globals())
 QUANTIZE_TASKS = _twins(quantize_tasks)
+SETTLE_TASKS = _twins(settle_tasks)
 REDUCE_COLUMNS = _twins(reduce_columns)
 SIGN_BANDS = _twins(sign_bands)
 DECODE_TASKS = _twins(decode_tasks)

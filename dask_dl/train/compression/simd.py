@@ -9,11 +9,12 @@ SSE, NEON) without reordering anything:
   lanes (entry ``e`` of a run goes to lane ``e % 16``), the lanes added in order at the end: a fixed order, so
   results do not depend on how work is cut or on the CPU;
 - signs (``x >= 0``: NaN on the negative side, zeros on the positive) packed 16 to two bytes, least significant
-  bit first (the order of a comparison mask: packing is one move), with the error ``x - mean`` written back
-  while the values are in registers;
+  bit first (the order of a comparison mask: packing is one move);
 - the mean of ``N`` messages decoded into float32, summed in float64 in message order, one store per value; a
   single message (``onebit`` on one rank, the owner's stripe in ``onebit2``) in float32: a blend and a store;
-  for the server side of ``onebit2``, with the sums above of what is stored, in the same sweep.
+- a transposed group's quantize in one sweep (:func:`_make_sweep`): the error its residual still owes from the
+  last step, plus the gradient (or the decoded mean of the received messages), stored, summed and signed while
+  in registers. The error ``x - mean`` of this step is left owed: the means come from the sums at the end.
 
 Every loop covers ``count`` blocks of 16 values; callers do the ragged ends with scalar code in the same order.
 numba's cache does not follow imports: a change here needs a change to ``loops.py`` (or a cleared cache).
@@ -108,53 +109,6 @@ def _accumulate(builder, x, accumulators, per_lane):
     return [sp, sn, count]
 
 
-def _make_sums(add: bool):
-    """``sums(src, s0, count)`` or, with ``add``, ``add_sums(vals, v0, grad, g0, count)`` (``vals += grad``
-    first, stored): the float64 sums ``(positive, negative, count positive)`` of ``16 * count`` values."""
-
-    def codegen(context, builder, sig, args):
-        src = _base(context, builder, sig.args[0], args[0], _int(context, builder, args[1], sig.args[1]))
-        if add:
-            grad = _base(context, builder, sig.args[2], args[2], _int(context, builder, args[3], sig.args[3]))
-        count = _int(context, builder, args[-1], sig.args[-1])
-        zero = ir.Constant(_I64, 0)
-        slots = [
-            cgutils.alloca_once_value(builder, _ZERO_D),
-            cgutils.alloca_once_value(builder, _ZERO_D),
-            cgutils.alloca_once_value(builder, zero),
-        ]
-        with _steps(builder, count) as loop:
-            at = builder.mul(loop.index, ir.Constant(_I64, W))
-            x = _load(builder, src, at, _VF, 4)
-            if add:
-                x = builder.fadd(x, _load(builder, grad, at, _VF, 4))
-                _store(builder, x, src, at, 4)
-            totals = _accumulate(builder, x, [builder.load(s) for s in slots], per_lane=False)
-            for slot, total in zip(slots, totals, strict=True):
-                builder.store(total, slot)
-        sums = [_lanes_in_order(builder, builder.load(s)) for s in slots[:2]]
-        sums.append(builder.uitofp(builder.load(slots[2]), _F64))  # the count: exact in float64
-        return context.make_tuple(builder, sig.return_type, sums)
-
-    if add:
-
-        @intrinsic
-        def add_sums(typingctx, vals, v0, grad, g0, count):
-            return types.UniTuple(types.float64, 3)(vals, v0, grad, g0, count), codegen
-
-        return add_sums
-
-    @intrinsic
-    def sums(typingctx, src, s0, count):
-        return types.UniTuple(types.float64, 3)(src, s0, count), codegen
-
-    return sums
-
-
-sums = _make_sums(False)
-add_sums = _make_sums(True)
-
-
 @intrinsic
 def band_sums(typingctx, src, s0, stride, rows, count, psp, psn, pcp, p0):
     """``band_sums(src, s0, stride, rows, count, psp, psn, pcp, p0)``: the float64 sums of the columns of a band
@@ -188,86 +142,101 @@ def band_sums(typingctx, src, s0, stride, rows, count, psp, psn, pcp, p0):
     return types.none(src, s0, stride, rows, count, psp, psn, pcp, p0), codegen
 
 
-def _make_signs(error: bool, per_column: bool):
-    """``signs(src, s0, count, mp, mn, c0, msg, byte0)``: pack the signs of ``16 * count`` values into the
-    uint8 array ``msg`` from byte ``byte0``; with ``error`` replace each value by ``value - its mean``. The means
-    are the scalars ``mp``/``mn`` (``c0`` unused) or, ``per_column``, the arrays ``mp[c0...]``/``mn[c0...]``."""
+def _make_column_signs(error: bool):
+    """``column_signs(src, s0, count, mps, mns, c0, msg, byte0)``: pack the signs of ``16 * count`` values of a
+    band's row into the uint8 array ``msg`` from byte ``byte0``; with ``error`` replace each value by ``value -
+    its column's mean`` (the arrays ``mps[c0...]``/``mns[c0...]``)."""
 
     def codegen(context, builder, sig, args):
         src = _base(context, builder, sig.args[0], args[0], _int(context, builder, args[1], sig.args[1]))
         count = _int(context, builder, args[2], sig.args[2])
         msg = _base(context, builder, sig.args[6], args[6], _int(context, builder, args[7], sig.args[7]))
-        if per_column:
-            c0 = _int(context, builder, args[5], sig.args[5])
-            mps, mns = (_base(context, builder, sig.args[k], args[k], c0) for k in (3, 4))
-        else:
-            mp, mn = (_splat(builder, context.cast(builder, args[k], sig.args[k], types.float32), _VF) for k in (3, 4))
+        c0 = _int(context, builder, args[5], sig.args[5])
+        mps, mns = (_base(context, builder, sig.args[k], args[k], c0) for k in (3, 4))
         with _steps(builder, count) as loop:
             at = builder.mul(loop.index, ir.Constant(_I64, W))
             x = _load(builder, src, at, _VF, 4)
             positive = builder.fcmp_ordered(">=", x, _ZERO_F)
             if error:
-                if per_column:
-                    mp, mn = _load(builder, mps, at, _VF, 4), _load(builder, mns, at, _VF, 4)
+                mp, mn = _load(builder, mps, at, _VF, 4), _load(builder, mns, at, _VF, 4)
                 _store(builder, builder.fsub(x, builder.select(positive, mp, mn)), src, at, 4)
             _store(builder, _sign_bytes(builder, positive), msg, builder.mul(loop.index, ir.Constant(_I64, 2)), 1)
         return context.get_dummy_value()
 
     @intrinsic
-    def signs(typingctx, src, s0, count, mp, mn, c0, msg, byte0):
-        return types.none(src, s0, count, mp, mn, c0, msg, byte0), codegen
+    def column_signs(typingctx, src, s0, count, mps, mns, c0, msg, byte0):
+        return types.none(src, s0, count, mps, mns, c0, msg, byte0), codegen
 
-    return signs
-
-
-signs = _make_signs(False, False)
-signs_error = _make_signs(True, False)
-column_signs = _make_signs(False, True)
-column_signs_error = _make_signs(True, True)
+    return column_signs
 
 
-def _make_decode(per_column: bool, add: bool, stream: bool = False, sums: bool = False):
+column_signs = _make_column_signs(False)
+column_signs_error = _make_column_signs(True)
+
+
+def _decoded_blocks(context, builder, sig, args, at: tuple[int, ...], count, body, per_column: bool = False) -> None:
+    """Emit ``for k in range(count): body(16 * k, k, value)``, ``value`` the 16 float32 entries from block ``k``
+    of the mean of ``N`` messages: float32(``inv_n`` * the float64 sum over rows ``r0:r1`` of ``msgs`` of the
+    mean their sign bit picks), sign bits from ``8 * byte0``.
+
+    ``at``: the positions in ``args`` of ``msgs, r0, r1, byte0, mp, mn, col, inv_n``. The means:
+    ``mp[r, col]``/``mn[r, col]``, or ``[r, col + e]`` ``per_column`` (2-D float32 arrays, C order). One row with
+    ``inv_n == 1`` is decoded in float32 (the float64 round trip of one float32 mean is exact): the picked mean
+    is a blend of two vectors; the choice is made once, outside the loop.
+    """
+    i_msgs, i_r0, i_r1, i_byte0, i_mp, i_mn, i_col, i_inv = at
+    msgs_ty, mp_ty = sig.args[i_msgs], sig.args[i_mp]
+    r0, r1, byte0, col = (_int(context, builder, args[k], sig.args[k]) for k in (i_r0, i_r1, i_byte0, i_col))
+    inv_n = context.cast(builder, args[i_inv], sig.args[i_inv], types.float64)
+    slot = cgutils.alloca_once_value(builder, _ZERO_D)
+    one = ir.Constant(_I64, 1)
+
+    def means(r, at, vty):
+        """The two means of row ``r`` for the 16 values from ``at``, as vectors of ``vty``."""
+        pointers = [_row(context, builder, mp_ty, args[k], r, col) for k in (i_mp, i_mn)]
+        if per_column:
+            loaded = [_load(builder, p, at, _VF, 4) for p in pointers]
+            return loaded if vty is _VF else [builder.fpext(v, _VD) for v in loaded]
+        scalars = [builder.load(p) for p in pointers]
+        if vty is _VD:
+            scalars = [builder.fpext(v, _F64) for v in scalars]
+        return [_splat(builder, v, vty) for v in scalars]
+
+    def picked(r, at, vty):
+        signs = _row(context, builder, msgs_ty, args[i_msgs], r, byte0)
+        mask = _mask_of(builder, signs, builder.udiv(at, ir.Constant(_I64, 8)))
+        return builder.select(mask, *means(r, at, vty))
+
+    one_row = builder.icmp_signed("==", builder.sub(r1, r0), one)
+    single = builder.and_(one_row, builder.fcmp_ordered("==", inv_n, ir.Constant(_F64, 1.0)))
+    with builder.if_else(single) as (alone, several):
+        with alone, _steps(builder, count) as loop:
+            at = builder.mul(loop.index, ir.Constant(_I64, W))
+            body(at, loop.index, picked(r0, at, _VF))
+        with several:
+            scale = _splat(builder, inv_n, _VD)
+            with _steps(builder, count) as loop:
+                at = builder.mul(loop.index, ir.Constant(_I64, W))
+                builder.store(picked(r0, at, _VD), slot)  # the first row as it is (0.0 + -0.0 would be +0.0)
+                with cgutils.for_range(builder, builder.sub(r1, builder.add(r0, one))) as rows:
+                    r = builder.add(builder.add(r0, one), rows.index)
+                    builder.store(builder.fadd(builder.load(slot), picked(r, at, _VD)), slot)
+                body(at, loop.index, builder.fptrunc(builder.fmul(builder.load(slot), scale), _VF))
+
+
+def _make_decode(per_column: bool, add: bool, stream: bool = False):
     """``decode(msgs, r0, r1, byte0, count, mp, mn, col, inv_n, out, o0)``: ``out[o0 + e]`` (``e < 16 * count``)
-    = float32(``inv_n`` * the float64 sum over rows ``r0:r1`` of ``msgs`` of the mean their sign bit ``8 * byte0
-    + e`` picks), plus ``out[o0 + e]`` with ``add``. The means: ``mp[r, col]``/``mn[r, col]``, or ``[r, col +
-    e]`` ``per_column`` (2-D float32 arrays, C order). With ``stream``, ``&out[o0]`` must be 64-byte aligned:
-    the values are stored past the caches (non-temporal: a bucket is not read back soon, and the store does not
-    read the line first); the caller then runs :func:`fence` before it hands the values on.
-
-    One row with ``inv_n == 1`` is decoded in float32 (the float64 round trip of one float32 mean is exact):
-    the picked mean is a blend of two vectors, stored (or added) as it is.
-
-    With ``sums`` it also returns the float64 sums of the values it stores, as :func:`sums` takes them (entry
-    ``e`` in lane ``e % 16``): the server side's sweep, where summing in a second pass over the group, from the
-    first-level cache, cost as much again as the decode's own pass from memory.
+    = the mean of the messages' entries (:func:`_decoded_blocks`), plus ``out[o0 + e]`` with ``add``. With
+    ``stream``, ``&out[o0]`` must be 64-byte aligned: the values are stored past the caches (non-temporal: a
+    bucket is not read back soon, and the store does not read the line first); the caller then runs
+    :func:`fence` before it hands the values on.
     """
 
     def codegen(context, builder, sig, args):
-        msgs_ty, mp_ty = sig.args[0], sig.args[5]
-        r0, r1, byte0, count, col = (_int(context, builder, args[k], sig.args[k]) for k in (1, 2, 3, 4, 7))
-        inv_n = context.cast(builder, args[8], sig.args[8], types.float64)
+        count = _int(context, builder, args[4], sig.args[4])
         out = _base(context, builder, sig.args[9], args[9], _int(context, builder, args[10], sig.args[10]))
-        slot = cgutils.alloca_once_value(builder, _ZERO_D)
-        one = ir.Constant(_I64, 1)
-        totals = [cgutils.alloca_once_value(builder, v) for v in (_ZERO_D, _ZERO_D, ir.Constant(_I64, 0))]
 
-        def means(r, at, vty):
-            """The two means of row ``r`` for the 16 values from ``at``, as vectors of ``vty``."""
-            pointers = [_row(context, builder, mp_ty, args[k], r, col) for k in (5, 6)]
-            if per_column:
-                loaded = [_load(builder, p, at, _VF, 4) for p in pointers]
-                return loaded if vty is _VF else [builder.fpext(v, _VD) for v in loaded]
-            scalars = [builder.load(p) for p in pointers]
-            if vty is _VD:
-                scalars = [builder.fpext(v, _F64) for v in scalars]
-            return [_splat(builder, v, vty) for v in scalars]
-
-        def picked(r, at, vty):
-            signs = _row(context, builder, msgs_ty, args[0], r, byte0)
-            mask = _mask_of(builder, signs, builder.udiv(at, ir.Constant(_I64, 8)))
-            return builder.select(mask, *means(r, at, vty))
-
-        def put(value, at):
+        def put(at, k, value):
             if add:
                 value = builder.fadd(value, _load(builder, out, at, _VF, 4))
             if stream:
@@ -276,48 +245,84 @@ def _make_decode(per_column: bool, add: bool, stream: bool = False, sums: bool =
                 store.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(_I32, 1)]))
             else:
                 _store(builder, value, out, at, 4)
-            if sums:
-                added = _accumulate(builder, value, [builder.load(t) for t in totals], per_lane=False)
-                for total, new in zip(totals, added, strict=True):
-                    builder.store(new, total)
 
-        one_row = builder.icmp_signed("==", builder.sub(r1, r0), one)
-        single = builder.and_(one_row, builder.fcmp_ordered("==", inv_n, ir.Constant(_F64, 1.0)))
-        with builder.if_else(single) as (alone, several):
-            with alone, _steps(builder, count) as loop:
-                at = builder.mul(loop.index, ir.Constant(_I64, W))
-                put(picked(r0, at, _VF), at)
-            with several:
-                scale = _splat(builder, inv_n, _VD)
-                with _steps(builder, count) as loop:
-                    at = builder.mul(loop.index, ir.Constant(_I64, W))
-                    builder.store(picked(r0, at, _VD), slot)  # the first row as it is (0.0 + -0.0 would be +0.0)
-                    with cgutils.for_range(builder, builder.sub(r1, builder.add(r0, one))) as rows:
-                        r = builder.add(builder.add(r0, one), rows.index)
-                        builder.store(builder.fadd(builder.load(slot), picked(r, at, _VD)), slot)
-                    put(builder.fptrunc(builder.fmul(builder.load(slot), scale), _VF), at)
-        if not sums:
-            return context.get_dummy_value()
-        found = [_lanes_in_order(builder, builder.load(t)) for t in totals[:2]]
-        found.append(builder.uitofp(builder.load(totals[2]), _F64))  # the count: exact in float64
-        return context.make_tuple(builder, sig.return_type, found)
-
-    returns = types.UniTuple(types.float64, 3) if sums else types.none
+        _decoded_blocks(context, builder, sig, args, (0, 1, 2, 3, 5, 6, 7, 8), count, put, per_column)
+        return context.get_dummy_value()
 
     @intrinsic
     def decode(typingctx, msgs, r0, r1, byte0, count, mp, mn, col, inv_n, out, o0):
-        return returns(msgs, r0, r1, byte0, count, mp, mn, col, inv_n, out, o0), codegen
+        return types.none(msgs, r0, r1, byte0, count, mp, mn, col, inv_n, out, o0), codegen
 
     return decode
 
 
 decode = _make_decode(False, False)
-decode_sums = _make_decode(False, False, sums=True)
-decode_add_sums = _make_decode(False, True, sums=True)
 decode_stream = _make_decode(False, False, stream=True)
 column_decode = _make_decode(True, False)
 column_decode_add = _make_decode(True, True)
 column_decode_stream = _make_decode(True, False, stream=True)
+
+
+def _make_sweep(received: bool, owe: bool):
+    """``sweep(vals, grad, v0, count, msgs, r0, r1, byte0, mp, mn, col, inv_n, mp0, mn0, out, m, s0)``: a
+    transposed group's whole quantize in one pass over ``16 * count`` values from ``v0``, returning the float64
+    sums ``(positive, negative, count positive)`` of the values quantized (entry ``e`` in lane ``e % 16``).
+
+    Each value is ``y`` = the addend (``grad[v0 + e]``, or with ``received`` the mean of the messages
+    ``msgs`` as :func:`_decoded_blocks` decodes it, its arguments ``msgs`` to ``inv_n``), plus with ``owe`` the
+    error that ``vals[v0 + e]`` still owes: ``x - (mp0 if x >= 0 else mn0)`` (the means of the group's last
+    quantize; zeros owe nothing). With ``owe``, ``y`` is stored into ``vals``: it owes its own error to the next
+    call, against the means the caller makes of these sums. Its sign bits are packed into row ``m`` of ``out``
+    from byte ``s0``.
+
+    One pass where there were three (add the error and the gradient while summing, then signs and errors from
+    the caches): at the speed of adding a gradient to its residual.
+    """
+
+    def codegen(context, builder, sig, args):
+        v0 = _int(context, builder, args[2], sig.args[2])
+        vals, grad = (_base(context, builder, sig.args[k], args[k], v0) for k in (0, 1))
+        count = _int(context, builder, args[3], sig.args[3])
+        mp0, mn0 = (_splat(builder, context.cast(builder, args[k], sig.args[k], types.float32), _VF) for k in (12, 13))
+        m, s0 = (_int(context, builder, args[k], sig.args[k]) for k in (15, 16))
+        signs = _row(context, builder, sig.args[14], args[14], m, s0)
+        totals = [cgutils.alloca_once_value(builder, v) for v in (_ZERO_D, _ZERO_D, ir.Constant(_I64, 0))]
+
+        def body(at, k, addend):
+            y = addend
+            if owe:
+                x = _load(builder, vals, at, _VF, 4)
+                error = builder.fsub(x, builder.select(builder.fcmp_ordered(">=", x, _ZERO_F), mp0, mn0))
+                y = builder.fadd(addend, error) if received else builder.fadd(error, addend)
+                _store(builder, y, vals, at, 4)
+            added = _accumulate(builder, y, [builder.load(t) for t in totals], per_lane=False)
+            for total, new in zip(totals, added, strict=True):
+                builder.store(new, total)
+            positive = builder.fcmp_ordered(">=", y, _ZERO_F)
+            _store(builder, _sign_bytes(builder, positive), signs, builder.mul(k, ir.Constant(_I64, 2)), 1)
+
+        if received:
+            _decoded_blocks(context, builder, sig, args, (4, 5, 6, 7, 8, 9, 10, 11), count, body)
+        else:
+            with _steps(builder, count) as loop:
+                at = builder.mul(loop.index, ir.Constant(_I64, W))
+                body(at, loop.index, _load(builder, grad, at, _VF, 4))
+        found = [_lanes_in_order(builder, builder.load(t)) for t in totals[:2]]
+        found.append(builder.uitofp(builder.load(totals[2]), _F64))  # the count: exact in float64
+        return context.make_tuple(builder, sig.return_type, found)
+
+    @intrinsic
+    def sweep(typingctx, vals, grad, v0, count, msgs, r0, r1, byte0, mp, mn, col, inv_n, mp0, mn0, out, m, s0):
+        arguments = (vals, grad, v0, count, msgs, r0, r1, byte0, mp, mn, col, inv_n, mp0, mn0, out, m, s0)
+        return types.UniTuple(types.float64, 3)(*arguments), codegen
+
+    return sweep
+
+
+sweep = _make_sweep(False, False)
+sweep_owed = _make_sweep(False, True)
+sweep_received = _make_sweep(True, False)
+sweep_received_owed = _make_sweep(True, True)
 
 
 @intrinsic

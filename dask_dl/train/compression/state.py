@@ -132,6 +132,10 @@ class OneBitState(HookState):
     gradient. ``server_residuals[name]`` (two-stage only): the error of re-quantizing the averaged stripe this
     rank owns, in the parameter's shape, zero outside its stripe. Keeping them by name (not by bucket) keeps
     them valid when DDP rebuilds its buckets and across checkpoints.
+
+    The fused kernels leave part of that error owed between steps (``kernels.quantize``'s ``owed``): the next
+    step takes it in the sweep that adds the gradient. Reading ``residuals`` or ``server_residuals`` (a
+    checkpoint, a test) first writes what is owed (:meth:`settle`), so they always hold the errors.
     """
 
     def __init__(self, *, error_feedback: bool = True, **kwargs: Any) -> None:
@@ -139,23 +143,52 @@ class OneBitState(HookState):
         if not isinstance(error_feedback, bool):
             raise ConfigurationError(f"error_feedback must be True or False, got {error_feedback!r}")
         self.error_feedback = error_feedback
-        self.residuals: dict[str, torch.Tensor] = {}
-        self.server_residuals: dict[str, torch.Tensor] = {}
+        #: the residual dicts as the hooks keep them (the properties settle first): attribute -> name -> tensor
+        self.stores: dict[str, dict[str, torch.Tensor]] = {"residuals": {}, "server_residuals": {}}
+        #: what the fused kernels owe to the residuals: key -> a function that writes it (see ``settle``)
+        self.owed: dict[Any, Any] = {}
         self.flats: dict[tuple, tuple[torch.Tensor, list[torch.Tensor]]] = {}  # see ``residuals``
         self.workspace: dict = {}  # temporaries and plans kept between steps
         #: CPU buckets go through the fused kernels (``dask-dl.train.fused-kernels``, read in the trainer's
         #: process); False runs the eager torch reference, as GPU buckets do
         self.fused = bool(config.get("train.fused-kernels"))
 
+    def settle(self) -> None:
+        """Write every error the fused kernels left owed into the residuals (cheap when none is)."""
+        while self.owed:
+            self.owed.popitem()[1]()
+
+    @property
+    def residuals(self) -> dict[str, torch.Tensor]:
+        self.settle()
+        return self.stores["residuals"]
+
+    @residuals.setter
+    def residuals(self, value: dict[str, torch.Tensor]) -> None:
+        self.settle()
+        self.stores["residuals"] = value
+
+    @property
+    def server_residuals(self) -> dict[str, torch.Tensor]:
+        self.settle()
+        return self.stores["server_residuals"]
+
+    @server_residuals.setter
+    def server_residuals(self, value: dict[str, torch.Tensor]) -> None:
+        self.settle()
+        self.stores["server_residuals"] = value
+
 
 def residuals(state: OneBitState, attribute: str, names: list[str], shapes: list, like: torch.Tensor) -> torch.Tensor:
-    """One flat float32 tensor of the residuals ``getattr(state, attribute)[name]`` of a bucket's parameters.
+    """One flat float32 tensor of the residuals ``state.stores[attribute][name]`` of a bucket's parameters.
 
     The residuals stay keyed by name (they outlive DDP's bucket layouts and travel in checkpoints) but are views
     of one tensor per bucket layout, so that a kernel reads and writes them in one sweep. Missing residuals start
-    at zero; when the layout changes (a rebuild, a load) the values are copied into a new flat tensor once.
+    at zero; when the layout changes (a rebuild, a load) the values are copied into a new flat tensor once, so
+    what the kernels owe must be settled before (the fused path does when a bucket's plan changes, the eager
+    path at each call, a load when it replaces the residuals).
     """
-    store: dict[str, torch.Tensor] = getattr(state, attribute)
+    store = state.stores[attribute]  # as it is: the callers settle what is owed before a layout changes
     key = (attribute, tuple(names))
     kept = state.flats.get(key)
     if kept is not None and all(store.get(n) is v for n, v in zip(names, kept[1], strict=True)):
