@@ -103,17 +103,17 @@ def measure_kernels(n: int = 2**23, *, lowrank: float | None = None, sync=None) 
         plan = plan_stripes(shapes, [f"p{i}.{j}" for j in range(len(shapes))], 1)
         size = sum(math.prod(s) for s in shapes)
         grad, residual = np.random.default_rng(i).standard_normal(size, np.float32), np.zeros(size, np.float32)
-        message = np.zeros((1, plan.size), np.uint8)
-        kernels.quantize(plan.tasks, message, plan.columns, grad=grad, vals=residual)
-        work.append((plan, grad, residual, message, np.repeat(message, 4, axis=0)))
+        message, owed = np.zeros((1, plan.size), np.uint8), kernels.owed_means(1, plan.columns)  # as the hook
+        kernels.quantize(plan.tasks, message, plan.columns, grad=grad, vals=residual, owed=owed)
+        work.append((plan, grad, residual, message, np.repeat(message, 4, axis=0), owed))
     values = sum(w[1].size for w in work)
 
     def quantize():
-        for plan, grad, residual, message, _ in work:
-            kernels.quantize(plan.tasks, message, plan.columns, grad=grad, vals=residual)
+        for plan, grad, residual, message, _, owed in work:
+            kernels.quantize(plan.tasks, message, plan.columns, grad=grad, vals=residual, owed=owed)
 
     def decode():
-        for plan, grad, _, _, four in work:
+        for plan, grad, _, _, four, _ in work:
             kernels.decode(plan.tasks, four, plan.columns.repeat(4), grad, average=True)
 
     return Kernels(
