@@ -125,6 +125,24 @@ def allreduce_mean(state: HookState, tensor: torch.Tensor) -> Future:
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
+class _Settled:
+    """A residual dict of :class:`OneBitState` (``state.stores[name]``), got and set after ``state.settle()``:
+    whoever reads it through the state sees errors, never what the kernels still owe."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, state: Any, owner: type | None = None) -> Any:
+        if state is None:
+            return self
+        state.settle()
+        return state.stores[self.name]
+
+    def __set__(self, state: Any, value: dict[str, torch.Tensor]) -> None:
+        state.settle()
+        state.stores[self.name] = value
+
+
 class OneBitState(HookState):
     """State of the 1-bit hooks: error-feedback residuals, kept per parameter name.
 
@@ -153,30 +171,13 @@ class OneBitState(HookState):
         #: process); False runs the eager torch reference, as GPU buckets do
         self.fused = bool(config.get("train.fused-kernels"))
 
+    residuals = _Settled()
+    server_residuals = _Settled()
+
     def settle(self) -> None:
         """Write every error the fused kernels left owed into the residuals (cheap when none is)."""
         while self.owed:
             self.owed.popitem()[1]()
-
-    @property
-    def residuals(self) -> dict[str, torch.Tensor]:
-        self.settle()
-        return self.stores["residuals"]
-
-    @residuals.setter
-    def residuals(self, value: dict[str, torch.Tensor]) -> None:
-        self.settle()
-        self.stores["residuals"] = value
-
-    @property
-    def server_residuals(self) -> dict[str, torch.Tensor]:
-        self.settle()
-        return self.stores["server_residuals"]
-
-    @server_residuals.setter
-    def server_residuals(self, value: dict[str, torch.Tensor]) -> None:
-        self.settle()
-        self.stores["server_residuals"] = value
 
 
 def residuals(state: OneBitState, attribute: str, names: list[str], shapes: list, like: torch.Tensor) -> torch.Tensor:
