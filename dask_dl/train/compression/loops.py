@@ -385,7 +385,9 @@ def quantize_tasks(mode, grad, received, mp_in, mn_in, vals, ef, tasks, msgs, sc
                             signs |= 1 << (bit & 7)
                         else:
                             sn += np.float64(y)
-                        if (bit & 7) == 7 or j == j1 - 1:  # a byte's last sign of this run: OR it in
+                        # a byte's last sign of this run: OR it in (``_put`` written out: calling it here made
+                        # DDP's first AlexNet bucket, every group ragged, 4% slower)
+                        if (bit & 7) == 7 or j == j1 - 1:
                             packed, at = np.uint8(signs), bit >> 3
                             if at == head:
                                 heads[t] |= packed

@@ -9,7 +9,8 @@ SSE, NEON) without reordering anything:
   lanes (entry ``e`` of a run goes to lane ``e % 16``), the lanes added in order at the end: a fixed order, so
   results do not depend on how work is cut or on the CPU;
 - signs (``x >= 0``: NaN on the negative side, zeros on the positive) packed 16 to two bytes, least significant
-  bit first (the order of a comparison mask: packing is one move);
+  bit first (the order of a comparison mask: packing is one move); for a band's row, with the error
+  ``x - mean`` written back while the values are in registers;
 - the mean of ``N`` messages decoded into float32, summed in float64 in message order, one store per value; a
   single message (``onebit`` on one rank, the owner's stripe in ``onebit2``) in float32: a blend and a store;
 - a transposed group's quantize in one sweep (:func:`_make_sweep`): the error its residual still owes from the
@@ -275,8 +276,8 @@ def _make_sweep(received: bool, owe: bool):
     call, against the means the caller makes of these sums. Its sign bits are packed into row ``m`` of ``out``
     from byte ``s0``.
 
-    One pass where there were three (add the error and the gradient while summing, then signs and errors from
-    the caches): at the speed of adding a gradient to its residual.
+    The error needs the group's means, and the means need the whole group summed: leaving it owed keeps the
+    group to one pass over memory, which runs at about the speed of adding a gradient to its residual.
     """
 
     def codegen(context, builder, sig, args):

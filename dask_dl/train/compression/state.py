@@ -7,6 +7,7 @@ counters, parameter names and, for the 1-bit hooks, the error-feedback residuals
 # No ``from __future__ import annotations``: DDP checks the hooks' real annotation objects (``dist.GradBucket``).
 import math
 import operator
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -161,10 +162,11 @@ class OneBitState(HookState):
         if not isinstance(error_feedback, bool):
             raise ConfigurationError(f"error_feedback must be True or False, got {error_feedback!r}")
         self.error_feedback = error_feedback
-        #: the residual dicts as the hooks keep them (the properties settle first): attribute -> name -> tensor
+        #: the residual dicts as the hooks keep them (read as ``residuals``/``server_residuals``, they are settled
+        #: first): attribute -> name -> tensor
         self.stores: dict[str, dict[str, torch.Tensor]] = {"residuals": {}, "server_residuals": {}}
         #: what the fused kernels owe to the residuals: key -> a function that writes it (see ``settle``)
-        self.owed: dict[Any, Any] = {}
+        self.owed: dict[tuple, Callable[[], None]] = {}
         self.flats: dict[tuple, tuple[torch.Tensor, list[torch.Tensor]]] = {}  # see ``residuals``
         self.workspace: dict = {}  # temporaries and plans kept between steps
         #: CPU buckets go through the fused kernels (``dask-dl.train.fused-kernels``, read in the trainer's
