@@ -134,7 +134,7 @@ def measure(args, shapes: list[tuple[int, ...]]) -> tuple:
     copy.copy_(flat)  # first touch
 
     timed = Timed()
-    twins = ("QUANTIZE_TASKS", "REDUCE_COLUMNS", "SIGN_BANDS", "SETTLE_TASKS", "DECODE_TASKS")  # every numba pair
+    twins = ("QUANTIZE_TASKS", "REDUCE_COLUMNS", "SETTLE_TASKS", "DECODE_TASKS")  # every numba pair
     saved = {name: getattr(kernels, name) for name in ("quantize", "decode", *twins)}
     kernels.quantize, kernels.decode = timed.wrap_kernel(saved["quantize"]), timed.wrap_kernel(saved["decode"])
     for name in twins:

@@ -109,7 +109,8 @@ def test_owed_errors_are_settled_once_whoever_reads_them(name):
     """The fused kernels leave a group's new error owed to the next step's sweep. Reading the residuals between
     steps (a checkpoint) writes it; the run then goes on exactly as one nobody read, and as the eager path,
     whose residuals are always written: every output and every residual equal."""
-    shapes = [(14,), (14, 40), (40,), (40, 64)]  # a 14-value bias first: every later group starts inside a byte
+    # a 14-value bias first: every later group, and every row of the tall parameter's band, starts inside a byte
+    shapes = [(14,), (14, 40), (40,), (40, 64), (100, 21)]
     grads = [torch.randn(numel(shapes), generator=torch.Generator().manual_seed(s)) for s in range(4)]
     layouts = [[shapes]] * 4
     read, unread = make_compressor(name), make_compressor(name)
@@ -123,7 +124,8 @@ def test_owed_errors_are_settled_once_whoever_reads_them(name):
         for c in (read, unread):
             ours = getattr(c.state, key)
             assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours), key
-    assert unread.state.residuals["p1"].abs().max() > 0.1  # errors, not the values quantized
+    for key in ("p1", "p4"):  # errors, not the values quantized (and the band's too)
+        assert unread.state.residuals[key].abs().max() > 0.1
 
 
 @pytest.mark.parametrize("name", ["onebit", "onebit2"])
@@ -131,7 +133,7 @@ def test_owed_errors_follow_the_parameters_into_new_buckets_and_the_eager_path(n
     """The buckets are cut differently from one step to the next (as DDP rebuilds them), then the same state
     goes on through the eager path: what the kernels owed is settled against the old buckets' groups before the
     residuals move, so every step equals an eager run's."""
-    shapes = [(3,), (7, 300), (300,), (20, 33), (64, 64)]
+    shapes = [(3,), (7, 300), (300,), (20, 33), (64, 64), (90, 7)]  # the last one grouped by column, in a band
     layouts = [[shapes], [shapes[:2], shapes[2:]], [shapes[:2], shapes[2:]], [shapes[:1], shapes[1:]], [shapes]]
     grads = [torch.randn(numel(shapes), generator=torch.Generator().manual_seed(10 + s)) for s in range(6)]
     fused = make_compressor(name)

@@ -34,7 +34,6 @@ from dask_dl.train.compression.loops import (
     QUANTIZE_TASKS,
     REDUCE_COLUMNS,
     SETTLE_TASKS,
-    SIGN_BANDS,
     finish,
     header_means,
 )
@@ -174,7 +173,6 @@ def quantize(
         )  # fmt: skip
         if len(table.reductions):
             REDUCE_COLUMNS[k](table.reductions, sc.psp, sc.psn, sc.pcp, scales)
-            SIGN_BANDS[k](mode, grad, vals, ef, table.rows, msgs, scales, sc.heads, sc.tails)
         if ef and owed is None:
             SETTLE_TASKS[k](table.rows, vals, scales)
     finish(table.rows, msgs, sc.heads, sc.tails, scales.view(np.uint8), columns)

@@ -9,13 +9,13 @@ SSE, NEON) without reordering anything:
   lanes (entry ``e`` of a run goes to lane ``e % 16``), the lanes added in order at the end: a fixed order, so
   results do not depend on how work is cut or on the CPU;
 - signs (``x >= 0``: NaN on the negative side, zeros on the positive) packed 16 to two bytes, least significant
-  bit first (the order of a comparison mask: packing is one move); for a band's row, with the error
-  ``x - mean`` written back while the values are in registers;
+  bit first (the order of a comparison mask: packing is one move);
 - the mean of ``N`` messages decoded into float32, summed in float64 in message order, one store per value; a
   single message (``onebit`` on one rank, the owner's stripe in ``onebit2``) in float32: a blend and a store;
-- a transposed group's quantize in one sweep (:func:`_make_sweep`): the error its residual still owes from the
-  last step, plus the gradient (or the decoded mean of the received messages), stored, summed and signed while
-  in registers. The error ``x - mean`` of this step is left owed: the means come from the sums at the end.
+- a group's quantize in one sweep (:func:`sweep`): the error its residual still owes from the last step,
+  plus the gradient (or the decoded mean of the received messages), stored, summed and signed while in
+  registers. The error ``x - mean`` of this step is left owed: the means come from the sums at the end. A band's
+  row (an entry in each of its columns) is swept the same way, its columns summed afterwards (:func:`band_sums`).
 
 Every loop covers ``count`` blocks of 16 values; callers do the ragged ends with scalar code in the same order.
 numba's cache does not follow imports: a change here needs a change to ``loops.py`` (or a cleared cache).
@@ -32,7 +32,8 @@ _I32, _I64 = ir.IntType(32), ir.IntType(64)
 _F32, _F64 = ir.FloatType(), ir.DoubleType()
 _VF, _VD = ir.VectorType(_F32, W), ir.VectorType(_F64, W)
 _ZERO_D = ir.Constant(_VD, [0.0] * W)
-_ONE_D = ir.Constant(_VD, [1.0] * W)
+_VI = ir.VectorType(_I32, W)
+_ZERO_I = ir.Constant(_VI, [0] * W)
 _ZERO_F = ir.Constant(_VF, [0.0] * W)
 _MASK = ir.VectorType(ir.IntType(1), W)
 _BYTES = ir.IntType(W)  # two sign bytes; bit k of a byte holds value 8*i + k (LSB first), as a mask bitcast
@@ -92,18 +93,21 @@ def _lanes_in_order(builder, vector):
 
 def _accumulate(builder, x, accumulators, per_lane):
     """Add the float64 of ``x``'s entries ``>= 0`` to the first of three accumulators, of the others to the
-    second (two float64 vectors), and the count of the first to the third: a float64 vector ``per_lane``,
+    second (two float64 vectors), and the count of the first to the third: a vector of 16 i32 ``per_lane``,
     else an i64 (a popcount of the comparison mask).
 
     A lane not added to keeps its value: a masked add, the same sum as adding 0.0 (accumulators start at +0.0).
+    The negative side has a comparison of its own (``x < 0`` or NaN), so that it too is one masked add: selecting
+    the sum where ``x >= 0`` fails compiled to an add and a masked move.
     """
     wide = builder.fpext(x, _VD)
     positive = builder.fcmp_ordered(">=", x, _ZERO_F)
+    negative = builder.fcmp_unordered("<", x, _ZERO_F)
     sp, sn, count = accumulators
     sp = builder.select(positive, builder.fadd(sp, wide), sp)
-    sn = builder.select(positive, sn, builder.fadd(sn, wide))
+    sn = builder.select(negative, builder.fadd(sn, wide), sn)
     if per_lane:
-        count = builder.select(positive, builder.fadd(count, _ONE_D), count)
+        count = builder.sub(count, builder.sext(positive, _VI))  # true is -1
     else:
         ones = builder.call(builder.module.declare_intrinsic("llvm.ctpop", [_BYTES]), [_sign_bytes(builder, positive)])
         count = builder.add(count, builder.zext(ones, _I64))
@@ -117,8 +121,8 @@ def band_sums(typingctx, src, s0, stride, rows, count, psp, psn, pcp, p0):
     from 0.0 in registers, added to ``psp/psn/pcp[p0...]``.
 
     It only reads ``src``: a loop that also stored each value back (adding the gradient to the residual on the
-    way) ran at a third of the speed of the two steps apart, the rows added in memory order first
-    (``loops._band_sums``), then summed here while in cache.
+    way) ran at a third of the speed of the two steps apart, the rows swept in memory order first
+    (:func:`sweep`), then summed here while in cache.
     """
 
     def codegen(context, builder, sig, args):
@@ -126,53 +130,24 @@ def band_sums(typingctx, src, s0, stride, rows, count, psp, psn, pcp, p0):
         src = _base(context, builder, sig.args[0], args[0], s0)
         stride, rows, count, p0 = (_int(context, builder, args[k], sig.args[k]) for k in (2, 3, 4, 8))
         partials = [_base(context, builder, sig.args[5 + k], args[5 + k], p0) for k in range(3)]
-        slots = [cgutils.alloca_once(builder, _VD) for _ in range(3)]
+        zeros = (_ZERO_D, _ZERO_D, _ZERO_I)  # the sums, and the count of entries >= 0 in i32 lanes
+        slots = [cgutils.alloca_once(builder, zero.type) for zero in zeros]
         with _steps(builder, count) as columns:
             column = builder.mul(columns.index, ir.Constant(_I64, W))
-            for slot in slots:
-                builder.store(_ZERO_D, slot)
+            for slot, zero in zip(slots, zeros, strict=True):
+                builder.store(zero, slot)
             with cgutils.for_range(builder, rows) as row:
                 x = _load(builder, src, builder.add(builder.mul(row.index, stride), column), _VF, 4)
                 totals = _accumulate(builder, x, [builder.load(slot) for slot in slots], per_lane=True)
                 for slot, total in zip(slots, totals, strict=True):
                     builder.store(total, slot)
-            for p, slot in zip(partials, slots, strict=True):
-                _store(builder, builder.fadd(_load(builder, p, column, _VD, 8), builder.load(slot)), p, column, 8)
+            found = [builder.load(slot) for slot in slots]
+            found[2] = builder.sitofp(found[2], _VD)  # exact
+            for p, total in zip(partials, found, strict=True):
+                _store(builder, builder.fadd(_load(builder, p, column, _VD, 8), total), p, column, 8)
         return context.get_dummy_value()
 
     return types.none(src, s0, stride, rows, count, psp, psn, pcp, p0), codegen
-
-
-def _make_column_signs(error: bool):
-    """``column_signs(src, s0, count, mps, mns, c0, msg, byte0)``: pack the signs of ``16 * count`` values of a
-    band's row into the uint8 array ``msg`` from byte ``byte0``; with ``error`` replace each value by ``value -
-    its column's mean`` (the arrays ``mps[c0...]``/``mns[c0...]``)."""
-
-    def codegen(context, builder, sig, args):
-        src = _base(context, builder, sig.args[0], args[0], _int(context, builder, args[1], sig.args[1]))
-        count = _int(context, builder, args[2], sig.args[2])
-        msg = _base(context, builder, sig.args[6], args[6], _int(context, builder, args[7], sig.args[7]))
-        c0 = _int(context, builder, args[5], sig.args[5])
-        mps, mns = (_base(context, builder, sig.args[k], args[k], c0) for k in (3, 4))
-        with _steps(builder, count) as loop:
-            at = builder.mul(loop.index, ir.Constant(_I64, W))
-            x = _load(builder, src, at, _VF, 4)
-            positive = builder.fcmp_ordered(">=", x, _ZERO_F)
-            if error:
-                mp, mn = _load(builder, mps, at, _VF, 4), _load(builder, mns, at, _VF, 4)
-                _store(builder, builder.fsub(x, builder.select(positive, mp, mn)), src, at, 4)
-            _store(builder, _sign_bytes(builder, positive), msg, builder.mul(loop.index, ir.Constant(_I64, 2)), 1)
-        return context.get_dummy_value()
-
-    @intrinsic
-    def column_signs(typingctx, src, s0, count, mps, mns, c0, msg, byte0):
-        return types.none(src, s0, count, mps, mns, c0, msg, byte0), codegen
-
-    return column_signs
-
-
-column_signs = _make_column_signs(False)
-column_signs_error = _make_column_signs(True)
 
 
 def _decoded_blocks(context, builder, sig, args, at: tuple[int, ...], count, body, per_column: bool = False) -> None:
@@ -260,70 +235,88 @@ def _make_decode(per_column: bool, add: bool, stream: bool = False):
 decode = _make_decode(False, False)
 decode_stream = _make_decode(False, False, stream=True)
 column_decode = _make_decode(True, False)
-column_decode_add = _make_decode(True, True)
 column_decode_stream = _make_decode(True, False, stream=True)
 
 
-def _make_sweep(received: bool, owe: bool):
-    """``sweep(vals, grad, v0, count, msgs, r0, r1, byte0, mp, mn, col, inv_n, mp0, mn0, out, m, s0)``: a
-    transposed group's whole quantize in one pass over ``16 * count`` values from ``v0``, returning the float64
-    sums ``(positive, negative, count positive)`` of the values quantized (entry ``e`` in lane ``e % 16``).
+@intrinsic
+def sweep(
+    typingctx, received, owe, vals, grad, v0, count, msgs, r0, r1, byte0, mp, mn, col, inv_n, mp0, mn0, out, m, s0, c0
+):
+    """``sweep(received, owe, vals, grad, v0, count, msgs, r0, r1, byte0, mp, mn, col, inv_n, mp0, mn0, out, m, s0,
+    c0)``: a group's whole quantize in one pass over ``16 * count`` values from ``v0``, returning the float64 sums
+    ``(positive, negative, count positive)`` of the values quantized (entry ``e`` in lane ``e % 16``).
 
-    Each value is ``y`` = the addend (``grad[v0 + e]``, or with ``received`` the mean of the messages
-    ``msgs`` as :func:`_decoded_blocks` decodes it, its arguments ``msgs`` to ``inv_n``), plus with ``owe`` the
-    error that ``vals[v0 + e]`` still owes: ``x - (mp0 if x >= 0 else mn0)`` (the means of the group's last
-    quantize; zeros owe nothing). With ``owe``, ``y`` is stored into ``vals``: it owes its own error to the next
-    call, against the means the caller makes of these sums. Its sign bits are packed into row ``m`` of ``out``
-    from byte ``s0``.
+    Each value is ``y`` = the addend (``grad[v0 + e]``, or with ``received`` the mean of the messages ``msgs``
+    as :func:`_decoded_blocks` decodes it, its arguments ``msgs`` to ``inv_n``), plus with ``owe`` the error that
+    ``vals[v0 + e]`` still owes: ``x - (mp0 if x >= 0 else mn0)`` (the means of the group's last quantize; zeros
+    owe nothing). With ``owe``, ``y`` is stored into ``vals``: it owes its own error to the next call, against
+    the means the caller makes of these sums. Its sign bits are packed into row ``m`` of ``out`` from byte ``s0``.
+    ``received`` and ``owe`` are booleans, tested once, outside the loop.
+
+    A band's row (an entry in each of its columns) when ``mp0`` and ``mn0`` are float32 arrays: the means owed
+    are ``mp0[c0 + e]``, ``mn0[c0 + e]`` (``c0`` is not read otherwise), the received messages' ``mp[r, col +
+    e]``; ``y`` is stored whenever it is not the gradient itself, and no sums are taken (three zeros are
+    returned): the band sums its columns afterwards (:func:`band_sums`), from ``vals``, while they are in cache.
 
     The error needs the group's means, and the means need the whole group summed: leaving it owed keeps the
     group to one pass over memory, which runs at about the speed of adding a gradient to its residual.
     """
+    arguments = (received, owe, vals, grad, v0, count, msgs, r0, r1, byte0, mp, mn, col, inv_n, mp0, mn0, out, m)
+    arguments += (s0, c0)
+    per_column = isinstance(mp0, types.Array)
 
     def codegen(context, builder, sig, args):
-        v0 = _int(context, builder, args[2], sig.args[2])
-        vals, grad = (_base(context, builder, sig.args[k], args[k], v0) for k in (0, 1))
-        count = _int(context, builder, args[3], sig.args[3])
-        mp0, mn0 = (_splat(builder, context.cast(builder, args[k], sig.args[k], types.float32), _VF) for k in (12, 13))
-        m, s0 = (_int(context, builder, args[k], sig.args[k]) for k in (15, 16))
-        signs = _row(context, builder, sig.args[14], args[14], m, s0)
+        flags = [context.cast(builder, args[k], sig.args[k], types.boolean) for k in (0, 1)]
         totals = [cgutils.alloca_once_value(builder, v) for v in (_ZERO_D, _ZERO_D, ir.Constant(_I64, 0))]
-
-        def body(at, k, addend):
-            y = addend
-            if owe:
-                x = _load(builder, vals, at, _VF, 4)
-                error = builder.fsub(x, builder.select(builder.fcmp_ordered(">=", x, _ZERO_F), mp0, mn0))
-                y = builder.fadd(addend, error) if received else builder.fadd(error, addend)
-                _store(builder, y, vals, at, 4)
-            added = _accumulate(builder, y, [builder.load(t) for t in totals], per_lane=False)
-            for total, new in zip(totals, added, strict=True):
-                builder.store(new, total)
-            positive = builder.fcmp_ordered(">=", y, _ZERO_F)
-            _store(builder, _sign_bytes(builder, positive), signs, builder.mul(k, ir.Constant(_I64, 2)), 1)
-
-        if received:
-            _decoded_blocks(context, builder, sig, args, (4, 5, 6, 7, 8, 9, 10, 11), count, body)
-        else:
-            with _steps(builder, count) as loop:
-                at = builder.mul(loop.index, ir.Constant(_I64, W))
-                body(at, loop.index, _load(builder, grad, at, _VF, 4))
+        with builder.if_else(flags[0]) as (decoded, added):
+            for received, branch in ((True, decoded), (False, added)):
+                with branch, builder.if_else(flags[1]) as (owing, clear):
+                    for owe, inner in ((True, owing), (False, clear)):
+                        with inner:
+                            _sweep_loop(context, builder, sig, args, received, owe, per_column, totals)
         found = [_lanes_in_order(builder, builder.load(t)) for t in totals[:2]]
         found.append(builder.uitofp(builder.load(totals[2]), _F64))  # the count: exact in float64
         return context.make_tuple(builder, sig.return_type, found)
 
-    @intrinsic
-    def sweep(typingctx, vals, grad, v0, count, msgs, r0, r1, byte0, mp, mn, col, inv_n, mp0, mn0, out, m, s0):
-        arguments = (vals, grad, v0, count, msgs, r0, r1, byte0, mp, mn, col, inv_n, mp0, mn0, out, m, s0)
-        return types.UniTuple(types.float64, 3)(*arguments), codegen
-
-    return sweep
+    return types.UniTuple(types.float64, 3)(*arguments), codegen
 
 
-sweep = _make_sweep(False, False)
-sweep_owed = _make_sweep(False, True)
-sweep_received = _make_sweep(True, False)
-sweep_received_owed = _make_sweep(True, True)
+def _sweep_loop(context, builder, sig, args, received: bool, owe: bool, per_column: bool, totals) -> None:
+    """Emit one of :func:`sweep`'s loops, adding its sums to the three allocas ``totals``."""
+    store = owe or (received and per_column)
+    v0 = _int(context, builder, args[4], sig.args[4])
+    vals, grad = (_base(context, builder, sig.args[k], args[k], v0) for k in (2, 3))
+    count = _int(context, builder, args[5], sig.args[5])
+    if per_column:
+        c0 = _int(context, builder, args[19], sig.args[19])
+        owed = [_base(context, builder, sig.args[k], args[k], c0) for k in (14, 15)]
+    else:
+        owed = [_splat(builder, context.cast(builder, args[k], sig.args[k], types.float32), _VF) for k in (14, 15)]
+    m, s0 = (_int(context, builder, args[k], sig.args[k]) for k in (17, 18))
+    signs = _row(context, builder, sig.args[16], args[16], m, s0)
+
+    def body(at, k, addend):
+        y = addend
+        if owe:
+            x = _load(builder, vals, at, _VF, 4)
+            mp0, mn0 = (_load(builder, p, at, _VF, 4) for p in owed) if per_column else owed
+            error = builder.fsub(x, builder.select(builder.fcmp_ordered(">=", x, _ZERO_F), mp0, mn0))
+            y = builder.fadd(addend, error) if received else builder.fadd(error, addend)
+        if store:
+            _store(builder, y, vals, at, 4)
+        if not per_column:
+            added = _accumulate(builder, y, [builder.load(t) for t in totals], per_lane=False)
+            for total, new in zip(totals, added, strict=True):
+                builder.store(new, total)
+        positive = builder.fcmp_ordered(">=", y, _ZERO_F)
+        _store(builder, _sign_bytes(builder, positive), signs, builder.mul(k, ir.Constant(_I64, 2)), 1)
+
+    if received:
+        _decoded_blocks(context, builder, sig, args, (6, 7, 8, 9, 10, 11, 12, 13), count, body, per_column)
+    else:
+        with _steps(builder, count) as loop:
+            at = builder.mul(loop.index, ir.Constant(_I64, W))
+            body(at, loop.index, _load(builder, grad, at, _VF, 4))
 
 
 @intrinsic
