@@ -140,8 +140,8 @@ def quantize(
     message ``m`` (its header holds ``8 * columns[m]`` bytes of float32 scales).
 
     With ``ef``, the residual ``vals`` ends as the quantization error, unless ``owed`` is given (an array from
-    :func:`owed_means`, kept with ``vals`` between calls): then a transposed group's entries are left as they
-    were quantized, owing their error against the means ``owed`` now holds, and the next call with the same
+    :func:`owed_means`, kept with ``vals`` between calls): then its entries are left as they were quantized,
+    owing their error against their group's means that ``owed`` now holds, and the next call with the same
     ``vals`` and ``owed`` takes that error in its single sweep over them. Anything else that reads ``vals`` runs
     :func:`settle` first.
     """

@@ -54,9 +54,9 @@ def task_table(layout: ColumnLayout, messages: Sequence[Pieces], *, grain: int |
     A transposed parameter's groups (rows of its ``(out, rest)`` view, contiguous) are cut into runs of about
     ``grain`` entries, each quantized whole while in cache. An untransposed piece (columns ``lo:hi`` of the
     view) is cut into bands of about ``BAND * grain`` entries (whole rows), walked in memory order: each band
-    sums its columns in blocks of 16 rows (phase one), the
-    bands' sums are added in band order (two), then each band writes signs and errors (three). Cuts depend on
-    the piece and ``grain`` only, so sums are the same whatever the bucket and the number of threads.
+    sweeps its rows (signs written) and sums its columns in blocks of 16 rows (phase one), then the bands' sums
+    are added in band order (phase two). Cuts depend on the piece and ``grain`` only, so sums are the same
+    whatever the bucket and the number of threads.
     """
     grain = GRAIN if grain is None else grain
     rows, reductions, partials = [], [], 0
