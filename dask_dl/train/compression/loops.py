@@ -145,10 +145,9 @@ def _band_sums(vals, base, stride, rows, pitch, psp, psn, pcp, p):
 def _decode_run(msgs, mp, mn, r0, r1, inv_n, col, per_column, bit0, out, bits, acc, streamable):
     """:func:`_mean_run` with whole sign bytes decoded 16 values at a time (same sums, same order).
 
-    A long ``streamable`` run (one written, not added to, and not read again soon: a decoded bucket larger than
-    the cache) starts its vector part on a 64-byte boundary where that is also a sign byte's (always, for
-    ``onebit``'s message of a 64-byte aligned bucket), and is stored past the caches; the caller then runs
-    ``simd.fence``.
+    A long ``streamable`` run (one not read again soon: a decoded bucket larger than the cache) starts its vector
+    part on a 64-byte boundary where that is also a sign byte's (always, for ``onebit``'s message of a 64-byte
+    aligned bucket), and is stored past the caches; the caller then runs ``simd.fence``.
     """
     length = out.shape[0]
     e = min((8 - (bit0 & 7)) & 7, length)
@@ -262,8 +261,9 @@ def quantize_tasks(mode, grad, received, mp_in, mn_in, vals, ef, tasks, msgs, sc
             else:  # row ``q`` of the band
                 base, length, bit0, col = s + q * rest + lo, pitch, dbit + q * pitch, dcol
             mp0, mn0 = scales[m, 2 * col], scales[m, 2 * col + 1]  # what a group owes (with ``ef``)
-            # the whole sign bytes 16 values at a time; no helper taking arrays is called on this path (an
-            # inlined one increfs and decrefs each array it takes: 20 atomic calls a group, 10% of the time)
+            # the whole sign bytes 16 values at a time; no helper taking arrays is called on this path, nor a
+            # tuple of arrays made (numba increfs and decrefs each array an inlined helper takes or a tuple holds:
+            # 20 atomic calls a group, 10% of the time; a tuple of the call's arguments cost 10% more)
             e = min((8 - (bit0 & 7)) & 7, length)
             k = (length - e) // W
             v0, byte = base + e, (bit0 + e) >> 3

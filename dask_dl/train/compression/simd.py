@@ -200,9 +200,9 @@ def _decoded_blocks(context, builder, sig, args, at: tuple[int, ...], count, bod
                 body(at, loop.index, builder.fptrunc(builder.fmul(builder.load(slot), scale), _VF))
 
 
-def _make_decode(per_column: bool, add: bool, stream: bool = False):
+def _make_decode(per_column: bool, stream: bool = False):
     """``decode(msgs, r0, r1, byte0, count, mp, mn, col, inv_n, out, o0)``: ``out[o0 + e]`` (``e < 16 * count``)
-    = the mean of the messages' entries (:func:`_decoded_blocks`), plus ``out[o0 + e]`` with ``add``. With
+    = the mean of the messages' entries (:func:`_decoded_blocks`). With
     ``stream``, ``&out[o0]`` must be 64-byte aligned: the values are stored past the caches (non-temporal: a
     bucket is not read back soon, and the store does not read the line first); the caller then runs
     :func:`fence` before it hands the values on.
@@ -213,8 +213,6 @@ def _make_decode(per_column: bool, add: bool, stream: bool = False):
         out = _base(context, builder, sig.args[9], args[9], _int(context, builder, args[10], sig.args[10]))
 
         def put(at, k, value):
-            if add:
-                value = builder.fadd(value, _load(builder, out, at, _VF, 4))
             if stream:
                 target = builder.bitcast(builder.gep(out, [at]), _VF.as_pointer())
                 store = builder.store(value, target, align=64)
@@ -232,10 +230,10 @@ def _make_decode(per_column: bool, add: bool, stream: bool = False):
     return decode
 
 
-decode = _make_decode(False, False)
-decode_stream = _make_decode(False, False, stream=True)
-column_decode = _make_decode(True, False)
-column_decode_stream = _make_decode(True, False, stream=True)
+decode = _make_decode(False)
+decode_stream = _make_decode(False, stream=True)
+column_decode = _make_decode(True)
+column_decode_stream = _make_decode(True, stream=True)
 
 
 @intrinsic
