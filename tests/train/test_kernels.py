@@ -348,7 +348,7 @@ def test_all_zero_bucket_stays_zero_and_zeros_are_positive():
 
 
 def test_task_table_cuts_and_shared_bytes():
-    """Runs of whole groups; a run's first or last sign byte is marked when another run may share it."""
+    """Runs of whole groups; a run's last sign byte is marked when the next run completes it."""
     layout = ColumnLayout(((4, 10), (400, 3)))  # 4 rows of 10 (transposed), then 3 columns of 400 (bands)
     table = plan.task_table(layout, [[(0, 0, 4), (1, 0, 3)]], grain=20)
     rows = table.rows
@@ -357,7 +357,7 @@ def test_task_table_cuts_and_shared_bytes():
     assert rows[:2, plan.T0].tolist() == [0, 2] and rows[:2, plan.T1].tolist() == [2, 4]
     assert rows[2:, plan.T0].tolist() == [0, 106, 212, 318]  # bands of plan.BAND * 20 // 3 = 106 rows
     second = header + 20  # bit of row 2: not on a byte boundary
-    assert rows[1, plan.HEAD] == second >> 3 and rows[0, plan.TAIL] == (second - 1) >> 3
+    assert rows[0, plan.TAIL] == (second - 1) >> 3 and rows[1, plan.TAIL] == -1  # row 4 starts on a byte
     assert table.reductions.tolist() == [[0, 4, 3, 0, 4, 400]]
     assert table.n_partials == 12
 

@@ -88,8 +88,7 @@ class _Scratch:
     def __init__(self, table: Any, rows: int, width: int) -> None:
         self.shape = (rows, width)
         self.scales = np.zeros((rows, 2 * width), dtype=np.float32)  # two means a group, when none is owed
-        self.heads = np.zeros(len(table.rows), dtype=np.uint8)  # each task's shared first and last sign byte
-        self.tails = np.zeros(len(table.rows), dtype=np.uint8)
+        self.tails = np.zeros(len(table.rows), dtype=np.uint8)  # each task's last sign byte, if shared
         self.psp, self.psn, self.pcp = (np.zeros(table.n_partials) for _ in range(3))  # bands' column sums
         self.nothing = np.zeros(1, dtype=np.float32)  # stands for an array a call does not take
         self.no_messages = np.zeros((0, 1), dtype=np.uint8)
@@ -164,18 +163,18 @@ def quantize(
         means = _scratch(table, _Means, "received", len(received), columns[:1])
         header_means(received, columns[:1].repeat(len(received)), means.pairs, means.mp, means.mn)
         mp_in, mn_in = means.mp, means.mn
-    msgs.fill(0)  # signs are OR-ed in where two tasks share a byte
+    msgs.fill(0)  # the padding, and a byte two tasks share: its first task's bits are OR-ed in afterwards
     k = _twin(table.values)
     with _parallel() if k == 0 else _SERIAL:
         QUANTIZE_TASKS[k](
-            mode, grad, received, mp_in, mn_in, vals, ef, table.rows, msgs, scales, sc.heads, sc.tails, sc.psp,
+            mode, grad, received, mp_in, mn_in, vals, ef, table.rows, msgs, scales, sc.tails, sc.psp,
             sc.psn, sc.pcp,
         )  # fmt: skip
         if len(table.reductions):
             REDUCE_COLUMNS[k](table.reductions, sc.psp, sc.psn, sc.pcp, scales)
         if ef and owed is None:
             SETTLE_TASKS[k](table.rows, vals, scales)
-    finish(table.rows, msgs, sc.heads, sc.tails, scales.view(np.uint8), columns)
+    finish(table.rows, msgs, sc.tails, scales.view(np.uint8), columns)
 
 
 def settle(table: Any, vals: np.ndarray, owed: np.ndarray) -> None:

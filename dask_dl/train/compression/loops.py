@@ -3,11 +3,12 @@ task table, each compiled twice.
 
 Work is described by a *task table* (:mod:`dask_dl.train.compression.plan` builds it): each row is a run of
 quantization groups of one parameter and where their signs and scales go in a message. Rows run in parallel
-(``prange``); sign bytes shared by two rows (when a row's signs do not start or end on a byte boundary) are
-collected apart and OR-ed in afterwards, so no two threads write one byte.
+(``prange``); a sign byte shared by two rows (when a row's signs do not end on a byte boundary) is stored by the
+row that completes it, the other's bits collected apart and OR-ed in afterwards, so no two threads write one byte.
 
 The inner loops over values are vector loops (:mod:`dask_dl.train.compression.simd`, 16 values and two sign
-bytes per step); the ragged ends of runs that do not start or end on a sign byte are done value by value.
+bytes per step, shifted into place wherever the signs start in a byte). The decode does the ragged ends of runs
+that do not start or end on a sign byte value by value.
 
 The kernels release the GIL (``nogil``): DDP runs hooks and their callbacks on different threads, and a decode in
 a collective's callback (on gloo's thread) would otherwise keep the trainer's thread from returning to Python,
@@ -30,7 +31,6 @@ from dask_dl.train.compression import simd
 from dask_dl.train.compression.plan import (  # the columns of the tables the kernels run (plan fills them)
     DBIT,
     DCOL,
-    HEAD,
     LO,
     PITCH,
     R_BANDS,
@@ -178,21 +178,18 @@ def _decode_run(msgs, mp, mn, r0, r1, inv_n, col, per_column, bit0, out, bits, a
 
 
 @njit(cache=True, nogil=True)
-def or_sides(tasks, msgs, heads, tails):
+def or_sides(tasks, msgs, tails):
     """OR the side slots into their messages' shared sign bytes, one task after another (a compiled loop:
     ``np.bitwise_or.at`` costs about 0.4 us a byte, 0.1 ms a call on a bucket of 260 tasks)."""
     for t in range(tasks.shape[0]):
-        m = tasks[t, M]
-        if tasks[t, HEAD] >= 0:
-            msgs[m, tasks[t, HEAD]] |= heads[t]
         if tasks[t, TAIL] >= 0:
-            msgs[m, tasks[t, TAIL]] |= tails[t]
+            msgs[tasks[t, M], tasks[t, TAIL]] |= tails[t]
 
 
 @njit(cache=True, nogil=True)
-def finish(tasks, msgs, heads, tails, header, columns):
+def finish(tasks, msgs, tails, header, columns):
     """:func:`or_sides`, then each message's header: ``8 * columns[m]`` bytes of ``header[m]`` (its scales)."""
-    or_sides(tasks, msgs, heads, tails)
+    or_sides(tasks, msgs, tails)
     for m in range(msgs.shape[0]):
         k = 8 * columns[m]
         msgs[m, :k] = header[m, :k]
@@ -214,7 +211,7 @@ def header_means(msgs, columns, pairs, mp, mn):
         mn[r, k:] = 0.0
 
 
-def quantize_tasks(mode, grad, received, mp_in, mn_in, vals, ef, tasks, msgs, scales, heads, tails, psp, psn, pcp):
+def quantize_tasks(mode, grad, received, mp_in, mn_in, vals, ef, tasks, msgs, scales, tails, psp, psn, pcp):
     """Phase one of quantizing: every value swept once, its sign written; each transposed group's scales, and
     the partial column sums ``psp``/``psn``/``pcp`` of the untransposed pieces' bands (phase two,
     :func:`reduce_columns`, adds those up into their columns' scales).
@@ -227,12 +224,16 @@ def quantize_tasks(mode, grad, received, mp_in, mn_in, vals, ef, tasks, msgs, sc
     The unit of a sweep is a transposed group (a contiguous row of ``rest`` entries, one column) or a band's
     row (``pitch`` entries, one in each of its columns): its entries (the gradient's in mode 0, the received
     mean's in mode 1) plus, with ``ef``, the error ``x - (mp if x >= 0 else mn)`` that ``vals`` owes, are
-    stored into ``vals``, signed and, for a group, summed (``simd.sweep``; the ragged ends before the first whole
-    sign byte and after the last, value by value in the same float32 operations). A band sums its columns
-    after each block of 16 rows, while they are in cache. With ``ef`` the entries are left as they were
-    quantized, ``x``, owing their error against the means written into ``scales`` (by phase two for bands): the
-    next call takes it in its sweep, or :func:`settle_tasks` writes it. A group's sums: the 16 lanes of the whole
-    sign bytes, then the ragged head and tail in order (a fixed order for a group, whoever runs it).
+    stored into ``vals``, signed and, for a group, summed (``simd.sweep``: 16 values at a time wherever the
+    unit's signs start in a byte, its last 1-15 values as one partial step; a group's entry ``e`` is summed in
+    lane ``e % 16``, a fixed order whoever runs it). A band sums its columns after each block of 16 rows, while
+    they are in cache. With ``ef`` the entries are left as they were quantized, ``x``, owing their error
+    against the means written into ``scales`` (by phase two for bands): the next call takes it in its sweep, or
+    :func:`settle_tasks` writes it.
+
+    A task's units follow each other in its message, so the sign bits a unit leaves in a byte it does not
+    complete are carried to the next; each byte is stored by the task that completes it, and a task's last byte,
+    when the next task completes it, goes to its side slot ``tails`` (OR-ed in by :func:`finish`).
 
     Summing a group and then signing it and writing its errors, in two sweeps, took 1.4x the time of adding a
     4096x6400 layer's gradient to its residual; one sweep takes 1.15x (the server side's, which reads no
@@ -245,8 +246,8 @@ def quantize_tasks(mode, grad, received, mp_in, mn_in, vals, ef, tasks, msgs, sc
     for t in prange(tasks.shape[0]):
         s, rest, tr = tasks[t, S], tasks[t, REST], tasks[t, TR]
         t0, t1, lo, pitch, m = tasks[t, T0], tasks[t, T1], tasks[t, LO], tasks[t, PITCH], tasks[t, M]
-        dbit, dcol, head, tail, p = tasks[t, DBIT], tasks[t, DCOL], tasks[t, HEAD], tasks[t, TAIL], tasks[t, P]
-        heads[t], tails[t] = 0, 0  # each task's own side slots (and partial sums): cleared here
+        dbit, dcol, tail, p = tasks[t, DBIT], tasks[t, DCOL], tasks[t, TAIL], tasks[t, P]
+        tails[t] = 0  # each task's own side slot (and partial sums): cleared here
         # a band's columns owe against their means, read before phase two replaces them (a group's: in its turn)
         width = 0 if tr else pitch
         mps, mns = np.empty(width, dtype=np.float32), np.empty(width, dtype=np.float32)
@@ -255,77 +256,30 @@ def quantize_tasks(mode, grad, received, mp_in, mn_in, vals, ef, tasks, msgs, sc
         psp[p : p + width] = 0.0
         psn[p : p + width] = 0.0
         pcp[p : p + width] = 0.0
+        carry = 0  # the signs of a byte begun and not yet completed (units follow each other in the message)
         for q in range(t0, t1):
             if tr:  # group ``q``
                 base, length, bit0, col = s + q * rest, rest, dbit + (q - lo) * rest, dcol + q - lo
-            else:  # row ``q`` of the band
-                base, length, bit0, col = s + q * rest + lo, pitch, dbit + q * pitch, dcol
-            mp0, mn0 = scales[m, 2 * col], scales[m, 2 * col + 1]  # what a group owes (with ``ef``)
-            # the whole sign bytes 16 values at a time; no helper taking arrays is called on this path, nor a
-            # tuple of arrays made (numba increfs and decrefs each array an inlined helper takes or a tuple holds:
-            # 20 atomic calls a group, 10% of the time; a tuple of the call's arguments cost 10% more)
-            e = min((8 - (bit0 & 7)) & 7, length)
-            k = (length - e) // W
-            v0, byte = base + e, (bit0 + e) >> 3
-            if tr:
-                sp, sn, cp = simd.sweep(
-                    mode == 1, ef, vals, grad, v0, k, received, 0, n_in, byte, mp_in, mn_in, col, inv_n, mp0, mn0,
-                    msgs, m, byte, 0,
+                mp0, mn0 = scales[m, 2 * col], scales[m, 2 * col + 1]  # what the group owes (with ``ef``)
+                # arguments written out: no helper taking arrays is called on this path, nor a tuple of arrays
+                # made (numba increfs and decrefs each array an inlined helper takes or a tuple holds: 20 atomic
+                # calls a group, 10% of the time; a tuple of the call's arguments cost 10% more)
+                sp, sn, cp, carry = simd.sweep(
+                    mode == 1, ef, vals, grad, base, length, received, 0, n_in, bit0, mp_in, mn_in, col, inv_n,
+                    mp0, mn0, msgs, m, carry,
                 )  # fmt: skip
-            else:  # the same for a band's row, its columns' means owed (it returns no sums)
-                sp, sn, cp = simd.sweep(
-                    mode == 1, ef, vals, grad, v0, k, received, 0, n_in, byte, mp_in, mn_in, col + e, inv_n, mps, mns,
-                    msgs, m, byte, e,
-                )  # fmt: skip
-            # the ragged head (before the first whole sign byte) and tail, value by value in the same float32
-            # operations, written out here for the same reason: in bucket layouts where a small parameter
-            # comes first (14 labels' biases) every group has both
-            done = e + W * k
-            for part in range(2):
-                j0, j1, b0 = (base, v0, bit0) if part == 0 else (base + done, base + length, bit0 + done)
-                signs = 0
-                for j in range(j0, j1):
-                    bit = b0 + j - j0
-                    c = 0 if tr else j - base  # the entry's column, from ``col``
-                    if mode == 1:  # the mean of the received entries, summed in float64 in message order
-                        total = 0.0
-                        for r in range(n_in):
-                            on = (received[r, bit >> 3] >> (bit & 7)) & 1
-                            mean = np.float64(mp_in[r, col + c] if on else mn_in[r, col + c])
-                            total = mean if r == 0 else total + mean
-                        z = np.float32(total * inv_n)
-                    else:
-                        z = grad[j]
-                    y = z
-                    if ef:
-                        x = vals[j]
-                        owed_p, owed_n = (mp0, mn0) if tr else (mps[c], mns[c])
-                        error = x - (owed_p if x >= 0 else owed_n)
-                        y = z + error if mode == 1 else error + z
-                    if store:
-                        vals[j] = y
-                    if y >= 0:
-                        sp += np.float64(y)
-                        cp += 1.0
-                        signs |= 1 << (bit & 7)
-                    else:
-                        sn += np.float64(y)
-                    # a byte's last sign of this run: OR it in (written out: a helper taking the arrays made
-                    # DDP's first AlexNet bucket, every group ragged, 4% slower)
-                    if (bit & 7) == 7 or j == j1 - 1:
-                        packed, at = np.uint8(signs), bit >> 3
-                        if at == head:
-                            heads[t] |= packed
-                        elif at == tail:
-                            tails[t] |= packed
-                        else:
-                            msgs[m, at] |= packed
-                        signs = 0
-            if tr:
                 scales[m, 2 * col], scales[m, 2 * col + 1] = _means(sp, sn, cp, rest)
-            elif (q - t0) % W == W - 1 or q == t1 - 1:  # a block of 16 rows swept: sum its columns while in cache
-                i0 = q - (q - t0) % W
-                _band_sums(src, s + i0 * rest + lo, rest, q + 1 - i0, pitch, psp, psn, pcp, p)
+            else:  # row ``q`` of the band, its columns' means owed (no sums: the band sums its columns below)
+                base, bit0 = s + q * rest + lo, dbit + q * pitch
+                _, _, _, carry = simd.sweep(
+                    mode == 1, ef, vals, grad, base, pitch, received, 0, n_in, bit0, mp_in, mn_in, dcol, inv_n,
+                    mps, mns, msgs, m, carry,
+                )  # fmt: skip
+                if (q - t0) % W == W - 1 or q == t1 - 1:  # a block of 16 rows swept: sum its columns while in cache
+                    i0 = q - (q - t0) % W
+                    _band_sums(src, s + i0 * rest + lo, rest, q + 1 - i0, pitch, psp, psn, pcp, p)
+        if tail >= 0:  # the task's last byte, shared with the next task's first: OR-ed in by ``finish``
+            tails[t] = carry
 
 
 def settle_tasks(tasks, vals, scales):

@@ -18,10 +18,10 @@ import numpy as np
 from dask_dl.train.compression.quantize import ColumnLayout, message_size
 
 # The task table's columns: a run of groups of parameter S (its view OUT x REST, transposed TR) from T0 to T1, its
-# first column LO and width PITCH, going to message M at sign bit DBIT and scale column DCOL; HEAD and TAIL, the
-# sign bytes it may share with a neighbouring run (-1: none); P, its first partial sum (untransposed pieces).
-S, OUT, REST, TR, T0, T1, LO, PITCH, M, DBIT, DCOL, HEAD, TAIL, P = range(14)
-N_FIELDS = 14
+# first column LO and width PITCH, going to message M at sign bit DBIT and scale column DCOL; TAIL, its last sign
+# byte when the next run completes it (-1: none); P, its first partial sum (untransposed pieces).
+S, OUT, REST, TR, T0, T1, LO, PITCH, M, DBIT, DCOL, TAIL, P = range(13)
+N_FIELDS = 13
 # The reduction table's columns (untransposed pieces: their bands' partial sums, added up in band order).
 R_P, R_BANDS, R_PITCH, R_M, R_DCOL, R_OUT = range(6)
 N_REDUCE = 6
@@ -74,15 +74,13 @@ def task_table(layout: ColumnLayout, messages: Sequence[Pieces], *, grain: int |
                 per = max(1, grain // rest)
                 for t0 in range(lo, hi, per):
                     t1 = min(hi, t0 + per)
-                    edges = _edges(bit + (t0 - lo) * rest, bit + (t1 - lo) * rest)
-                    rows.append([*fixed, t0, t1, *where, *edges, 0])
+                    rows.append([*fixed, t0, t1, *where, _tail(bit + (t1 - lo) * rest), 0])
             else:
                 per = max(1, BAND * grain // pitch)
                 bands = range(0, out, per)
                 for b, i0 in enumerate(bands):
                     i1 = min(out, i0 + per)
-                    edges = _edges(bit + i0 * pitch, bit + i1 * pitch)
-                    rows.append([*fixed, i0, i1, *where, *edges, partials + b * pitch])
+                    rows.append([*fixed, i0, i1, *where, _tail(bit + i1 * pitch), partials + b * pitch])
                 reductions.append([partials, len(bands), pitch, m, col, out])
                 partials += len(bands) * pitch
             bit += pitch * shape.rows
@@ -92,13 +90,9 @@ def task_table(layout: ColumnLayout, messages: Sequence[Pieces], *, grain: int |
     return TaskTable(table, np.array(reductions, dtype=np.int64).reshape(-1, N_REDUCE), partials, values)
 
 
-def _edges(first_bit: int, end_bit: int) -> tuple[int, int]:
-    """The first and last sign byte of a run of bits when another run may share them (else -1)."""
-    if end_bit <= first_bit:
-        return -1, -1
-    head = first_bit >> 3 if first_bit % 8 else -1
-    tail = (end_bit - 1) >> 3 if end_bit % 8 else -1
-    return head, tail
+def _tail(end_bit: int) -> int:
+    """The last sign byte of a run of bits ending at ``end_bit`` when the next run completes it (else -1)."""
+    return (end_bit - 1) >> 3 if end_bit % 8 else -1
 
 
 @dataclass
