@@ -7,8 +7,8 @@ quantization groups of one parameter and where their signs and scales go in a me
 row that completes it, the other's bits collected apart and OR-ed in afterwards, so no two threads write one byte.
 
 The inner loops over values are vector loops (:mod:`dask_dl.train.compression.simd`, 16 values and two sign
-bytes per step, shifted into place wherever the signs start in a byte). The decode does the ragged ends of runs
-that do not start or end on a sign byte value by value.
+bytes per step, shifted into place wherever the signs start in a byte; a run's last 1-15 values are one partial
+step).
 
 The kernels release the GIL (``nogil``): DDP runs hooks and their callbacks on different threads, and a decode in
 a collective's callback (on gloo's thread) would otherwise keep the trainer's thread from returning to Python,
@@ -50,61 +50,10 @@ from dask_dl.train.compression.plan import (  # the columns of the tables the ke
 )
 from dask_dl.train.compression.simd import W
 
-STREAM_MIN = 256  # values in a decoded run from which its stores bypass the caches (see _decode_run)
-
+STREAM_MIN = 256  # values in a decoded run from which its stores bypass the caches (see decode_tasks)
 
 # Loops index slices from 0 (``for j in range(n): a[j]``): numba then knows no index is negative and skips
 # its wrap-around check, which otherwise stops LLVM from vectorizing (2-3x slower).
-
-
-@njit(cache=True, inline="always")
-def _unpack(row, bit0, length, bits):
-    """``bits[e]`` = sign bit ``bit0 + e`` of the message ``row`` (uint8), for ``e < length``."""
-    e = 0
-    while e < length and ((bit0 + e) & 7) != 0:
-        b = bit0 + e
-        bits[e] = (row[b >> 3] >> (b & 7)) & 1
-        e += 1
-    full = (length - e) >> 3
-    src = row[(bit0 + e) >> 3 : ((bit0 + e) >> 3) + full]
-    dst = bits[e : e + 8 * full]
-    for i in range(full):
-        v = src[i]
-        for lane in range(8):
-            dst[8 * i + lane] = (v >> lane) & 1
-    e += 8 * full
-    while e < length:
-        b = bit0 + e
-        bits[e] = (row[b >> 3] >> (b & 7)) & 1
-        e += 1
-
-
-@njit(cache=True, inline="always")
-def _mean_run(msgs, mp, mn, r0, r1, inv_n, col, per_column, bit0, out, bits, acc):
-    """``out[e]`` = the mean over messages ``r0:r1`` of their entry at sign bit ``bit0 + e`` (summed in float64
-    in message order, times ``inv_n``), of column ``col`` (``col + e`` when ``per_column``). ``bits`` and ``acc``
-    are scratch at least as long as ``out``."""
-    length = out.shape[0]
-    for r in range(r0, r1):
-        _unpack(msgs[r], bit0, length, bits)
-        if per_column:
-            pos, neg = mp[r, col : col + length], mn[r, col : col + length]
-            if r == r0:
-                for j in range(length):
-                    acc[j] = pos[j] if bits[j] else neg[j]
-            else:
-                for j in range(length):
-                    acc[j] += pos[j] if bits[j] else neg[j]
-        else:
-            p, q = np.float64(mp[r, col]), np.float64(mn[r, col])
-            if r == r0:
-                for j in range(length):
-                    acc[j] = p if bits[j] else q
-            else:
-                for j in range(length):
-                    acc[j] += p if bits[j] else q
-    for j in range(length):
-        out[j] = np.float32(acc[j] * inv_n)
 
 
 @njit(cache=True, inline="always")
@@ -139,42 +88,6 @@ def _band_sums(vals, base, stride, rows, pitch, psp, psn, pcp, p):
         psp[p + j] += sp
         psn[p + j] += sn
         pcp[p + j] += cp
-
-
-@njit(cache=True, inline="always")
-def _decode_run(msgs, mp, mn, r0, r1, inv_n, col, per_column, bit0, out, bits, acc, streamable):
-    """:func:`_mean_run` with whole sign bytes decoded 16 values at a time (same sums, same order).
-
-    A long ``streamable`` run (one not read again soon: a decoded bucket larger than the cache) starts its vector
-    part on a 64-byte boundary where that is also a sign byte's (always, for ``onebit``'s message of a 64-byte
-    aligned bucket), and is stored past the caches; the caller then runs ``simd.fence``.
-    """
-    length = out.shape[0]
-    e = min((8 - (bit0 & 7)) & 7, length)
-    stream = False
-    if streamable and length >= STREAM_MIN:
-        address = simd.address(out, 0)
-        if address & 3 == 0:
-            skip = ((64 - (address & 63)) & 63) >> 2
-            if (bit0 + skip) & 7 == 0:
-                e, stream = skip, True
-    if e > 0:
-        _mean_run(msgs, mp, mn, r0, r1, inv_n, col, per_column, bit0, out[:e], bits, acc)
-    k = (length - e) // W
-    if k > 0:
-        byte = (bit0 + e) >> 3
-        if per_column and stream:
-            simd.column_decode_stream(msgs, r0, r1, byte, k, mp, mn, col + e, inv_n, out, e)
-        elif per_column:
-            simd.column_decode(msgs, r0, r1, byte, k, mp, mn, col + e, inv_n, out, e)
-        elif stream:
-            simd.decode_stream(msgs, r0, r1, byte, k, mp, mn, col, inv_n, out, e)
-        else:
-            simd.decode(msgs, r0, r1, byte, k, mp, mn, col, inv_n, out, e)
-    done = e + W * k
-    if done < length:
-        c = col + done if per_column else col
-        _mean_run(msgs, mp, mn, r0, r1, inv_n, c, per_column, bit0 + done, out[done:], bits, acc)
 
 
 @njit(cache=True, nogil=True)
@@ -325,25 +238,33 @@ def reduce_columns(reductions, psp, psn, pcp, scales):
 def decode_tasks(msgs, mp, mn, tasks, average, out, stream):
     """Write every task's entries into ``out``: the mean over all rows of ``msgs`` (``average``), or the
     entry of row ``M`` of the task (the owner of its stripe). ``mp``/``mn``: the two means per row and column.
-    With ``stream``, long runs are stored past the caches (see ``kernels.decode``)."""
+
+    With ``stream``, long runs (``STREAM_MIN`` values or more: a decoded bucket larger than the cache, not read
+    again soon) are stored past the caches from their first 64-byte boundary on (see ``kernels.decode``)."""
     n = msgs.shape[0]
     for t in prange(tasks.shape[0]):
         s, rest, tr = tasks[t, S], tasks[t, REST], tasks[t, TR]
         t0, t1, lo, pitch, m = tasks[t, T0], tasks[t, T1], tasks[t, LO], tasks[t, PITCH], tasks[t, M]
         dbit, dcol = tasks[t, DBIT], tasks[t, DCOL]
         r0, r1, inv_n = (0, n, 1.0 / n) if average else (m, m + 1, 1.0)
-        bits = np.empty(W, dtype=np.uint8)
-        acc = np.empty(W)
-        if tr:
-            for g in range(t0, t1):
-                base, bit0 = s + g * rest, dbit + (g - lo) * rest
-                o = out[base : base + rest]
-                _decode_run(msgs, mp, mn, r0, r1, inv_n, dcol + g - lo, False, bit0, o, bits, acc, stream)
-        else:
-            for i in range(t0, t1):
-                base, bit0 = s + i * rest + lo, dbit + i * pitch
-                o = out[base : base + pitch]
-                _decode_run(msgs, mp, mn, r0, r1, inv_n, dcol, True, bit0, o, bits, acc, stream)
+        for q in range(t0, t1):
+            if tr:  # group ``q``
+                base, length, bit0, col = s + q * rest, rest, dbit + (q - lo) * rest, dcol + q - lo
+            else:  # row ``q`` of a band: an entry in each of its columns
+                base, length, bit0, col = s + q * rest + lo, pitch, dbit + q * pitch, dcol
+            skip = length  # entries before the first 64-byte boundary: stored normally (all of them unless streamed)
+            if stream and length >= STREAM_MIN and simd.address(out, base) & 3 == 0:
+                skip = min(((64 - (simd.address(out, base) & 63)) & 63) >> 2, length)
+            # arguments written out, no slice of ``out`` made: numba increfs each array an inlined helper takes
+            if not tr and skip > 0:
+                simd.column_decode(msgs, r0, r1, bit0, skip, mp, mn, col, inv_n, out, base)
+            elif skip > 0:
+                simd.decode(msgs, r0, r1, bit0, skip, mp, mn, col, inv_n, out, base)
+            c = col + skip if not tr else col
+            if not tr and skip < length:
+                simd.column_decode_stream(msgs, r0, r1, bit0 + skip, length - skip, mp, mn, c, inv_n, out, base + skip)
+            elif skip < length:
+                simd.decode_stream(msgs, r0, r1, bit0 + skip, length - skip, mp, mn, c, inv_n, out, base + skip)
         if stream:
             simd.fence()  # the runs stored past the caches reach memory before the bucket is handed back
 

@@ -281,31 +281,41 @@ def _decoded_blocks(
 
 
 def _make_decode(per_column: bool, stream: bool = False):
-    """``decode(msgs, r0, r1, byte0, count, mp, mn, col, inv_n, out, o0)``: ``out[o0 + e]`` (``e < 16 * count``)
-    = the mean of the messages' entries (:func:`_decoded_blocks`). With
-    ``stream``, ``&out[o0]`` must be 64-byte aligned: the values are stored past the caches (non-temporal: a
-    bucket is not read back soon, and the store does not read the line first); the caller then runs
-    :func:`fence` before it hands the values on.
+    """``decode(msgs, r0, r1, bit0, n, mp, mn, col, inv_n, out, o0)``: ``out[o0 + e]`` (``e < n``) = the mean of
+    the messages' entries at sign bit ``bit0 + e`` (:func:`_decoded_blocks`), 16 at a time wherever they start in
+    a byte, the last 1-15 as one partial step. With ``stream``, ``&out[o0]`` must be 64-byte aligned: the whole
+    blocks are stored past the caches (non-temporal: a bucket is not read back soon, and the store does not read
+    the line first); the caller then runs :func:`fence` before it hands the values on.
     """
 
     def codegen(context, builder, sig, args):
-        count = _int(context, builder, args[4], sig.args[4])
+        n, bit0 = (_int(context, builder, args[k], sig.args[k]) for k in (4, 3))
+        whole, rest = builder.udiv(n, ir.Constant(_I64, W)), builder.urem(n, ir.Constant(_I64, W))
+        shift = builder.and_(bit0, ir.Constant(_I64, 7))
         out = _base(context, builder, sig.args[9], args[9], _int(context, builder, args[10], sig.args[10]))
+        at = (0, 1, 2, 3, 5, 6, 7, 8)
+        byte_args = _bytes_of(builder, args, 3)
 
-        def put(at, k, value):
-            if stream:
-                target = builder.bitcast(builder.gep(out, [at]), _VF.as_pointer())
-                store = builder.store(value, target, align=64)
-                store.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(_I32, 1)]))
-            else:
-                _store(builder, value, out, at, 4)
+        def blocks(count, first, lanes):
+            def put(at, k, value):
+                if stream and lanes.count is None:
+                    target = builder.bitcast(builder.gep(out, [at]), _VF.as_pointer())
+                    store = builder.store(value, target, align=64)
+                    store.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(_I32, 1)]))
+                else:
+                    lanes.store(value, out, at)
 
-        _decoded_blocks(context, builder, sig, args, (0, 1, 2, 3, 5, 6, 7, 8), count, put, per_column)
+            _decoded_blocks(context, builder, sig, byte_args, at, count, put, per_column, shift=shift, lanes=lanes,
+                            first=first)  # fmt: skip
+
+        blocks(whole, _I64_0, _Lanes(builder))
+        with builder.if_then(builder.icmp_unsigned("!=", rest, _I64_0)):
+            blocks(ir.Constant(_I64, 1), whole, _Lanes(builder, rest))
         return context.get_dummy_value()
 
     @intrinsic
-    def decode(typingctx, msgs, r0, r1, byte0, count, mp, mn, col, inv_n, out, o0):
-        return types.none(msgs, r0, r1, byte0, count, mp, mn, col, inv_n, out, o0), codegen
+    def decode(typingctx, msgs, r0, r1, bit0, n, mp, mn, col, inv_n, out, o0):
+        return types.none(msgs, r0, r1, bit0, n, mp, mn, col, inv_n, out, o0), codegen
 
     return decode
 
