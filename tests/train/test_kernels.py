@@ -220,7 +220,7 @@ def test_decoding_n_messages_gives_their_mean(n, streamed, monkeypatch):
     """Decoded means equal the exact ones, whether the decode stores past the caches (a bucket of at least
     ``STREAM_BYTES``) or not, and wherever the bucket starts."""
     monkeypatch.setattr(kernels, "STREAM_BYTES", 0 if streamed else 1 << 62)
-    shapes = MIXED
+    shapes = [*MIXED, (600, 270)]  # the last grouped by column, its rows long enough to be streamed
     p = plan_stripes(shapes, [f"p{i}" for i in range(len(shapes))], 1)
     layout = p.layout
     gen = torch.Generator().manual_seed(n)
