@@ -80,12 +80,6 @@ def _sign_bytes(builder, mask):
     return builder.bitcast(mask, _BYTES)
 
 
-def _mask_of(builder, pointer, index):
-    """The 16 signs stored at two bytes from ``pointer[index]``, as a vector of i1 (element k: value k)."""
-    bits = builder.load(builder.bitcast(builder.gep(pointer, [index]), _BYTES.as_pointer()), align=1)
-    return builder.bitcast(bits, _MASK)
-
-
 def _lanes_in_order(builder, vector):
     total = builder.extract_element(vector, ir.Constant(_I32, 0))
     for lane in range(1, W):
@@ -210,28 +204,17 @@ def band_sums(typingctx, src, s0, stride, rows, count, psp, psn, pcp, p0):
 
 
 def _decoded_blocks(
-    context,
-    builder,
-    sig,
-    args,
-    at: tuple[int, ...],
-    count,
-    body,
-    per_column: bool = False,
-    *,
-    shift=None,
-    lanes=None,
-    first=None,
+    context, builder, sig, args, at: tuple[int, ...], count, body, per_column, shift, lanes, first
 ) -> None:
     """Emit ``for k in range(first, first + count): body(16 * k, k, value)``, ``value`` the 16 float32 entries
     from block ``k`` of the mean of ``N`` messages: float32(``inv_n`` * the float64 sum over rows ``r0:r1`` of
-    ``msgs`` of the mean their sign bit picks), sign bits from ``8 * byte0`` (plus ``shift``, 0-7, if given).
+    ``msgs`` of the mean their sign bit picks), sign bits from ``8 * byte0 + shift`` (``shift``: 0-7).
 
     ``at``: the positions in ``args`` of ``msgs, r0, r1, byte0, mp, mn, col, inv_n``. The means:
     ``mp[r, col]``/``mn[r, col]``, or ``[r, col + e]`` ``per_column`` (2-D float32 arrays, C order). One row with
     ``inv_n == 1`` is decoded in float32 (the float64 round trip of one float32 mean is exact): the picked mean
     is a blend of two vectors; the choice is made once, outside the loop. ``lanes``: a :class:`_Lanes` (a
-    partial block reads no sign bit or mean past its entries); ``first``: the first block (default 0).
+    partial block reads no sign bit or mean past its entries).
     """
     i_msgs, i_r0, i_r1, i_byte0, i_mp, i_mn, i_col, i_inv = at
     msgs_ty, mp_ty = sig.args[i_msgs], sig.args[i_mp]
@@ -239,8 +222,6 @@ def _decoded_blocks(
     inv_n = context.cast(builder, args[i_inv], sig.args[i_inv], types.float64)
     slot = cgutils.alloca_once_value(builder, _ZERO_D)
     one = ir.Constant(_I64, 1)
-    lanes = _Lanes(builder) if lanes is None else lanes
-    first = ir.Constant(_I64, 0) if first is None else first
 
     def means(r, at, vty):
         """The two means of row ``r`` for the 16 values from ``at``, as vectors of ``vty``."""
@@ -256,7 +237,7 @@ def _decoded_blocks(
     def picked(r, at, vty):
         signs = _row(context, builder, msgs_ty, args[i_msgs], r, byte0)
         byte = builder.udiv(at, ir.Constant(_I64, 8))
-        mask = _mask_of(builder, signs, byte) if shift is None else lanes.signs(signs, byte, shift)
+        mask = lanes.signs(signs, byte, shift)
         return builder.select(mask, *means(r, at, vty))
 
     def blocks():
@@ -305,8 +286,7 @@ def _make_decode(per_column: bool, stream: bool = False):
                 else:
                     lanes.store(value, out, at)
 
-            _decoded_blocks(context, builder, sig, byte_args, at, count, put, per_column, shift=shift, lanes=lanes,
-                            first=first)  # fmt: skip
+            _decoded_blocks(context, builder, sig, byte_args, at, count, put, per_column, shift, lanes, first)
 
         blocks(whole, _I64_0, _Lanes(builder))
         with builder.if_then(builder.icmp_unsigned("!=", rest, _I64_0)):
@@ -426,8 +406,8 @@ def _sweep_loop(context, builder, sig, args, received: bool, owe: bool, per_colu
 
         if received:
             at = (6, 7, 8, 9, 10, 11, 12, 13)
-            _decoded_blocks(context, builder, sig, _bytes_of(builder, args, 9), at, count, body, per_column,
-                            shift=shift, lanes=lanes, first=first)  # fmt: skip
+            byte_args = _bytes_of(builder, args, 9)
+            _decoded_blocks(context, builder, sig, byte_args, at, count, body, per_column, shift, lanes, first)
         else:
             with _steps(builder, count) as loop:
                 k = builder.add(first, loop.index)
