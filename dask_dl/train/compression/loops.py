@@ -64,6 +64,25 @@ def _means(sp, sn, cp, length):
 
 
 @njit(cache=True, inline="always")
+def _unit(tr, q, s, rest, lo, pitch, dbit, dcol):
+    """Where unit ``q`` of a task is: a transposed task's group ``q`` (a contiguous row of ``rest`` entries, one
+    column), or row ``q`` of a band (``pitch`` entries, one in each of its columns from ``dcol``). Returns its
+    first entry, its length, its first sign bit and its (first) column. Scalars only: no array to incref."""
+    if tr:
+        return s + q * rest, rest, dbit + (q - lo) * rest, dcol + q - lo
+    return s + q * rest + lo, pitch, dbit + q * pitch, dcol
+
+
+@njit(cache=True, inline="always")
+def _column_means(scales, m, dcol, width):
+    """The two means of message ``m``'s columns ``dcol:dcol + width``, as two contiguous float32 arrays."""
+    mps, mns = np.empty(width, dtype=np.float32), np.empty(width, dtype=np.float32)
+    for j in range(width):
+        mps[j], mns[j] = scales[m, 2 * (dcol + j)], scales[m, 2 * (dcol + j) + 1]
+    return mps, mns
+
+
+@njit(cache=True, inline="always")
 def _add(target, source):
     for j in range(target.shape[0]):
         target[j] += source[j]
@@ -148,9 +167,9 @@ def quantize_tasks(mode, grad, received, mp_in, mn_in, vals, ef, tasks, msgs, sc
     complete are carried to the next; each byte is stored by the task that completes it, and a task's last byte,
     when the next task completes it, goes to its side slot ``tails`` (OR-ed in by :func:`finish`).
 
-    Summing a group and then signing it and writing its errors, in two sweeps, took 1.4x the time of adding a
-    4096x6400 layer's gradient to its residual; one sweep takes 1.15x (the server side's, which reads no
-    gradient, 1.0x against 1.55x in three).
+    Why the error is owed: writing it needs the group's means, so a group summed in one sweep and signed in a
+    second took 1.4x the time of adding a 4096x6400 layer's gradient to its residual; the one sweep takes 1.15x
+    (the server side's, which reads no gradient, 1.0x).
     """
     n_in = received.shape[0]
     inv_n = 1.0 / max(n_in, 1)
@@ -163,16 +182,14 @@ def quantize_tasks(mode, grad, received, mp_in, mn_in, vals, ef, tasks, msgs, sc
         tails[t] = 0  # each task's own side slot (and partial sums): cleared here
         # a band's columns owe against their means, read before phase two replaces them (a group's: in its turn)
         width = 0 if tr else pitch
-        mps, mns = np.empty(width, dtype=np.float32), np.empty(width, dtype=np.float32)
-        for j in range(width):
-            mps[j], mns[j] = scales[m, 2 * (dcol + j)], scales[m, 2 * (dcol + j) + 1]
+        mps, mns = _column_means(scales, m, dcol, width)
         psp[p : p + width] = 0.0
         psn[p : p + width] = 0.0
         pcp[p : p + width] = 0.0
         carry = 0  # the signs of a byte begun and not yet completed (units follow each other in the message)
         for q in range(t0, t1):
-            if tr:  # group ``q``
-                base, length, bit0, col = s + q * rest, rest, dbit + (q - lo) * rest, dcol + q - lo
+            base, length, bit0, col = _unit(tr, q, s, rest, lo, pitch, dbit, dcol)
+            if tr:
                 mp0, mn0 = scales[m, 2 * col], scales[m, 2 * col + 1]  # what the group owes (with ``ef``)
                 # arguments written out: no helper taking arrays is called on this path, nor a tuple of arrays
                 # made (numba increfs and decrefs each array an inlined helper takes or a tuple holds: 20 atomic
@@ -182,10 +199,9 @@ def quantize_tasks(mode, grad, received, mp_in, mn_in, vals, ef, tasks, msgs, sc
                     mp0, mn0, msgs, m, carry,
                 )  # fmt: skip
                 scales[m, 2 * col], scales[m, 2 * col + 1] = _means(sp, sn, cp, rest)
-            else:  # row ``q`` of the band, its columns' means owed (no sums: the band sums its columns below)
-                base, bit0 = s + q * rest + lo, dbit + q * pitch
+            else:  # a band's row, its columns' means owed (no sums: the band sums its columns below)
                 _, _, _, carry = simd.sweep(
-                    mode == 1, ef, vals, grad, base, pitch, received, 0, n_in, bit0, mp_in, mn_in, dcol, inv_n,
+                    mode == 1, ef, vals, grad, base, length, received, 0, n_in, bit0, mp_in, mn_in, col, inv_n,
                     mps, mns, msgs, m, carry,
                 )  # fmt: skip
                 if (q - t0) % W == W - 1 or q == t1 - 1:  # a block of 16 rows swept: sum its columns while in cache
@@ -200,22 +216,18 @@ def settle_tasks(tasks, vals, scales):
     (mp if x >= 0 else mn)``, the two means of its group (its column, in a band) read from ``scales``."""
     for t in prange(tasks.shape[0]):
         s, rest, tr, t0, t1, lo = tasks[t, S], tasks[t, REST], tasks[t, TR], tasks[t, T0], tasks[t, T1], tasks[t, LO]
-        pitch, m, dcol = tasks[t, PITCH], tasks[t, M], tasks[t, DCOL]
-        if tr:
-            for g in range(t0, t1):
-                col = dcol + g - lo
+        pitch, m, dbit, dcol = tasks[t, PITCH], tasks[t, M], tasks[t, DBIT], tasks[t, DCOL]
+        mps, mns = _column_means(scales, m, dcol, 0 if tr else pitch)
+        for q in range(t0, t1):
+            base, length, _, col = _unit(tr, q, s, rest, lo, pitch, dbit, dcol)
+            v = vals[base : base + length]
+            if tr:
                 mp, mn = scales[m, 2 * col], scales[m, 2 * col + 1]
-                v = vals[s + g * rest : s + (g + 1) * rest]
-                for j in range(rest):
+                for j in range(length):
                     x = v[j]
                     v[j] = x - (mp if x >= 0 else mn)
-        else:
-            mps, mns = np.empty(pitch, dtype=np.float32), np.empty(pitch, dtype=np.float32)
-            for j in range(pitch):
-                mps[j], mns[j] = scales[m, 2 * (dcol + j)], scales[m, 2 * (dcol + j) + 1]
-            for i in range(t0, t1):
-                v = vals[s + i * rest + lo : s + i * rest + lo + pitch]
-                for j in range(pitch):
+            else:
+                for j in range(length):
                     x = v[j]
                     v[j] = x - (mps[j] if x >= 0 else mns[j])
 
@@ -248,10 +260,7 @@ def decode_tasks(msgs, mp, mn, tasks, average, out, stream):
         dbit, dcol = tasks[t, DBIT], tasks[t, DCOL]
         r0, r1, inv_n = (0, n, 1.0 / n) if average else (m, m + 1, 1.0)
         for q in range(t0, t1):
-            if tr:  # group ``q``
-                base, length, bit0, col = s + q * rest, rest, dbit + (q - lo) * rest, dcol + q - lo
-            else:  # row ``q`` of a band: an entry in each of its columns
-                base, length, bit0, col = s + q * rest + lo, pitch, dbit + q * pitch, dcol
+            base, length, bit0, col = _unit(tr, q, s, rest, lo, pitch, dbit, dcol)
             skip = length  # entries before the first 64-byte boundary: stored normally (all of them unless streamed)
             if stream and length >= STREAM_MIN and simd.address(out, base) & 3 == 0:
                 skip = min(((64 - (simd.address(out, base) & 63)) & 63) >> 2, length)

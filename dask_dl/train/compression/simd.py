@@ -167,6 +167,15 @@ class _Lanes:
         return b.bitcast(b.trunc(b.lshr(window, b.trunc(shift, _I32)), _BYTES), _MASK)
 
 
+def _whole_then_partial(builder, n, blocks) -> None:
+    """Emit ``blocks(count, first, lanes)`` for the ``n // 16`` whole blocks of a run, then, if ``n % 16``, for
+    its last, partial one (:class:`_Lanes` of that many)."""
+    whole, rest = builder.udiv(n, ir.Constant(_I64, W)), builder.urem(n, ir.Constant(_I64, W))
+    blocks(whole, _I64_0, _Lanes(builder))
+    with builder.if_then(builder.icmp_unsigned("!=", rest, _I64_0)):
+        blocks(ir.Constant(_I64, 1), whole, _Lanes(builder, rest))
+
+
 @intrinsic
 def band_sums(typingctx, src, s0, stride, rows, count, psp, psn, pcp, p0):
     """``band_sums(src, s0, stride, rows, count, psp, psn, pcp, p0)``: the float64 sums of the columns of a band
@@ -271,7 +280,6 @@ def _make_decode(per_column: bool, stream: bool = False):
 
     def codegen(context, builder, sig, args):
         n, bit0 = (_int(context, builder, args[k], sig.args[k]) for k in (4, 3))
-        whole, rest = builder.udiv(n, ir.Constant(_I64, W)), builder.urem(n, ir.Constant(_I64, W))
         shift = builder.and_(bit0, ir.Constant(_I64, 7))
         out = _base(context, builder, sig.args[9], args[9], _int(context, builder, args[10], sig.args[10]))
         at = (0, 1, 2, 3, 5, 6, 7, 8)
@@ -288,9 +296,7 @@ def _make_decode(per_column: bool, stream: bool = False):
 
             _decoded_blocks(context, builder, sig, byte_args, at, count, put, per_column, shift, lanes, first)
 
-        blocks(whole, _I64_0, _Lanes(builder))
-        with builder.if_then(builder.icmp_unsigned("!=", rest, _I64_0)):
-            blocks(ir.Constant(_I64, 1), whole, _Lanes(builder, rest))
+        _whole_then_partial(builder, n, blocks)
         return context.get_dummy_value()
 
     @intrinsic
@@ -363,7 +369,6 @@ def _sweep_loop(context, builder, sig, args, received: bool, owe: bool, per_colu
     v0 = _int(context, builder, args[4], sig.args[4])
     vals, grad = (_base(context, builder, sig.args[k], args[k], v0) for k in (2, 3))
     n, bit0 = (_int(context, builder, args[k], sig.args[k]) for k in (5, 9))
-    whole, rest = builder.udiv(n, ir.Constant(_I64, W)), builder.urem(n, ir.Constant(_I64, W))
     byte0, shift = builder.lshr(bit0, ir.Constant(_I64, 3)), builder.and_(bit0, ir.Constant(_I64, 7))
     if per_column:
         owed = [_base(context, builder, sig.args[k], args[k], ir.Constant(_I64, 0)) for k in (14, 15)]
@@ -414,9 +419,7 @@ def _sweep_loop(context, builder, sig, args, received: bool, owe: bool, per_colu
                 at = builder.mul(k, ir.Constant(_I64, W))
                 body(at, k, lanes.load(grad, at))
 
-    blocks(whole, ir.Constant(_I64, 0), _Lanes(builder))
-    with builder.if_then(builder.icmp_unsigned("!=", rest, ir.Constant(_I64, 0))):
-        blocks(ir.Constant(_I64, 1), whole, _Lanes(builder, rest))
+    _whole_then_partial(builder, n, blocks)
 
 
 def _bytes_of(builder, args, k):
